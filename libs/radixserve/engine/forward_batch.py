@@ -1,0 +1,60 @@
+"""What one model forward pass sees: the flattened tokens of a batch and where their KV goes."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from radixserve.engine.kvcache.pool import KVPool
+
+
+class ForwardMode(enum.Enum):
+    # Every request adds one or more tokens after an optional cached prefix. Mixed
+    # prefill+decode batches are EXTEND batches in which decode requests extend by 1.
+    EXTEND = 1
+    # Every request adds exactly one token (the only mode CUDA graphs capture).
+    DECODE = 2
+
+
+@dataclass
+class ForwardBatch:
+    """Flattened inputs of one forward pass.
+
+    Tokens of all requests are concatenated in request order; request i owns
+    input positions [extend_start_loc[i], extend_start_loc[i] + extend_seq_lens[i]).
+    Its KV slots, prefix included, are req_to_token[req_pool_indices[i], :seq_lens[i]];
+    the new tokens' slots are also given flat in out_cache_loc.
+    """
+
+    mode: ForwardMode
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64, absolute position in the sequence
+    out_cache_loc: torch.Tensor  # [num_tokens] int64, KV slot of each new token
+    req_pool_indices: torch.Tensor  # [bs] int64, rows of req_to_token
+    seq_lens: torch.Tensor  # [bs] int64, KV length after this pass (prefix + new)
+    extend_prefix_lens: torch.Tensor  # [bs] int64, tokens already in KV before this pass
+    extend_seq_lens: torch.Tensor  # [bs] int64, new tokens (1 for a decode request)
+    extend_start_loc: torch.Tensor  # [bs] int64, offset of the request's first new token
+    req_to_token: torch.Tensor  # [max_reqs, max_context_len] int32, shared with ReqToTokenPool
+    kv_pool: KVPool
+    # Host copies, so backends can size buffers without a device sync.
+    seq_lens_cpu: list[int]
+    extend_prefix_lens_cpu: list[int]
+    extend_seq_lens_cpu: list[int]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def last_token_indices(self) -> torch.Tensor:
+        """Index into the flat token axis of each request's last new token (where logits are taken)."""
+        return self.extend_start_loc + self.extend_seq_lens - 1
