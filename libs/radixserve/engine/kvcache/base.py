@@ -32,6 +32,10 @@ class CacheSizes:
 
 
 class PrefixCache(ABC):
+    # False for the no-reuse cache: its insert keeps nothing and returns len(key), so
+    # the caller frees every slot it passed in.
+    reuses_prefixes: bool = True
+
     @abstractmethod
     def match_prefix(self, key: list[int]) -> MatchResult:
         """Longest cached prefix of `key`. Touches the matched nodes for LRU."""
@@ -39,7 +43,8 @@ class PrefixCache(ABC):
     @abstractmethod
     def insert(self, key: list[int], indices: torch.Tensor) -> int:
         """Cache key -> slots. Returns how many leading tokens were already cached;
-        the caller owns (and must free) its slots for that part, the cache owns the rest."""
+        the caller owns (and must free) its slots for that part, the cache owns the rest.
+        A cache that keeps nothing returns len(key)."""
 
     @abstractmethod
     def inc_lock_ref(self, node: Any) -> None:
@@ -62,5 +67,6 @@ class PrefixCache(ABC):
         """Drop every cached entry (flush_cache); only valid when nothing is locked.
         Does not free slots: the caller clears the pool."""
 
+    @abstractmethod
     def check_invariants(self) -> None:
         """Raise AssertionError if internal bookkeeping is inconsistent (tests call this)."""

@@ -1,0 +1,75 @@
+"""The engine's one typed configuration object; keyword names are the worker's flags."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight")
+ATTENTION_BACKENDS = ("torch", "triton", "flashinfer")
+
+
+@dataclass
+class EngineConfig:
+    # Model: None means the embedded SmolLM2-135M-Instruct GGUF.
+    model_path: str | None = None
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    attention_backend: str = "torch"
+    # KV memory. On a GPU the pool takes what mem_fraction_static leaves after the
+    # weights; on the CPU it holds cpu_kv_tokens. max_total_tokens overrides both.
+    mem_fraction_static: float = 0.85
+    cpu_kv_tokens: int = 32768
+    max_total_tokens: int | None = None
+    page_size: int = 1
+    max_running_requests: int = 256
+    context_length: int | None = None  # default: the model's max_position_embeddings
+    # Scheduling.
+    schedule_policy: str = "lpm"
+    chunked_prefill_size: int = 2048  # <= 0: no chunking
+    max_prefill_tokens: int = 16384
+    enable_mixed_chunk: bool = True  # decode requests ride along with prefill batches
+    disable_radix_cache: bool = False
+    init_new_token_ratio: float = 0.7
+    min_new_token_ratio: float = 0.1
+    new_token_ratio_decay: float = 0.001
+    random_seed: int = 0
+    # Batches with more waiting requests than this skip the lpm sort (it costs a tree walk each).
+    lpm_max_waiting: int = 128
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(
+                f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}"
+            )
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
+            )
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(
+                f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"
+            )
+        if not 0.0 < self.mem_fraction_static < 1.0:
+            raise ValueError("mem_fraction_static must be in (0, 1)")
+        if self.page_size != 1:
+            # The token-granular pool is the supported layout; paged layouts come with
+            # the paged kernels.
+            raise ValueError("page_size must be 1 (token-granular KV pool)")
+        for name in ("max_running_requests", "max_prefill_tokens", "cpu_kv_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.max_total_tokens is not None and self.max_total_tokens < 2:
+            raise ValueError("max_total_tokens must be >= 2")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown engine option(s): {', '.join(unknown)}")
+        return cls(**kwargs)

@@ -1,0 +1,91 @@
+"""One request's whole state as it moves through the engine (the nano-vllm `Sequence`)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from radixserve.engine.sampling.params import SamplingParams
+
+
+class ReqStatus(enum.Enum):
+    WAITING = 1  # queued (new, retracted, or between chunks it is still RUNNING)
+    RUNNING = 2  # holds a request row and KV slots
+    FINISHED = 3
+
+
+@dataclass(frozen=True)
+class FinishReason:
+    kind: str  # "stop" | "length" | "abort"
+    matched: int | str | None = None  # the stop token id or stop string that ended it
+    message: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"type": self.kind}
+        if self.matched is not None:
+            out["matched"] = self.matched
+        if self.message is not None:
+            out["message"] = self.message
+        return out
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    origin_input_ids: list[int]
+    params: SamplingParams
+    seed: int
+    stop_token_ids: frozenset[int]  # eos ids (unless ignore_eos) + params.stop_token_ids
+    output_ids: list[int] = field(default_factory=list)
+    status: ReqStatus = ReqStatus.WAITING
+    finish_reason: FinishReason | None = None
+    # KV state. prefix_indices are slots owned by the prefix cache (locked through
+    # last_node); slots past them up to kv_len are owned by this request alone.
+    req_pool_idx: int | None = None
+    prefix_indices: torch.Tensor | None = None
+    last_node: Any = None
+    kv_len: int = 0  # tokens whose KV is written (req_to_token[row, :kv_len] is valid)
+    # Filled by the scheduler when the request is admitted for the first time.
+    cached_tokens: int = 0
+    prefill_done: bool = False  # whole fill_ids minus the last token have KV
+    # Per-step plan.
+    extend_len: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    # Stop strings: the output text, checked after every new token (only if params.stop).
+    stop_text_tail: str = ""
+    num_retractions: int = 0
+    arrival_order: int = 0
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """Every token whose KV the request needs before its next sample."""
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def owned_kv_tokens(self) -> int:
+        """Slots held by this request alone (not shared through the prefix cache)."""
+        prefix = 0 if self.prefix_indices is None else int(self.prefix_indices.numel())
+        return self.kv_len - prefix
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return max(self.params.max_new_tokens - len(self.output_ids), 0)

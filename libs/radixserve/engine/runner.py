@@ -1,0 +1,104 @@
+"""The model runner: owns the device, the weights, the KV memory and the attention backend.
+
+Knows nothing about scheduling; one `forward` per step.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from radixserve.engine.attention.base import AttentionBackend
+from radixserve.engine.config import EngineConfig
+from radixserve.engine.forward_batch import ForwardBatch
+from radixserve.engine.kvcache.pool import KVPool, ReqToTokenPool
+from radixserve.engine.model.config import ModelConfig
+from radixserve.engine.model.loader import load_model, resolve_model_path
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but CUDA is not available")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device, model_dtype: str | None) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32  # half-precision matmuls are slow or missing on CPUs
+    return _DTYPES.get(model_dtype or "", torch.bfloat16)
+
+
+def make_attention_backend(name: str) -> AttentionBackend:
+    if name == "torch":
+        from radixserve.engine.attention.torch_backend import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+    raise ValueError(f"attention backend {name!r} is not available in this build; use 'torch'")
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.model_path = resolve_model_path(config.model_path)
+        model_config = ModelConfig.from_pretrained(self.model_path)
+        self.dtype = resolve_dtype(config.dtype, self.device, model_config.torch_dtype)
+        self.model, self.model_config = load_model(self.model_path, self.dtype, self.device)
+        self.vocab_size = self.model_config.vocab_size
+        self.context_len = config.context_length or self.model_config.max_position_embeddings
+        self.kv_pool = KVPool(
+            num_slots=self._kv_budget_tokens(),
+            num_layers=self.model_config.num_hidden_layers,
+            num_kv_heads=self.model_config.num_key_value_heads,
+            head_dim=self.model_config.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+            page_size=config.page_size,
+        )
+        # One spare row: the request mid-chunk holds one beyond the running limit.
+        self.req_pool = ReqToTokenPool(
+            config.max_running_requests + 1, self.context_len, self.device
+        )
+        self.attn = make_attention_backend(config.attention_backend)
+        log.info(
+            "model %s on %s (%s), KV pool %d tokens",
+            self.model_path,
+            self.device,
+            self.dtype,
+            self.kv_pool.size,
+        )
+
+    def _bytes_per_token(self) -> int:
+        c = self.model_config
+        return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * self.dtype.itemsize
+
+    def _kv_budget_tokens(self) -> int:
+        if self.config.max_total_tokens is not None:
+            return self.config.max_total_tokens
+        if self.device.type != "cuda":
+            return self.config.cpu_kv_tokens
+        free, total = torch.cuda.mem_get_info(self.device)
+        # What the static fraction leaves after the weights; the rest is for activations.
+        budget = free - total * (1.0 - self.config.mem_fraction_static)
+        tokens = int(budget // self._bytes_per_token())
+        if tokens < 16:
+            raise RuntimeError(
+                f"no GPU memory left for the KV cache (free {free / 2**30:.1f} GiB of "
+                f"{total / 2**30:.1f} GiB); raise mem_fraction_static or use a smaller model"
+            )
+        return tokens
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        self.attn.init_forward_metadata(batch)
+        return self.model(batch, self.attn)

@@ -1,0 +1,48 @@
+"""When a request is done: stop tokens, length limits, stop strings."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from radixserve.engine.request import FinishReason, Req
+
+Detokenize = Callable[[list[int]], str]
+
+
+def check_finished(
+    req: Req, context_len: int, detokenize: Detokenize | None
+) -> FinishReason | None:
+    """Called after a token was appended to req.output_ids."""
+    params = req.params
+    last = req.output_ids[-1]
+    num_out = len(req.output_ids)
+    if last in req.stop_token_ids and num_out >= params.min_new_tokens:
+        return FinishReason("stop", matched=last)
+    if params.stop and detokenize is not None and num_out >= params.min_new_tokens:
+        matched = _match_stop_string(req, detokenize)
+        if matched is not None:
+            return FinishReason("stop", matched=matched)
+    if num_out >= params.max_new_tokens:
+        return FinishReason("length")
+    if req.seq_len >= context_len:
+        return FinishReason("length", message="reached the model's context length")
+    return None
+
+
+def _match_stop_string(req: Req, detokenize: Detokenize) -> str | None:
+    # A stop string of n characters spans at most n tokens (every token decodes to at
+    # least one character, or to a partial one); a few more absorb partial UTF-8.
+    longest = max(len(s) for s in req.params.stop)
+    tail = detokenize(req.output_ids[-(longest + 4) :])
+    for stop in req.params.stop:
+        if stop and stop in tail:
+            return stop
+    return None
+
+
+def trim_stop_string(text: str, reason: FinishReason | None, no_stop_trim: bool) -> str:
+    """The output text ends before the stop string that finished it."""
+    if reason is None or no_stop_trim or not isinstance(reason.matched, str):
+        return text
+    cut = text.find(reason.matched)
+    return text if cut < 0 else text[:cut]

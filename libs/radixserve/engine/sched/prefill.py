@@ -1,0 +1,93 @@
+"""The prefill adder: admits waiting requests into this step until a budget runs out.
+
+Budgets: KV tokens (what is free or evictable, minus what running requests are
+expected to still need), prefill tokens per step (max_prefill_tokens), and the
+chunk size; a request longer than the remaining chunk is split, and only one
+request is ever mid-chunk.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from radixserve.engine.request import Req, ReqStatus
+from radixserve.engine.sched.kv_manager import KVManager
+
+# Long max_new_tokens would otherwise reserve the whole pool for one request.
+CLIP_MAX_NEW_TOKENS_ESTIMATE = 4096
+
+
+class AddResult(enum.Enum):
+    ADDED = 1
+    NO_TOKENS = 2  # out of KV or prefill budget: stop admitting this step
+    NO_ROWS = 3
+
+
+@dataclass
+class PrefillAdder:
+    kv: KVManager
+    reserved_tokens: int  # expected future decode tokens of running requests
+    rem_input_tokens: int
+    rem_chunk_tokens: int  # < 0 means unlimited
+    new_token_ratio: float
+    max_running: int
+    num_running: int
+    admitted: list[Req] = field(default_factory=list)
+    chunked: Req | None = None  # the request left mid-prefill after this step
+
+    def _rem_kv(self) -> int:
+        return self.kv.available_tokens() - self.reserved_tokens
+
+    def _future_tokens(self, req: Req) -> int:
+        return int(
+            min(req.remaining_new_tokens, CLIP_MAX_NEW_TOKENS_ESTIMATE) * self.new_token_ratio
+        )
+
+    def _take(self, req: Req, extend_len: int) -> None:
+        if self.rem_chunk_tokens >= 0 and extend_len > self.rem_chunk_tokens:
+            extend_len = self.rem_chunk_tokens
+            self.chunked = req
+        req.extend_len = extend_len
+        self.kv.assign_new_slots(req, extend_len)
+        self.admitted.append(req)
+        self.rem_input_tokens -= extend_len
+        if self.rem_chunk_tokens >= 0:
+            self.rem_chunk_tokens -= extend_len
+        self.reserved_tokens += self._future_tokens(req) if self.chunked is not req else 0
+
+    def add_chunked(self, req: Req) -> None:
+        """Continue the request that was mid-chunk (it already holds a row and its prefix)."""
+        remaining = req.seq_len - req.kv_len
+        budget = min(remaining, self._rem_kv(), max(self.rem_input_tokens, 1))
+        if budget <= 0:
+            self.chunked = req  # no memory this step; try again next step
+            return
+        self._take(req, budget)
+        if remaining > budget:
+            self.chunked = req
+
+    def add_one(self, req: Req) -> AddResult:
+        if self.chunked is not None or self.rem_chunk_tokens == 0:
+            return AddResult.NO_TOKENS
+        if self.num_running + len(self.admitted) >= self.max_running:
+            return AddResult.NO_ROWS
+        if self.kv.req_pool.available() == 0:
+            return AddResult.NO_ROWS
+        prefix_len = self.kv.match(req)
+        extend_len = req.seq_len - prefix_len
+        if self.admitted and extend_len > self.rem_input_tokens:
+            return AddResult.NO_TOKENS
+        self.kv.admit(req)  # locks the prefix, so the allocation below cannot evict it
+        need = min(extend_len, self.rem_chunk_tokens) if self.rem_chunk_tokens >= 0 else extend_len
+        # With nothing else running, the future estimate must not keep a request out.
+        alone = self.num_running == 0 and not self.admitted
+        future = self._future_tokens(req) if need == extend_len and not alone else 0
+        if need + future > self._rem_kv():
+            self.kv.release(req)
+            return AddResult.NO_TOKENS
+        req.status = ReqStatus.RUNNING
+        if req.num_retractions == 0 and not req.output_ids:
+            req.cached_tokens = prefix_len
+        self._take(req, extend_len)
+        return AddResult.ADDED
