@@ -15,6 +15,8 @@ import logging
 import sys
 from typing import Any
 
+from radixserve.infra.cli import add_infra_arguments, settings_from_args
+
 SERVICES = ("gateway", "tokenizer", "scheduler", "worker", "grammar", "detokenizer")
 
 
@@ -56,14 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(up)
     up.add_argument("--port", type=int, default=8000)
     up.add_argument("--workers", type=int, default=1)
-    up.add_argument("--nats-url", default=None)
-    up.add_argument("--redis-url", default=None)
+    add_infra_arguments(up)
 
     infra = sub.add_parser("infra", help="start NATS and Redis and wait for Ctrl-C")
-    infra.add_argument("--nats-url", default=None)
-    infra.add_argument("--redis-url", default=None)
-    infra.add_argument("--nats-port", type=int, default=None)
-    infra.add_argument("--redis-port", type=int, default=None)
+    add_infra_arguments(infra)
 
     gen = sub.add_parser("generate", help="complete one prompt with the engine in-process")
     _engine_args(gen)
@@ -140,7 +138,7 @@ def _cmd_up(ns: argparse.Namespace) -> int:
     from radixserve import Engine
     from radixserve.infra import Infra
 
-    with Infra(_infra_settings(ns)) as infra:
+    with Infra(settings_from_args(ns)) as infra:
         print(f"NATS  {infra.nats_url}\nRedis {infra.redis_url}")
         print(
             "Not there yet: the gateway, tokenizer, scheduler, worker, grammar and detokenizer "

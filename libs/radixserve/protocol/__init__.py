@@ -1,1 +1,128 @@
-"""protocol package."""
+"""Every NATS subject and message type of radixserve, defined once.
+
+    from radixserve.protocol import Subjects, SubmitRequest, encode, decode
+
+    subjects = Subjects(prefix="radixserve")
+    await nc.publish(subjects.tokenize, encode(SubmitRequest(...)))
+    msg = decode(raw, SubmitRequest)   # ProtocolError if malformed
+
+Token id arrays travel as packed int32 bytes (`pack_tokens` / `unpack_tokens`).
+"""
+
+from __future__ import annotations
+
+from radixserve.protocol.base import Message
+from radixserve.protocol.codec import convert, decode, decoder_for, encode
+from radixserve.protocol.control import (
+    AbortRequest,
+    FlushCacheReply,
+    FlushCacheRequest,
+    RequestError,
+)
+from radixserve.protocol.errors import ProtocolError
+from radixserve.protocol.grammar import (
+    GrammarCompileReply,
+    GrammarCompileRequest,
+    GrammarFetchReply,
+    GrammarFetchRequest,
+    GrammarKind,
+    grammar_key,
+)
+from radixserve.protocol.inputs import (
+    ChatMessage,
+    RoutedRequest,
+    SamplingParams,
+    SubmitRequest,
+    TokenizedRequest,
+)
+from radixserve.protocol.kv_events import (
+    AllBlocksCleared,
+    KvEvent,
+    KvEventBatch,
+    KvSnapshotRequest,
+    RemovedBlocks,
+    StoredBlocks,
+    block_hashes,
+)
+from radixserve.protocol.outputs import (
+    DetokParams,
+    FinishKind,
+    FinishReason,
+    LogprobEntry,
+    StepOutput,
+    StepOutputBatch,
+    TextDelta,
+    TextDeltaBatch,
+    TopLogprobEntry,
+    TopLogprobs,
+)
+from radixserve.protocol.subjects import (
+    DEFAULT_PREFIX,
+    QueueGroups,
+    Subjects,
+    check_token,
+    subject_matches,
+)
+from radixserve.protocol.tokens import (
+    TOKEN_DTYPE,
+    num_tokens,
+    pack_tokens,
+    unpack_tokens,
+    unpack_tokens_array,
+)
+from radixserve.protocol.workers import Heartbeat, WorkerCapacity, WorkerStats, WorkerStatus
+
+__all__ = [
+    "DEFAULT_PREFIX",
+    "TOKEN_DTYPE",
+    "AbortRequest",
+    "AllBlocksCleared",
+    "ChatMessage",
+    "DetokParams",
+    "FinishKind",
+    "FinishReason",
+    "FlushCacheReply",
+    "FlushCacheRequest",
+    "GrammarCompileReply",
+    "GrammarCompileRequest",
+    "GrammarFetchReply",
+    "GrammarFetchRequest",
+    "GrammarKind",
+    "Heartbeat",
+    "KvEvent",
+    "KvEventBatch",
+    "KvSnapshotRequest",
+    "LogprobEntry",
+    "Message",
+    "ProtocolError",
+    "QueueGroups",
+    "RemovedBlocks",
+    "RequestError",
+    "RoutedRequest",
+    "SamplingParams",
+    "StepOutput",
+    "StepOutputBatch",
+    "StoredBlocks",
+    "Subjects",
+    "SubmitRequest",
+    "TextDelta",
+    "TextDeltaBatch",
+    "TokenizedRequest",
+    "TopLogprobEntry",
+    "TopLogprobs",
+    "WorkerCapacity",
+    "WorkerStats",
+    "WorkerStatus",
+    "block_hashes",
+    "check_token",
+    "convert",
+    "decode",
+    "decoder_for",
+    "encode",
+    "grammar_key",
+    "num_tokens",
+    "pack_tokens",
+    "subject_matches",
+    "unpack_tokens",
+    "unpack_tokens_array",
+]

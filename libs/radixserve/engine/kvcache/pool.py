@@ -27,7 +27,9 @@ class KVPool:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         num_slots = (num_slots // page_size) * page_size
         if num_slots <= 0:
-            raise ValueError("KV pool would hold no slots; raise the token budget or memory fraction")
+            raise ValueError(
+                "KV pool would hold no slots; raise the token budget or memory fraction"
+            )
         self.size = num_slots
         self.page_size = page_size
         self.num_layers = num_layers
@@ -35,8 +37,12 @@ class KVPool:
         self.device = torch.device(device)
         # One extra page in front holds the reserved padding slot 0.
         shape = (num_slots + page_size, num_kv_heads, head_dim)
-        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.k_buffers = [
+            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
+        ]
+        self.v_buffers = [
+            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
+        ]
         self.clear()
 
     def clear(self) -> None:
@@ -75,7 +81,9 @@ class ReqToTokenPool:
     def __init__(self, max_reqs: int, max_context_len: int, device: torch.device | str) -> None:
         self.max_reqs = max_reqs
         self.max_context_len = max_context_len
-        self.req_to_token = torch.zeros((max_reqs, max_context_len), dtype=torch.int32, device=device)
+        self.req_to_token = torch.zeros(
+            (max_reqs, max_context_len), dtype=torch.int32, device=device
+        )
         self._free_rows = list(range(max_reqs))
 
     def available(self) -> int:

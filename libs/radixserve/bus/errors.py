@@ -1,0 +1,32 @@
+"""Errors the bus raises; all derive from BusError."""
+
+from __future__ import annotations
+
+
+class BusError(RuntimeError):
+    """Base class for NATS bus failures."""
+
+
+class BusConnectError(BusError):
+    """No connection after the configured number of attempts."""
+
+
+class BusClosed(BusError):
+    """The bus was drained or closed; it cannot publish or subscribe any more."""
+
+
+class BusTimeout(BusError, TimeoutError):
+    """A request got no reply within its timeout."""
+
+    def __init__(self, subject: str, timeout_s: float) -> None:
+        super().__init__(f"request on {subject!r} got no reply within {timeout_s:.3f}s")
+        self.subject = subject
+        self.timeout_s = timeout_s
+
+
+class BusNoResponders(BusError):
+    """A request found no subscriber on its subject (the server said so at once)."""
+
+    def __init__(self, subject: str) -> None:
+        super().__init__(f"no responders on {subject!r}")
+        self.subject = subject

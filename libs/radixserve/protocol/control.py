@@ -1,0 +1,51 @@
+"""Aborts, errors and cache control: the messages that are not the happy path."""
+
+from __future__ import annotations
+
+from radixserve.protocol.base import Message
+
+
+class AbortRequest(Message, frozen=True):
+    """Stop a request: gateway -> scheduler, then scheduler -> the worker that holds it.
+
+    The worker answers with a final `StepOutput` whose finish reason is `abort`, so
+    the gateway sees every request end the same way.
+    """
+
+    rid: str
+    reason: str = ""
+
+
+class RequestError(Message, frozen=True):
+    """A service -> the gateway that owns the request: the request failed before finishing.
+
+    Fields map to the OpenAI error body `{"error": {"message", "type", "param", "code"}}`;
+    `http_status` is the status the gateway answers with (400, 413, 429, 503, ...).
+    `service` names the sender, for logs.
+    """
+
+    rid: str
+    code: str
+    message: str
+    http_status: int
+    error_type: str = "invalid_request_error"
+    param: str | None = None
+    service: str = ""
+
+
+class FlushCacheRequest(Message, frozen=True):
+    """Empty the radix caches (`POST /flush_cache`): gateway -> scheduler -> each worker.
+
+    `rid` identifies this flush in logs and replies.
+    """
+
+    rid: str
+
+
+class FlushCacheReply(Message, frozen=True):
+    """The answer to a flush; from a worker `worker_id` is set, from the scheduler it is ""."""
+
+    rid: str
+    ok: bool
+    worker_id: str = ""
+    message: str = ""

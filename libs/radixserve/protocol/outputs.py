@@ -1,0 +1,149 @@
+"""Messages that carry results back: worker -> detokenizer -> gateway.
+
+Both hops are batched: a worker publishes one `StepOutputBatch` per engine step
+for every request that produced tokens or finished in that step, and the
+detokenizer publishes one `TextDeltaBatch` per gateway per flush. Never one
+message per token.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from radixserve.protocol.base import Message
+from radixserve.protocol.tokens import num_tokens, unpack_tokens
+
+FinishKind = Literal["stop", "length", "abort"]
+
+
+class FinishReason(Message, frozen=True):
+    """Why a request ended, as SGLang's `meta_info.finish_reason` (`kind` is its `type`).
+
+    `matched` is the stop token id or stop string that ended it; `message` says why
+    an abort happened.
+    """
+
+    kind: FinishKind
+    matched: int | str | None = None
+    message: str | None = None
+
+
+class TopLogprobs(Message, frozen=True):
+    """The top-k candidates at one output position (worker side: ids only)."""
+
+    token_ids: bytes  # packed int32, same order as `logprobs`
+    logprobs: list[float]
+
+    def __post_init__(self) -> None:
+        if num_tokens(self.token_ids) != len(self.logprobs):
+            raise ValueError("top logprobs: token_ids and logprobs differ in length")
+
+    @property
+    def token_ids_list(self) -> list[int]:
+        return unpack_tokens(self.token_ids)
+
+
+class DetokParams(Message, frozen=True):
+    """What the detokenizer needs to know about a request to turn ids into text.
+
+    Sent on a request's first `StepOutput` (and again after a re-route); the
+    detokenizer keeps it with the request's decoding state.
+    """
+
+    skip_special_tokens: bool = True
+    stop: list[str] = msgspec.field(default_factory=list)
+
+
+class StepOutput(Message, frozen=True):
+    """One request's result of one engine step.
+
+    Counters are totals so far (not increments), so a lost or repeated message
+    cannot skew usage. `index` tells apart the `n` > 1 choices of one request.
+    `token_logprobs` / `top_logprobs`, when the request asked for them, have one
+    entry per id in `new_token_ids`.
+    """
+
+    rid: str
+    gateway_id: str
+    new_token_ids: bytes = b""  # packed int32
+    index: int = 0
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    token_logprobs: list[float] | None = None
+    top_logprobs: list[TopLogprobs] | None = None
+    detok: DetokParams | None = None
+
+    def __post_init__(self) -> None:
+        count = num_tokens(self.new_token_ids)
+        for name, values in (
+            ("token_logprobs", self.token_logprobs),
+            ("top_logprobs", self.top_logprobs),
+        ):
+            if values is not None and len(values) != count:
+                raise ValueError(f"{name} has {len(values)} entries for {count} new tokens")
+
+    @property
+    def new_token_ids_list(self) -> list[int]:
+        return unpack_tokens(self.new_token_ids)
+
+
+class StepOutputBatch(Message, frozen=True):
+    """worker -> detokenizer: every request's output of one engine step."""
+
+    worker_id: str
+    step: int  # the worker's step counter; lets the detokenizer spot gaps
+    outputs: list[StepOutput] = msgspec.field(default_factory=list)
+
+
+class TopLogprobEntry(Message, frozen=True):
+    """A top-k candidate with its text (gateway side, OpenAI `top_logprobs`)."""
+
+    token_id: int
+    token: str
+    logprob: float
+
+
+class LogprobEntry(Message, frozen=True):
+    """One output token with its text, logprob and top-k candidates (OpenAI `logprobs`)."""
+
+    token_id: int
+    token: str
+    logprob: float
+    top: list[TopLogprobEntry] = msgspec.field(default_factory=list)
+
+
+class TextDelta(Message, frozen=True):
+    """One request's new text since the last delta.
+
+    `token_ids` are the ids behind this delta (for `/generate`'s `output_ids`); the
+    text may lag them by a few ids while a multi-byte character is incomplete.
+    Counters are totals so far, as in `StepOutput`.
+    """
+
+    rid: str
+    text: str = ""
+    token_ids: bytes = b""  # packed int32
+    index: int = 0
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    logprobs: list[LogprobEntry] | None = None
+
+    def __post_init__(self) -> None:
+        num_tokens(self.token_ids)
+
+    @property
+    def token_ids_list(self) -> list[int]:
+        return unpack_tokens(self.token_ids)
+
+
+class TextDeltaBatch(Message, frozen=True):
+    """detokenizer -> one gateway: the deltas of that gateway's requests."""
+
+    gateway_id: str
+    deltas: list[TextDelta] = msgspec.field(default_factory=list)
