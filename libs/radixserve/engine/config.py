@@ -37,6 +37,8 @@ class EngineConfig:
     random_seed: int = 0
     # Batches with more waiting requests than this skip the lpm sort (it costs a tree walk each).
     lpm_max_waiting: int = 128
+    # Tests: check the KV accounting invariant after every step (costs a tree walk).
+    debug_check_invariants: bool = False
 
     def __post_init__(self) -> None:
         self.validate()

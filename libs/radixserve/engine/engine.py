@@ -23,8 +23,7 @@ from radixserve.engine.model.tokenizer import apply_chat_template, load_tokenize
 from radixserve.engine.outputs import Tracked, final_output, stream_delta
 from radixserve.engine.request import Req
 from radixserve.engine.runner import ModelRunner
-from radixserve.engine.sampling.params import SamplingParams
-from radixserve.engine.sampling.sampler import resolve_seed
+from radixserve.engine.sampling.params import SamplingParams, resolve_seed
 from radixserve.engine.sched.scheduler import Scheduler
 
 

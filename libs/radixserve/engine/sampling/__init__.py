@@ -1,1 +1,15 @@
-"""sampling package."""
+"""Sampling: request parameters, per-batch tensors, and the batched sampler."""
+
+from radixserve.engine.sampling.batch import SamplingBatch, SamplingInput, SamplingRequest
+from radixserve.engine.sampling.params import SamplingParams, resolve_seed
+from radixserve.engine.sampling.sampler import SampleResult, sample
+
+__all__ = [
+    "SampleResult",
+    "SamplingBatch",
+    "SamplingInput",
+    "SamplingParams",
+    "SamplingRequest",
+    "resolve_seed",
+    "sample",
+]

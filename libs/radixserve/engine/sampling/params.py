@@ -1,0 +1,205 @@
+"""A request's sampling parameters: SGLang's field names and defaults, with range checks.
+
+`SamplingParams.from_dict` turns a JSON object (`sampling_params` of `/generate`, or the
+protocol's msgspec struct as a dict) into the dataclass; `validate(vocab_size)` is the one
+place that rejects out-of-range values. Both raise `ValueError` naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+# Below this temperature dividing the logits can overflow float32; SGLang treats it as greedy too.
+GREEDY_TEMPERATURE = 1e-6
+MAX_TOP_LOGPROBS = 20
+_GRAMMAR_FIELDS = ("regex", "json_schema", "ebnf")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: no top-k
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_new_tokens: int = 0
+    n: int = 1
+    seed: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    # Carried for the grammar service; the engine rejects them until grammars exist.
+    regex: str | None = None
+    json_schema: str | None = None
+    ebnf: str | None = None
+
+    def __post_init__(self) -> None:
+        # `stop` may be a bare string (OpenAI and SGLang accept both); store a list.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", [self.stop])
+        elif isinstance(self.stop, tuple):
+            object.__setattr__(self, "stop", list(self.stop))
+        if isinstance(self.stop_token_ids, tuple):
+            object.__setattr__(self, "stop_token_ids", list(self.stop_token_ids))
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any] | None) -> SamplingParams:
+        """Build from a JSON-like mapping. Unknown keys raise; a null value means the default."""
+        if values is None:
+            return cls()
+        if not isinstance(values, Mapping):
+            raise ValueError(f"sampling_params must be an object, got {type(values).__name__}")
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, value in values.items():
+            if key not in known:
+                raise ValueError(f"unknown sampling parameter {key!r}")
+            if value is None and _default_of(known[key]) is not None:
+                continue  # JSON clients send null for "not set"
+            kwargs[key] = value
+        return cls(**kwargs)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    def validate(self, vocab_size: int) -> None:
+        """Raise ValueError, naming the field, for any value out of range."""
+        if vocab_size <= 0:
+            raise ValueError(f"vocab_size must be positive (got {vocab_size})")
+        self._validate_types()
+        _check(self.max_new_tokens >= 0, "max_new_tokens", "must be >= 0", self.max_new_tokens)
+        _check(
+            0 <= self.min_new_tokens <= self.max_new_tokens,
+            "min_new_tokens",
+            f"must be in [0, max_new_tokens={self.max_new_tokens}]",
+            self.min_new_tokens,
+        )
+        _check(self.temperature >= 0, "temperature", "must be >= 0", self.temperature)
+        _check(0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
+        _check(self.top_k == -1 or self.top_k >= 1, "top_k", "must be -1 or >= 1", self.top_k)
+        _check(0 <= self.min_p <= 1, "min_p", "must be in [0, 1]", self.min_p)
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            _check(-2 <= value <= 2, name, "must be in [-2, 2]", value)
+        _check(
+            0 < self.repetition_penalty <= 2,
+            "repetition_penalty",
+            "must be in (0, 2]",
+            self.repetition_penalty,
+        )
+        _check(self.n >= 1, "n", "must be >= 1", self.n)
+        bad_ids = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
+        _check(not bad_ids, "stop_token_ids", f"must be in [0, {vocab_size})", bad_ids)
+        _check(
+            0 <= self.top_logprobs_num <= MAX_TOP_LOGPROBS,
+            "top_logprobs_num",
+            f"must be in [0, {MAX_TOP_LOGPROBS}]",
+            self.top_logprobs_num,
+        )
+        grammars = [name for name in _GRAMMAR_FIELDS if getattr(self, name) is not None]
+        _check(
+            len(grammars) <= 1,
+            grammars[-1] if grammars else "regex",
+            "at most one of regex / json_schema / ebnf may be set",
+            grammars,
+        )
+
+    def _validate_types(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            expected = _EXPECTED_TYPES[f.name]
+            if not _has_type(value, expected):
+                raise ValueError(
+                    f"sampling parameter {f.name!r} must be {expected}, "
+                    f"got {type(value).__name__} ({value!r})"
+                )
+
+
+def resolve_seed(params: SamplingParams, generator: torch.Generator | None = None) -> int:
+    """The request's seed: its own, or one drawn now, when the request is created.
+
+    Drawn from torch's generator (the global one unless given), so an engine started with
+    a fixed `random_seed` replays unseeded requests the same way for the same arrival order.
+    """
+    if params.seed is not None:
+        return params.seed
+    return int(torch.randint(0, 2**62, (1,), generator=generator).item())
+
+
+def _default_of(f: dataclasses.Field[Any]) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None
+
+
+def _check(ok: bool, name: str, rule: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"sampling parameter {name!r} {rule} (got {value!r})")
+
+
+# What each field must hold: "int", "float" (an int is fine), "bool", "str?" (str or None),
+# "int?", "list[str]", "list[int]". bool is never accepted as a number.
+_EXPECTED_TYPES: dict[str, str] = {
+    "max_new_tokens": "int",
+    "temperature": "float",
+    "top_p": "float",
+    "top_k": "int",
+    "min_p": "float",
+    "frequency_penalty": "float",
+    "presence_penalty": "float",
+    "repetition_penalty": "float",
+    "stop": "list[str]",
+    "stop_token_ids": "list[int]",
+    "ignore_eos": "bool",
+    "min_new_tokens": "int",
+    "n": "int",
+    "seed": "int?",
+    "skip_special_tokens": "bool",
+    "spaces_between_special_tokens": "bool",
+    "no_stop_trim": "bool",
+    "return_logprob": "bool",
+    "top_logprobs_num": "int",
+    "regex": "str?",
+    "json_schema": "str?",
+    "ebnf": "str?",
+}
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _has_type(value: object, expected: str) -> bool:
+    if expected.endswith("?"):
+        return value is None or _has_type(value, expected[:-1])
+    if expected == "int":
+        return _is_int(value)
+    if expected == "float":
+        # NaN and inf compare false against every range, so reject them here.
+        return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)  # type: ignore[arg-type]
+    if expected == "bool":
+        return isinstance(value, bool)
+    if expected == "str":
+        return isinstance(value, str)
+    if expected == "list[str]":
+        return isinstance(value, list) and all(isinstance(v, str) for v in value)
+    if expected == "list[int]":
+        return isinstance(value, list) and all(_is_int(v) for v in value)
+    raise AssertionError(f"unknown expected type {expected}")

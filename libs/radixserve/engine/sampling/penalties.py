@@ -1,0 +1,140 @@
+"""Logit processors applied to every row before greedy or random choice.
+
+- `Penalties`: repetition (HF-style, over prompt + output tokens), then frequency and
+  presence (over output tokens only), in that order, as vLLM applies them.
+- `StopTokenMask`: while a request has fewer than `min_new_tokens` outputs, its stop ids
+  (eos unless `ignore_eos`, plus `stop_token_ids`) get -inf so that it cannot stop.
+
+Both are built once per batch as [bs, vocab] tensors (or flat index pairs) by scattering the
+token lists; applying them is a few elementwise ops over the whole batch, never a loop over
+rows. Every op is out of place: the caller's logits are never modified.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import chain
+
+import numpy as np
+import torch
+
+
+def flat_token_index(
+    rows: Sequence[int],
+    token_lists: Sequence[Sequence[int]],
+    vocab_size: int,
+    what: str,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(row index, token id) int64 pairs on the CPU, one per token; None if there are none."""
+    lengths = [len(tokens) for tokens in token_lists]
+    total = sum(lengths)
+    if total == 0:
+        return None
+    # fromiter skips the intermediate Python list: ~3x faster than torch.tensor(list).
+    ids = torch.from_numpy(
+        np.fromiter(chain.from_iterable(token_lists), dtype=np.int64, count=total)
+    )
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise ValueError(f"{what} holds token id {bad}, outside the vocabulary [0, {vocab_size})")
+    row_index = torch.repeat_interleave(
+        torch.tensor(list(rows), dtype=torch.int64), torch.tensor(lengths, dtype=torch.int64)
+    )
+    return row_index, ids
+
+
+@dataclass(frozen=True)
+class Penalties:
+    """Per-row penalty factors ([bs, 1] float32) and the token sets they apply to."""
+
+    repetition: torch.Tensor | None  # [bs, 1]; 1.0 for rows without the penalty
+    seen_tokens: torch.Tensor | None  # [bs, vocab] bool: in prompt or output
+    frequency: torch.Tensor | None  # [bs, 1]
+    presence: torch.Tensor | None  # [bs, 1]
+    output_counts: torch.Tensor | None  # [bs, vocab] float32: occurrences in the output
+
+    @classmethod
+    def build(
+        cls,
+        repetition: Sequence[float],
+        frequency: Sequence[float],
+        presence: Sequence[float],
+        prompt_ids: Sequence[Sequence[int]],
+        output_ids: Sequence[Sequence[int]],
+        vocab_size: int,
+        device: torch.device,
+    ) -> Penalties | None:
+        """None when no row has a penalty (the common case costs nothing)."""
+        bs = len(repetition)
+        rep_rows = [r for r in range(bs) if repetition[r] != 1.0]
+        count_rows = [r for r in range(bs) if frequency[r] != 0.0 or presence[r] != 0.0]
+        if not rep_rows and not count_rows:
+            return None
+        rep = seen = freq = pres = counts = None
+        if rep_rows:
+            rep = _column(repetition, device)
+            seen = torch.zeros((bs, vocab_size), dtype=torch.bool, device=device)
+            # Two lists per row (prompt, output): no per-row concatenation.
+            index = flat_token_index(
+                [r for r in rep_rows for _ in range(2)],
+                [ids for r in rep_rows for ids in (prompt_ids[r], output_ids[r])],
+                vocab_size,
+                "a prompt or output",
+            )
+            if index is not None:
+                seen[index[0].to(device), index[1].to(device)] = True
+        if count_rows:
+            freq, pres = _column(frequency, device), _column(presence, device)
+            counts = torch.zeros((bs, vocab_size), dtype=torch.float32, device=device)
+            index = flat_token_index(
+                count_rows, [output_ids[r] for r in count_rows], vocab_size, "an output"
+            )
+            if index is not None:
+                ones = torch.ones(index[1].numel(), dtype=torch.float32, device=device)
+                # Counts are small integers: float32 atomics add them exactly, in any order.
+                counts.index_put_((index[0].to(device), index[1].to(device)), ones, accumulate=True)
+        return cls(rep, seen, freq, pres, counts)
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.repetition is not None and self.seen_tokens is not None:
+            # HF's RepetitionPenaltyLogitsProcessor: shrink positive logits, grow negative ones.
+            penalized = torch.where(logits > 0, logits / self.repetition, logits * self.repetition)
+            logits = torch.where(self.seen_tokens, penalized, logits)
+        if self.output_counts is not None:
+            assert self.frequency is not None and self.presence is not None
+            logits = logits - self.frequency * self.output_counts
+            logits = logits - self.presence * (self.output_counts > 0)
+        return logits
+
+
+@dataclass(frozen=True)
+class StopTokenMask:
+    """Stop ids set to -inf for rows still short of `min_new_tokens`."""
+
+    flat_index: torch.Tensor  # [n] int64: row * vocab_size + token id
+
+    @classmethod
+    def build(
+        cls,
+        stop_ids: Sequence[Sequence[int]],
+        output_lens: Sequence[int],
+        min_new_tokens: Sequence[int],
+        vocab_size: int,
+        device: torch.device,
+    ) -> StopTokenMask | None:
+        rows = [r for r in range(len(stop_ids)) if output_lens[r] < min_new_tokens[r]]
+        index = flat_token_index(rows, [stop_ids[r] for r in rows], vocab_size, "a stop set")
+        if index is None:
+            return None
+        return cls((index[0] * vocab_size + index[1]).to(device))
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        # index_fill takes a Python scalar: no host-to-device copy of the fill value.
+        flat = logits.reshape(-1).index_fill(0, self.flat_index, float("-inf"))
+        return flat.view_as(logits)
+
+
+def _column(values: Sequence[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(list(values), dtype=torch.float32, device=device).unsqueeze(1)

@@ -1,0 +1,144 @@
+"""Choose the next token of every row of a batch from its logits.
+
+Order of operations (all in float32, all batched over rows):
+
+1. Penalties, on every row: repetition (HF-style over prompt + output tokens: a positive
+   logit is divided by the penalty, a negative one multiplied), then frequency (minus
+   penalty x count in the output) and presence (minus penalty if in the output).
+2. min_new_tokens: a row with fewer outputs than that gets -inf on its stop ids
+   (eos unless ignore_eos, plus stop_token_ids).
+3. Greedy rows (temperature ~ 0 or top_k == 1) take the argmax (first index on ties).
+4. Sampled rows: divide by the temperature, softmax, then drop tokens outside top-k
+   (every token at least as probable as the k-th one: ties at the border are kept), then
+   outside top-p (of the distribution left by top-k, in descending probability, ties
+   ordered by token id, keep a token while the mass before it is <= top_p), then below
+   min_p x the largest probability. Draw by inverse CDF over the kept probabilities, in
+   token-id order, with the row's uniform from `noise.row_uniforms(seed, output position)`.
+
+Why inverse CDF rather than Gumbel-max: it needs one random number per row instead of a
+[bs, vocab] noise tensor, and the draw is still a pure function of (seed, position) and
+the row's own logits, so a request samples the same tokens alone or in any batch.
+
+Logprobs are `log_softmax` of the RAW logits (before penalties, masks and temperature):
+the model's own distribution, comparable across requests whatever their sampling settings
+(SGLang's default). The chosen token's logprob and the top-k (k = the batch's largest
+top_logprobs_num; a row that asked for fewer ignores the extra columns) come back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from radixserve.engine.sampling.batch import SampledRows, SamplingBatch
+from radixserve.engine.sampling.params import resolve_seed
+
+__all__ = ["SampleResult", "resolve_seed", "sample"]
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    next_token_ids: torch.Tensor  # [bs] int64
+    logprobs: torch.Tensor | None = None  # [bs] float32: each chosen token's logprob
+    top_logprob_ids: torch.Tensor | None = None  # [bs, k] int64
+    top_logprob_values: torch.Tensor | None = None  # [bs, k] float32
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
+    """Next token per row; `logits` [bs, vocab] of any float dtype, left unmodified."""
+    _check_logits(logits, batch)
+    raw = logits.float()
+    processed = raw
+    if batch.penalties is not None:
+        processed = batch.penalties.apply(processed)
+    if batch.stop_mask is not None:
+        processed = batch.stop_mask.apply(processed)
+    next_ids = _choose(processed, batch.sampled)
+    if not batch.return_logprob:
+        return SampleResult(next_token_ids=next_ids)
+    return _with_logprobs(raw, next_ids, min(batch.top_logprobs_num, batch.vocab_size))
+
+
+def _choose(logits: torch.Tensor, sampled: SampledRows | None) -> torch.Tensor:
+    if sampled is None:
+        return logits.argmax(dim=-1)
+    if sampled.is_whole_batch:
+        return _draw(logits, sampled)
+    drawn = _draw(logits.index_select(0, sampled.rows), sampled)
+    return logits.argmax(dim=-1).index_copy(0, sampled.rows, drawn)
+
+
+def _draw(logits: torch.Tensor, rows: SampledRows) -> torch.Tensor:
+    probs = torch.softmax(logits / rows.temperatures, dim=-1)
+    removed = _removed_tokens(probs, rows)
+    if removed is not None:
+        probs = probs.masked_fill(removed, 0.0)
+    cdf = probs.cumsum(dim=-1)
+    # u < 1 keeps the target strictly below the total, so cdf[i-1] <= target < cdf[i]
+    # picks a token with positive probability.
+    target = rows.uniforms * cdf[:, -1:]
+    picked = torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[-1] - 1)
+    # A parallel cumsum may round to a non-monotone cdf; never return a removed token.
+    ok = probs.gather(1, picked) > 0
+    picked = torch.where(ok, picked, probs.argmax(dim=-1, keepdim=True))
+    return picked.squeeze(1)
+
+
+def _removed_tokens(probs: torch.Tensor, rows: SampledRows) -> torch.Tensor | None:
+    """[m, vocab] bool: tokens that top-k, top-p or min-p take out; None if none can."""
+    removed: torch.Tensor | None = None
+    if rows.needs_sort:
+        removed = _top_k_top_p_sorted(probs, rows)
+    elif rows.max_top_k > 0:
+        top = probs.topk(rows.max_top_k, dim=-1).values
+        kth = top.gather(1, (rows.top_ks - 1).clamp(max=rows.max_top_k - 1))
+        kth = kth.masked_fill(rows.top_ks >= probs.shape[-1], 0.0)  # top-k off: keep all
+        removed = probs < kth
+    if rows.use_min_p:
+        # The largest probability survives top-k and top-p, so this threshold is the
+        # same before or after their renormalization.
+        low = probs < probs.amax(dim=-1, keepdim=True) * rows.min_ps
+        removed = low if removed is None else removed | low
+    return removed
+
+
+def _top_k_top_p_sorted(probs: torch.Tensor, rows: SampledRows) -> torch.Tensor:
+    # stable: ties keep token-id order, so the kept set is a function of the row alone.
+    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
+    kth = sorted_probs.gather(1, rows.top_ks - 1)  # top-k off: k = vocab, the smallest
+    removed_sorted = sorted_probs < kth
+    if rows.use_top_p:
+        kept = sorted_probs.masked_fill(removed_sorted, 0.0)
+        cumulative = kept.cumsum(dim=-1)
+        mass_before = cumulative - kept
+        # top-p of the top-k distribution: compare with top_p x the mass top-k kept.
+        removed_sorted |= mass_before > rows.top_ps * cumulative[:, -1:]
+    return torch.zeros_like(removed_sorted).scatter_(1, order, removed_sorted)
+
+
+def _with_logprobs(raw: torch.Tensor, next_ids: torch.Tensor, top_k: int) -> SampleResult:
+    logprobs = torch.log_softmax(raw, dim=-1)
+    chosen = logprobs.gather(1, next_ids.unsqueeze(1)).squeeze(1)
+    if top_k <= 0:
+        return SampleResult(next_token_ids=next_ids, logprobs=chosen)
+    top = logprobs.topk(top_k, dim=-1)
+    return SampleResult(
+        next_token_ids=next_ids,
+        logprobs=chosen,
+        top_logprob_ids=top.indices,
+        top_logprob_values=top.values,
+    )
+
+
+def _check_logits(logits: torch.Tensor, batch: SamplingBatch) -> None:
+    expected = (batch.batch_size, batch.vocab_size)
+    if logits.dim() != 2 or tuple(logits.shape) != expected:
+        raise ValueError(f"logits have shape {tuple(logits.shape)}; the batch expects {expected}")
+    if not logits.is_floating_point():
+        raise ValueError(f"logits must be floating point, got {logits.dtype}")
+    have, want = logits.device, batch.device
+    if have.type != want.type or (
+        have.index is not None and want.index is not None and have.index != want.index
+    ):
+        raise ValueError(f"logits are on {have}; the sampling batch was built on {want}")

@@ -1,0 +1,1 @@
+"""Helpers shared by tests: tiny models and forward-batch builders."""

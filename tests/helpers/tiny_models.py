@@ -1,0 +1,99 @@
+"""Tiny random-weight models in Hugging Face format, with the real SmolLM2 tokenizer.
+
+They exercise every code path of the real architectures (GQA, tied or untied head,
+q/k norm, biases, rope scaling) in milliseconds. Weights are drawn larger than
+transformers' init so logits differ by whole units between positions: a wrong
+mask or a wrong rotation shows up far above the test tolerances.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TINY_SHAPE: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,  # GQA, 2 query heads per KV head
+    "head_dim": 16,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-5,
+}
+
+
+def embedded_model_dir() -> Path:
+    """The embedded SmolLM2-135M-Instruct, converted from GGUF (cached after the first call)."""
+    from radixserve.engine.model.loader import resolve_model_path
+
+    return resolve_model_path(None)
+
+
+def make_tiny_llama(out_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """Llama with an untied head. `overrides` go to LlamaConfig (e.g. rope_scaling)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**_base_fields(), tie_word_embeddings=False, **overrides)
+    return _build(LlamaForCausalLM, config, Path(out_dir), seed)
+
+
+def make_tiny_qwen3(out_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """Qwen3 (q/k norm) with a tied head and q/k/v/o biases."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    fields = {"attention_bias": True, **overrides}
+    config = Qwen3Config(**_base_fields(), tie_word_embeddings=True, **fields)
+    return _build(Qwen3ForCausalLM, config, Path(out_dir), seed)
+
+
+def make_tiny_qwen2(out_dir: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """Qwen2 (q/k/v bias, no o bias) with a tied head."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(**_base_fields(), tie_word_embeddings=True, **overrides)
+    return _build(Qwen2ForCausalLM, config, Path(out_dir), seed)
+
+
+def _base_fields() -> dict[str, Any]:
+    tokenizer = _smollm2_tokenizer()
+    return {
+        **TINY_SHAPE,
+        "vocab_size": len(tokenizer),
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+        "dtype": "float32",
+    }
+
+
+def _build(model_cls: Any, config: Any, out_dir: Path, seed: int) -> Path:
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.2 * torch.randn(param.shape, generator=gen))
+            elif name.endswith("bias"):
+                param.copy_(0.1 * torch.randn(param.shape, generator=gen))
+            else:
+                param.copy_(torch.randn(param.shape, generator=gen) / param.shape[-1] ** 0.5)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    _smollm2_tokenizer().save_pretrained(out_dir)
+    return out_dir
+
+
+_TOKENIZER: Any = None
+
+
+def _smollm2_tokenizer() -> Any:
+    global _TOKENIZER
+    if _TOKENIZER is None:
+        from radixserve.engine.model.tokenizer import load_tokenizer
+
+        _TOKENIZER = load_tokenizer(embedded_model_dir())
+    return _TOKENIZER

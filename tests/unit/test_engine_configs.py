@@ -1,0 +1,65 @@
+"""The same greedy outputs whatever the cache, chunking or memory pressure."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from radixserve import Engine
+from tests.unit.engine_helpers import engine_outputs, make_prompts
+
+MAX_NEW = 32
+LENGTHS = [5, 17, 40, 3, 64, 90, 33, 12]
+
+
+def _run(model_dir: Path, **kwargs: object) -> tuple[Engine, list[list[int]]]:
+    engine = Engine(
+        model_path=str(model_dir), device="cpu", dtype="float32", debug_check_invariants=True, **kwargs
+    )
+    prompts = make_prompts(engine.runner.vocab_size, LENGTHS, seed=3)
+    # Shared prefixes too, so the radix cache has something to reuse within the batch.
+    prompts += [prompts[4][:50] + p for p in prompts[:3]]
+    return engine, engine_outputs(engine, prompts, MAX_NEW)
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_llama_dir: Path) -> list[list[int]]:
+    return _run(tiny_llama_dir, chunked_prefill_size=-1)[1]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"disable_radix_cache": True},
+        {"chunked_prefill_size": 16},
+        {"chunked_prefill_size": 64},
+        {"chunked_prefill_size": 16, "disable_radix_cache": True},
+        {"enable_mixed_chunk": False, "chunked_prefill_size": 16},
+        {"schedule_policy": "fcfs"},
+        {"schedule_policy": "dfs-weight"},
+    ],
+    ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()),
+)
+def test_same_outputs(tiny_llama_dir: Path, baseline: list[list[int]], kwargs: dict[str, object]) -> None:
+    engine, outs = _run(tiny_llama_dir, **kwargs)
+    assert outs == baseline
+    usage = engine.scheduler.usage()
+    assert usage.in_flight_tokens == 0 and usage.protected_tokens == 0
+
+
+@pytest.mark.parametrize("disable_radix_cache", [False, True])
+def test_retraction_keeps_outputs(
+    tiny_llama_dir: Path, baseline: list[list[int]], disable_radix_cache: bool
+) -> None:
+    # Room for the longest request alone but far from all of them at once.
+    engine, outs = _run(
+        tiny_llama_dir,
+        max_total_tokens=200,
+        chunked_prefill_size=32,
+        disable_radix_cache=disable_radix_cache,
+    )
+    assert engine.scheduler.total_retractions > 0, "the pool was meant to force retraction"
+    assert outs == baseline
+    usage = engine.scheduler.usage()
+    assert usage.free_tokens + usage.evictable_tokens == usage.pool_size

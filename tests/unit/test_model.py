@@ -1,0 +1,403 @@
+"""Our Llama-family model over the paged KV pool against Hugging Face transformers' forward.
+
+Every comparison runs several requests of different lengths in ONE batch, so the
+flattening, the padding and the per-request masks are exercised together.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from radixserve.engine.attention.torch_backend import TorchAttentionBackend
+from radixserve.engine.forward_batch import ForwardBatch, ForwardMode
+from radixserve.engine.kvcache.pool import KVPool, ReqToTokenPool
+from radixserve.engine.model.config import ModelConfig
+from radixserve.engine.model.llama import LlamaForCausalLM
+from radixserve.engine.model.loader import load_model
+from tests.helpers.batches import PagedRequests
+from tests.helpers.tiny_models import make_tiny_llama, make_tiny_qwen2
+
+ATOL, RTOL = 1e-4, 1e-5
+LENGTHS = [2, 9, 24, 41]  # the first request's second half is one token: a mixed batch
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_qwen2(tmp_path_factory.mktemp("tiny_qwen2"), seed=2)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama3_rope_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,  # small, so short prompts hit all three bands
+    }
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny_llama3"), seed=3, rope_scaling=scaling)
+
+
+@pytest.fixture(scope="module")
+def tiny_yarn_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny_yarn"), seed=4, rope_scaling=scaling)
+
+
+MODELS = [
+    "tiny_llama_dir",
+    "tiny_qwen3_dir",
+    "tiny_qwen2_dir",
+    "tiny_llama3_rope_dir",
+    "tiny_yarn_dir",
+    "smollm2_dir",
+]
+
+
+class Harness:
+    """Our model, the Hugging Face reference, and pools to run batches on."""
+
+    def __init__(self, folder: Path) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model, self.config = load_model(folder, "float32", "cpu")
+        self.reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        c = self.config
+        kv_pool = KVPool(
+            1024, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, torch.float32, "cpu"
+        )
+        self.requests = PagedRequests(kv_pool, ReqToTokenPool(8, 256, "cpu"))
+        self.backend = TorchAttentionBackend()
+
+    def run(self, batch: ForwardBatch) -> torch.Tensor:
+        with torch.inference_mode():
+            self.backend.init_forward_metadata(batch)
+            return self.model(batch, self.backend)
+
+    def reference_logits(self, ids: list[int]) -> torch.Tensor:
+        """[len(ids), vocab] logits of the full sequence in one Hugging Face forward."""
+        with torch.inference_mode():
+            return self.reference(torch.tensor([ids])).logits[0].float()
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def harness(request: pytest.FixtureRequest) -> Harness:
+    return Harness(request.getfixturevalue(request.param))
+
+
+def prompts(vocab_size: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(100, vocab_size, (n,), generator=gen).tolist() for n in LENGTHS]
+
+
+def test_extend_batch_matches_hf(harness: Harness) -> None:
+    seqs = prompts(harness.config.vocab_size, seed=0)
+    rows = [harness.requests.new_request() for _ in seqs]
+    logits = harness.run(
+        harness.requests.build(ForwardMode.EXTEND, list(zip(rows, seqs, strict=True)))
+    )
+    assert logits.shape == (len(seqs), harness.config.vocab_size)
+    assert logits.dtype == torch.float32
+    expected = torch.stack([harness.reference_logits(ids)[-1] for ids in seqs])
+    torch.testing.assert_close(logits, expected, atol=ATOL, rtol=RTOL)
+
+
+def test_prefix_extend_then_decode_matches_hf(harness: Harness) -> None:
+    seqs = prompts(harness.config.vocab_size, seed=1)
+    follow = [s[0] for s in prompts(harness.config.vocab_size, seed=2)]  # one decode token each
+    rows = [harness.requests.new_request() for _ in seqs]
+    halves = [len(ids) // 2 for ids in seqs]
+    full = [[*ids, t] for ids, t in zip(seqs, follow, strict=True)]
+    expected = [harness.reference_logits(ids) for ids in full]
+
+    first = harness.requests.build(
+        ForwardMode.EXTEND, [(r, ids[:h]) for r, ids, h in zip(rows, seqs, halves, strict=True)]
+    )
+    first_logits = harness.run(first)
+    want = torch.stack([e[h - 1] for e, h in zip(expected, halves, strict=True)])
+    torch.testing.assert_close(first_logits, want, atol=ATOL, rtol=RTOL)
+
+    # The second halves reuse the first halves' KV slots as a cached prefix.
+    second = harness.requests.build(
+        ForwardMode.EXTEND, [(r, ids[h:]) for r, ids, h in zip(rows, seqs, halves, strict=True)]
+    )
+    assert second.extend_prefix_lens_cpu == halves
+    second_logits = harness.run(second)
+    want = torch.stack([e[len(ids) - 1] for e, ids in zip(expected, seqs, strict=True)])
+    torch.testing.assert_close(second_logits, want, atol=ATOL, rtol=RTOL)
+
+    decode = harness.requests.build(
+        ForwardMode.DECODE, [(r, [t]) for r, t in zip(rows, follow, strict=True)]
+    )
+    decode_logits = harness.run(decode)
+    want = torch.stack([e[-1] for e in expected])
+    torch.testing.assert_close(decode_logits, want, atol=ATOL, rtol=RTOL)
+
+
+def test_bfloat16_load_tracks_float32(tiny_llama_dir: Path) -> None:
+    model, config = load_model(tiny_llama_dir, torch.bfloat16, "cpu")
+    assert model.lm_head.weight.dtype == torch.bfloat16
+    harness = Harness(tiny_llama_dir)
+    seqs = prompts(config.vocab_size, seed=5)
+    rows = [harness.requests.new_request() for _ in seqs]
+    batch = harness.requests.build(ForwardMode.EXTEND, list(zip(rows, seqs, strict=True)))
+    ours_fp32 = harness.run(batch)
+    kv_pool = KVPool(
+        256,
+        config.num_hidden_layers,
+        config.num_key_value_heads,
+        config.head_dim,
+        torch.bfloat16,
+        "cpu",
+    )
+    requests = PagedRequests(kv_pool, ReqToTokenPool(8, 256, "cpu"))
+    rows = [requests.new_request() for _ in seqs]
+    backend = TorchAttentionBackend()
+    with torch.inference_mode():
+        batch = requests.build(ForwardMode.EXTEND, list(zip(rows, seqs, strict=True)))
+        backend.init_forward_metadata(batch)
+        ours_bf16 = model(batch, backend)
+    assert ours_bf16.dtype == torch.float32
+    torch.testing.assert_close(ours_bf16, ours_fp32, atol=0.15, rtol=0.05)
+
+
+def test_tied_head_shares_the_embedding(tiny_qwen3_dir: Path, tiny_llama_dir: Path) -> None:
+    tied, config = load_model(tiny_qwen3_dir, "float32", "cpu")
+    assert config.tie_word_embeddings and config.qk_norm
+    assert tied.lm_head.weight.data_ptr() == tied.model.embed_tokens.weight.data_ptr()
+    untied, config = load_model(tiny_llama_dir, "float32", "cpu")
+    assert not config.tie_word_embeddings
+    assert untied.lm_head.weight.data_ptr() != untied.model.embed_tokens.weight.data_ptr()
+
+
+def test_converted_smollm2_answers_sensibly(smollm2_dir: Path) -> None:
+    """Greedy decoding through our stack: a wrong GGUF q/k un-permutation would not say Paris."""
+    from radixserve.engine.model.tokenizer import apply_chat_template, load_tokenizer
+
+    harness = Harness(smollm2_dir)
+    tokenizer = load_tokenizer(smollm2_dir)
+    ids = apply_chat_template(
+        tokenizer, [{"role": "user", "content": "What is the capital of France?"}]
+    )
+    row = harness.requests.new_request()
+    logits = harness.run(harness.requests.build(ForwardMode.EXTEND, [(row, ids)]))
+    out: list[int] = []
+    for _ in range(12):
+        out.append(int(logits[0].argmax()))
+        logits = harness.run(harness.requests.build(ForwardMode.DECODE, [(row, [out[-1]])]))
+    assert "Paris" in tokenizer.decode(out)
+
+
+def _rewrite_weights(src: Path, dst: Path, drop: str | None = None, add: str | None = None) -> None:
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(str(dst / "model.safetensors"))
+    if drop:
+        del tensors[drop]
+    if add:
+        tensors[add] = torch.zeros(3)
+    save_file(tensors, str(dst / "model.safetensors"))
+
+
+def test_missing_weight_is_an_error(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    _rewrite_weights(tiny_llama_dir, tmp_path / "m", drop="model.layers.1.self_attn.k_proj.weight")
+    with pytest.raises(
+        ValueError, match=r"lacks 1 weights: model\.layers\.1\.self_attn\.qkv_proj\.weight\[1\]"
+    ):
+        load_model(tmp_path / "m", "float32", "cpu")
+
+
+def test_unexpected_weight_is_an_error(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    _rewrite_weights(tiny_llama_dir, tmp_path / "m", add="model.layers.0.mystery.weight")
+    with pytest.raises(ValueError, match="unexpected weight"):
+        load_model(tmp_path / "m", "float32", "cpu")
+
+
+def test_rotary_table_matches_hf_for_each_rope_type(
+    tiny_llama3_rope_dir: Path, tiny_yarn_dir: Path
+) -> None:
+    from transformers import AutoConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    for folder in (tiny_llama3_rope_dir, tiny_yarn_dir):
+        config = ModelConfig.from_pretrained(folder)
+        assert config.rope_type in ("llama3", "yarn")
+        ours = LlamaForCausalLM(config)
+        ours.init_rotary(64)
+        assert ours.rotary is not None
+        reference = LlamaRotaryEmbedding(AutoConfig.from_pretrained(folder))
+        positions = torch.arange(64)[None]
+        cos, sin = reference(torch.zeros(1, dtype=torch.float32), positions)
+        torch.testing.assert_close(ours.rotary.cos, cos[0], atol=1e-6, rtol=0)
+        torch.testing.assert_close(ours.rotary.sin, sin[0], atol=1e-6, rtol=0)
+
+
+# -- model path resolution, GGUF conversion, tokenizer --------------------------------------
+
+
+def test_embedded_model_resolves_from_cache(smollm2_dir: Path) -> None:
+    import time
+
+    from radixserve.engine.model.gguf_convert import embedded_gguf_path
+    from radixserve.engine.model.loader import resolve_model_path
+
+    start = time.perf_counter()
+    again = resolve_model_path(None)
+    assert time.perf_counter() - start < 0.5  # a cache hit, no re-conversion
+    assert again == smollm2_dir
+    assert resolve_model_path("") == smollm2_dir
+    assert resolve_model_path(str(embedded_gguf_path())) == smollm2_dir
+    assert resolve_model_path(smollm2_dir) == smollm2_dir
+    assert not list(smollm2_dir.parent.glob(f".{smollm2_dir.name}-*"))  # no staging left over
+    config = ModelConfig.from_pretrained(smollm2_dir)
+    assert (config.architecture, config.num_hidden_layers, config.vocab_size) == (
+        "LlamaForCausalLM",
+        30,
+        49152,
+    )
+
+
+def test_bad_model_paths_are_refused(tmp_path: Path) -> None:
+    from radixserve.engine.model.loader import resolve_model_path
+
+    with pytest.raises(FileNotFoundError, match="nothing is downloaded"):
+        resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")
+    with pytest.raises(ValueError, match="neither"):
+        resolve_model_path(tmp_path)  # a folder without config.json
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    with pytest.raises(ValueError, match="neither"):
+        resolve_model_path(tmp_path / "weights.bin")
+
+
+def test_failed_conversion_leaves_no_folder(tmp_path: Path) -> None:
+    from radixserve.engine.model.gguf_convert import convert_gguf
+
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"not a gguf file at all")
+    cache = tmp_path / "cache"
+    with pytest.raises(Exception):  # noqa: B017 - gguf's own parse error type
+        convert_gguf(bad, cache)
+    assert list((cache / "models").iterdir()) == []
+
+
+def test_conversion_key_follows_file_identity(tmp_path: Path) -> None:
+    import os
+
+    from radixserve.engine.model.gguf_convert import converted_dir
+
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"a")
+    first = converted_dir(model, tmp_path)
+    assert converted_dir(model, tmp_path) == first
+    os.utime(model, ns=(0, 10**9))
+    assert converted_dir(model, tmp_path) != first
+
+
+def test_chat_template_and_eos_survive_conversion(smollm2_dir: Path) -> None:
+    from radixserve.engine.model.tokenizer import apply_chat_template, load_tokenizer
+
+    tokenizer = load_tokenizer(smollm2_dir)
+    assert tokenizer.chat_template is not None
+    ids = apply_chat_template(tokenizer, [{"role": "user", "content": "Hi there"}])
+    assert tokenizer.decode(ids) == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+        "<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"
+    )
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert ModelConfig.from_pretrained(smollm2_dir).eos_token_ids == (im_end,)
+    assert tokenizer.eos_token_id == im_end
+
+
+def test_model_without_chat_template_is_refused(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    from radixserve.engine.model.tokenizer import apply_chat_template, load_tokenizer
+
+    folder = tmp_path / "plain"
+    shutil.copytree(tiny_llama_dir, folder)
+    (folder / "chat_template.jinja").unlink()
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="no chat template"):
+        apply_chat_template(load_tokenizer(folder), [{"role": "user", "content": "Hi"}])
+
+
+# -- ModelConfig parsing ----------------------------------------------------------------------
+
+BASE = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "vocab_size": 100,
+}
+
+
+def test_config_reads_old_and_new_rope_layouts() -> None:
+    scaling = {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    old = ModelConfig.from_dict(
+        {**BASE, "rope_theta": 5e5, "rope_scaling": {"type": "llama3", **scaling}}
+    )
+    new = ModelConfig.from_dict(
+        {**BASE, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, **scaling}}
+    )
+    assert old.rope_theta == new.rope_theta == 5e5
+    assert old.rope_scaling == new.rope_scaling
+    assert new.rope_type == "llama3"
+    plain = ModelConfig.from_dict(
+        {**BASE, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}
+    )
+    assert plain.rope_scaling is None and plain.rope_theta == 1e4
+
+
+def test_config_defaults_and_flags() -> None:
+    llama = ModelConfig.from_dict(BASE, {"eos_token_id": [7, 9]})
+    assert llama.head_dim == 16 and llama.num_key_value_heads == 4
+    assert not (llama.qkv_bias or llama.o_bias or llama.qk_norm)
+    assert llama.eos_token_ids == (7, 9)
+    qwen2 = ModelConfig.from_dict(
+        {
+            **BASE,
+            "architectures": ["Qwen2ForCausalLM"],
+            "eos_token_id": 9,
+            "sliding_window": 4096,
+            "use_sliding_window": False,
+        }
+    )
+    assert qwen2.qkv_bias and not qwen2.o_bias and qwen2.sliding_window is None
+    assert qwen2.eos_token_ids == (9,)
+    qwen3 = ModelConfig.from_dict({**BASE, "architectures": ["Qwen3ForCausalLM"], "head_dim": 32})
+    assert qwen3.qk_norm and qwen3.head_dim == 32
+    mistral = ModelConfig.from_dict(
+        {**BASE, "architectures": ["MistralForCausalLM"], "sliding_window": 4096}
+    )
+    assert mistral.sliding_window == 4096
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ({"architectures": ["GPT2LMHeadModel"]}, "unsupported model architecture"),
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope type 'dynamic'"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"vocab_size": None}, "vocab_size"),
+    ],
+)
+def test_config_refuses_what_it_cannot_run(override: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_dict({**BASE, **override})
