@@ -11,13 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from radixserve.engine.attention.torch_backend import TorchAttentionBackend
-from radixserve.engine.forward_batch import ForwardBatch, ForwardMode
-from radixserve.engine.kvcache.pool import KVPool, ReqToTokenPool
+from radixserve.engine.forward_batch import ForwardMode
 from radixserve.engine.model.config import ModelConfig
 from radixserve.engine.model.llama import LlamaForCausalLM
 from radixserve.engine.model.loader import load_model
-from tests.helpers.batches import PagedRequests
+from tests.helpers.model_harness import ModelHarness
 from tests.helpers.tiny_models import make_tiny_llama, make_tiny_qwen2
 
 ATOL, RTOL = 1e-4, 1e-5
@@ -57,35 +55,9 @@ MODELS = [
 ]
 
 
-class Harness:
-    """Our model, the Hugging Face reference, and pools to run batches on."""
-
-    def __init__(self, folder: Path) -> None:
-        from transformers import AutoModelForCausalLM
-
-        self.model, self.config = load_model(folder, "float32", "cpu")
-        self.reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-        c = self.config
-        kv_pool = KVPool(
-            1024, c.num_hidden_layers, c.num_key_value_heads, c.head_dim, torch.float32, "cpu"
-        )
-        self.requests = PagedRequests(kv_pool, ReqToTokenPool(8, 256, "cpu"))
-        self.backend = TorchAttentionBackend()
-
-    def run(self, batch: ForwardBatch) -> torch.Tensor:
-        with torch.inference_mode():
-            self.backend.init_forward_metadata(batch)
-            return self.model(batch, self.backend)
-
-    def reference_logits(self, ids: list[int]) -> torch.Tensor:
-        """[len(ids), vocab] logits of the full sequence in one Hugging Face forward."""
-        with torch.inference_mode():
-            return self.reference(torch.tensor([ids])).logits[0].float()
-
-
 @pytest.fixture(scope="module", params=MODELS)
-def harness(request: pytest.FixtureRequest) -> Harness:
-    return Harness(request.getfixturevalue(request.param))
+def harness(request: pytest.FixtureRequest) -> ModelHarness:
+    return ModelHarness(request.getfixturevalue(request.param))
 
 
 def prompts(vocab_size: int, seed: int) -> list[list[int]]:
@@ -93,7 +65,7 @@ def prompts(vocab_size: int, seed: int) -> list[list[int]]:
     return [torch.randint(100, vocab_size, (n,), generator=gen).tolist() for n in LENGTHS]
 
 
-def test_extend_batch_matches_hf(harness: Harness) -> None:
+def test_extend_batch_matches_hf(harness: ModelHarness) -> None:
     seqs = prompts(harness.config.vocab_size, seed=0)
     rows = [harness.requests.new_request() for _ in seqs]
     logits = harness.run(
@@ -105,7 +77,7 @@ def test_extend_batch_matches_hf(harness: Harness) -> None:
     torch.testing.assert_close(logits, expected, atol=ATOL, rtol=RTOL)
 
 
-def test_prefix_extend_then_decode_matches_hf(harness: Harness) -> None:
+def test_prefix_extend_then_decode_matches_hf(harness: ModelHarness) -> None:
     seqs = prompts(harness.config.vocab_size, seed=1)
     follow = [s[0] for s in prompts(harness.config.vocab_size, seed=2)]  # one decode token each
     rows = [harness.requests.new_request() for _ in seqs]
@@ -138,30 +110,17 @@ def test_prefix_extend_then_decode_matches_hf(harness: Harness) -> None:
 
 
 def test_bfloat16_load_tracks_float32(tiny_llama_dir: Path) -> None:
-    model, config = load_model(tiny_llama_dir, torch.bfloat16, "cpu")
-    assert model.lm_head.weight.dtype == torch.bfloat16
-    harness = Harness(tiny_llama_dir)
-    seqs = prompts(config.vocab_size, seed=5)
-    rows = [harness.requests.new_request() for _ in seqs]
-    batch = harness.requests.build(ForwardMode.EXTEND, list(zip(rows, seqs, strict=True)))
-    ours_fp32 = harness.run(batch)
-    kv_pool = KVPool(
-        256,
-        config.num_hidden_layers,
-        config.num_key_value_heads,
-        config.head_dim,
-        torch.bfloat16,
-        "cpu",
-    )
-    requests = PagedRequests(kv_pool, ReqToTokenPool(8, 256, "cpu"))
-    rows = [requests.new_request() for _ in seqs]
-    backend = TorchAttentionBackend()
-    with torch.inference_mode():
-        batch = requests.build(ForwardMode.EXTEND, list(zip(rows, seqs, strict=True)))
-        backend.init_forward_metadata(batch)
-        ours_bf16 = model(batch, backend)
-    assert ours_bf16.dtype == torch.float32
-    torch.testing.assert_close(ours_bf16, ours_fp32, atol=0.15, rtol=0.05)
+    fp32 = ModelHarness(tiny_llama_dir)
+    bf16 = ModelHarness(tiny_llama_dir, dtype=torch.bfloat16)
+    assert bf16.model.lm_head.weight.dtype == torch.bfloat16
+    seqs = prompts(fp32.config.vocab_size, seed=5)
+    outs = []
+    for harness in (fp32, bf16):
+        rows = [harness.requests.new_request() for _ in seqs]
+        batch = harness.requests.build(ForwardMode.EXTEND, list(zip(rows, seqs, strict=True)))
+        outs.append(harness.run(batch))
+    assert outs[1].dtype == torch.float32
+    torch.testing.assert_close(outs[1], outs[0], atol=0.15, rtol=0.05)
 
 
 def test_tied_head_shares_the_embedding(tiny_qwen3_dir: Path, tiny_llama_dir: Path) -> None:
@@ -177,7 +136,7 @@ def test_converted_smollm2_answers_sensibly(smollm2_dir: Path) -> None:
     """Greedy decoding through our stack: a wrong GGUF q/k un-permutation would not say Paris."""
     from radixserve.engine.model.tokenizer import apply_chat_template, load_tokenizer
 
-    harness = Harness(smollm2_dir)
+    harness = ModelHarness(smollm2_dir)
     tokenizer = load_tokenizer(smollm2_dir)
     ids = apply_chat_template(
         tokenizer, [{"role": "user", "content": "What is the capital of France?"}]

@@ -46,7 +46,7 @@ class Engine:
             self.runner.req_pool,
             cache,
             self.context_len,
-            detokenize=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False),
+            detokenize=lambda ids: self._decode(ids, False),
         )
         self.eos_token_ids = frozenset(self.runner.model_config.eos_token_ids)
         self._lock = threading.RLock()

@@ -34,7 +34,8 @@ def resolve_model_path(model_path: str | Path | None, cache_dir: Path | None = N
             "folder with config.json, or a .gguf file; nothing is downloaded)"
         )
     raise ValueError(
-        f"model path {model_path!r} is neither a folder with config.json nor a .gguf file"
+        f"model path {model_path!r} is neither a folder with config.json nor a .gguf file "
+        "(for a folder holding a GGUF, pass the .gguf file itself)"
     )
 
 
