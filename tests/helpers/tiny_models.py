@@ -8,6 +8,7 @@ mask or a wrong rotation shows up far above the test tolerances.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -95,5 +96,7 @@ def _smollm2_tokenizer() -> Any:
     if _TOKENIZER is None:
         from radixserve.engine.model.tokenizer import load_tokenizer
 
-        _TOKENIZER = load_tokenizer(embedded_model_dir())
+        # A machine without the embedded GGUF (a lent GPU) can point at copied tokenizer files.
+        source = os.environ.get("RADIXSERVE_TEST_TOKENIZER_DIR")
+        _TOKENIZER = load_tokenizer(Path(source) if source else embedded_model_dir())
     return _TOKENIZER

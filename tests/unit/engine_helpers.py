@@ -25,19 +25,21 @@ class Reference:
     top2_gaps: list[float]  # per generated position: logit[top1] - logit[top2]
 
 
-def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[Reference]:
+def hf_greedy(
+    model_dir: Path, prompts: list[list[int]], max_new_tokens: int, device: str = "cpu"
+) -> list[Reference]:
     """transformers' own generate, one prompt at a time (no padding), float32, with
     min_new_tokens so both sides run the full length without stopping on EOS."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
     model.eval()
     refs = []
     with torch.inference_mode():
         for ids in prompts:
             out = model.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                torch.tensor([ids], device=device),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=device),
                 max_new_tokens=max_new_tokens,
                 min_new_tokens=max_new_tokens,
                 do_sample=False,
@@ -69,7 +71,9 @@ def greedy_params(max_new_tokens: int) -> dict[str, object]:
     return {"max_new_tokens": max_new_tokens, "min_new_tokens": max_new_tokens, "temperature": 0.0}
 
 
-def engine_outputs(engine: Engine, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+def engine_outputs(
+    engine: Engine, prompts: list[list[int]], max_new_tokens: int
+) -> list[list[int]]:
     outs = engine.generate(input_ids=prompts, sampling_params=greedy_params(max_new_tokens))
     assert isinstance(outs, list)
     return [o["output_ids"] for o in outs]

@@ -14,18 +14,26 @@ from tests.unit.engine_helpers import greedy_params, make_prompts
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama_dir: Path) -> Engine:
-    return Engine(model_path=str(tiny_llama_dir), device="cpu", dtype="float32", debug_check_invariants=True)
+    return Engine(
+        model_path=str(tiny_llama_dir), device="cpu", dtype="float32", debug_check_invariants=True
+    )
 
 
 def test_n_samples_share_the_prompt(engine: Engine) -> None:
     (ids,) = make_prompts(engine.runner.vocab_size, [60], seed=21)
-    outs = engine.generate(input_ids=ids, sampling_params={"n": 4, "max_new_tokens": 8, "temperature": 1.0, "seed": 5})
+    outs = engine.generate(
+        input_ids=ids, sampling_params={"n": 4, "max_new_tokens": 8, "temperature": 1.0, "seed": 5}
+    )
     assert isinstance(outs, list) and len(outs) == 4
     for out in outs:
         assert out["meta_info"]["cached_tokens"] == len(ids) - 1
         assert len(out["output_ids"]) == 8
-    assert len({tuple(o["output_ids"]) for o in outs}) > 1, "different seeds should give different samples"
-    again = engine.generate(input_ids=ids, sampling_params={"n": 4, "max_new_tokens": 8, "temperature": 1.0, "seed": 5})
+    assert len({tuple(o["output_ids"]) for o in outs}) > 1, (
+        "different seeds should give different samples"
+    )
+    again = engine.generate(
+        input_ids=ids, sampling_params={"n": 4, "max_new_tokens": 8, "temperature": 1.0, "seed": 5}
+    )
     assert isinstance(again, list)
     assert [o["output_ids"] for o in again] == [o["output_ids"] for o in outs]
 
@@ -36,7 +44,15 @@ def test_stop_token_and_length(engine: Engine) -> None:
     assert isinstance(free, dict) and free["meta_info"]["finish_reason"] == {"type": "length"}
     stop_at = free["output_ids"][3]
     first = free["output_ids"].index(stop_at)
-    out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 10, "temperature": 0, "stop_token_ids": [stop_at], "min_new_tokens": 0})
+    out = engine.generate(
+        input_ids=ids,
+        sampling_params={
+            "max_new_tokens": 10,
+            "temperature": 0,
+            "stop_token_ids": [stop_at],
+            "min_new_tokens": 0,
+        },
+    )
     assert isinstance(out, dict)
     assert out["output_ids"] == free["output_ids"][: first + 1]
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_at}
@@ -49,7 +65,9 @@ def test_stop_string_trims_text(engine: Engine) -> None:
     text = free["text"]
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     assert stop, "the reference text is too short"
-    out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 12, "temperature": 0, "stop": [stop]})
+    out = engine.generate(
+        input_ids=ids, sampling_params={"max_new_tokens": 12, "temperature": 0, "stop": [stop]}
+    )
     assert isinstance(out, dict)
     assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
     assert out["text"] == text[: text.find(stop)]
@@ -59,7 +77,10 @@ def test_logprobs_match_log_softmax(engine: Engine, tiny_llama_dir: Path) -> Non
     from transformers import AutoModelForCausalLM
 
     (ids,) = make_prompts(engine.runner.vocab_size, [15], seed=24)
-    out = engine.generate(input_ids=ids, sampling_params={**greedy_params(3), "return_logprob": True, "top_logprobs_num": 3})
+    out = engine.generate(
+        input_ids=ids,
+        sampling_params={**greedy_params(3), "return_logprob": True, "top_logprobs_num": 3},
+    )
     assert isinstance(out, dict)
     logprobs = out["meta_info"]["output_token_logprobs"]
     tops = out["meta_info"]["output_top_logprobs"]
@@ -81,7 +102,10 @@ def test_stream_deltas_add_up(engine: Engine) -> None:
     assert isinstance(whole, dict)
 
     async def collect() -> list[dict[str, object]]:
-        return [d async for d in engine.generate_stream(input_ids=ids, sampling_params=greedy_params(10))]
+        return [
+            d
+            async for d in engine.generate_stream(input_ids=ids, sampling_params=greedy_params(10))
+        ]
 
     deltas = asyncio.run(collect())
     assert deltas[-1]["finished"] is True

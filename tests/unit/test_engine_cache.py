@@ -11,7 +11,11 @@ from tests.unit.engine_helpers import engine_outputs, greedy_params, make_prompt
 
 def _engine(model_dir: Path, **kwargs: object) -> Engine:
     return Engine(
-        model_path=str(model_dir), device="cpu", dtype="float32", debug_check_invariants=True, **kwargs
+        model_path=str(model_dir),
+        device="cpu",
+        dtype="float32",
+        debug_check_invariants=True,
+        **kwargs,
     )
 
 
@@ -37,7 +41,9 @@ def test_shared_prefix_is_reused(tiny_llama_dir: Path) -> None:
 
 def test_abort_half_of_in_flight(tiny_llama_dir: Path) -> None:
     engine = _engine(tiny_llama_dir, max_running_requests=64, chunked_prefill_size=256)
-    prompts = make_prompts(engine.runner.vocab_size, [8 + (i * 7) % 40 for i in range(100)], seed=11)
+    prompts = make_prompts(
+        engine.runner.vocab_size, [8 + (i * 7) % 40 for i in range(100)], seed=11
+    )
     params = engine._normalize_params(greedy_params(12), 1)[0]
     rids = [engine._submit(p, params)[0] for p in prompts]
     for _ in range(4):  # some are running, some mid-prefill, some still waiting

@@ -15,7 +15,11 @@ LENGTHS = [5, 17, 40, 3, 64, 90, 33, 12]
 
 def _run(model_dir: Path, **kwargs: object) -> tuple[Engine, list[list[int]]]:
     engine = Engine(
-        model_path=str(model_dir), device="cpu", dtype="float32", debug_check_invariants=True, **kwargs
+        model_path=str(model_dir),
+        device="cpu",
+        dtype="float32",
+        debug_check_invariants=True,
+        **kwargs,
     )
     prompts = make_prompts(engine.runner.vocab_size, LENGTHS, seed=3)
     # Shared prefixes too, so the radix cache has something to reuse within the batch.
@@ -41,7 +45,9 @@ def baseline(tiny_llama_dir: Path) -> list[list[int]]:
     ],
     ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()),
 )
-def test_same_outputs(tiny_llama_dir: Path, baseline: list[list[int]], kwargs: dict[str, object]) -> None:
+def test_same_outputs(
+    tiny_llama_dir: Path, baseline: list[list[int]], kwargs: dict[str, object]
+) -> None:
     engine, outs = _run(tiny_llama_dir, **kwargs)
     assert outs == baseline
     usage = engine.scheduler.usage()

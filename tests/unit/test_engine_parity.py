@@ -19,7 +19,11 @@ MAX_NEW = 32
 
 def _check(model_dir: Path, lengths: list[int], **engine_kwargs: object) -> None:
     engine = Engine(
-        model_path=str(model_dir), device="cpu", dtype="float32", debug_check_invariants=True, **engine_kwargs
+        model_path=str(model_dir),
+        device="cpu",
+        dtype="float32",
+        debug_check_invariants=True,
+        **engine_kwargs,
     )
     prompts = make_prompts(engine.runner.vocab_size, lengths)
     # All prompts go in one call: they share continuous batches of mixed lengths.

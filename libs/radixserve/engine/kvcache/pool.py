@@ -34,7 +34,8 @@ class KVPool:
         self.page_size = page_size
         self.num_layers = num_layers
         self.dtype = dtype
-        self.device = torch.device(device)
+        # Canonical form ("cuda" -> "cuda:0"), so device comparisons hold.
+        self.device = torch.empty(0, device=device).device
         # One extra page in front holds the reserved padding slot 0.
         shape = (num_slots + page_size, num_kv_heads, head_dim)
         self.k_buffers = [
