@@ -161,3 +161,7 @@ def _cmd_up(ns: argparse.Namespace) -> int:
             out = engine.chat(history, {"max_new_tokens": 256, "temperature": 0.0})
             history.append({"role": "assistant", "content": out["text"]})
             print(f"model> {out['text']}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

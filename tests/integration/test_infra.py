@@ -42,10 +42,17 @@ def _launcher_env(tmp: Path) -> dict[str, str]:
     return env
 
 
-def _launch(tmp: Path, timeout_s: float = 20.0) -> Launched:
-    """Run `python -m radixserve.infra` and read its pid/url lines up to `ready`."""
+# The module form, and the `radixserve infra` command users type (same launcher behind).
+LAUNCHERS = {
+    "module": [sys.executable, "-m", "radixserve.infra"],
+    "cli": [sys.executable, "-m", "radixserve.cli", "infra"],
+}
+
+
+def _launch(tmp: Path, timeout_s: float = 20.0, how: str = "module") -> Launched:
+    """Run the launcher and read its pid/url lines up to `ready`."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "radixserve.infra"],
+        LAUNCHERS[how],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -135,8 +142,9 @@ async def _exercise_redis(url: str) -> None:
 
 
 @pytest.mark.timeout(40)
-async def test_launcher_serves_both_and_stops_them_on_sigint(tmp_path: Path) -> None:
-    launched = _launch(tmp_path)
+@pytest.mark.parametrize("how", sorted(LAUNCHERS))
+async def test_launcher_serves_both_and_stops_them_on_sigint(tmp_path: Path, how: str) -> None:
+    launched = _launch(tmp_path, how=how)
     try:
         assert set(launched.pids) == {"nats-server", "redis-server"}
         assert all(_pid_alive(pid) for pid in launched.pids.values())
