@@ -66,7 +66,8 @@ class Engine:
         rids = [rid for group in groups for rid in group]
         try:
             while not all(self._tracked[rid].done for rid in rids):
-                self._drive_once()
+                if not self._drive_once():
+                    raise RuntimeError("the engine went idle with requests unfinished")
         finally:
             for rid in rids:
                 if not self._tracked[rid].done:
@@ -98,8 +99,8 @@ class Engine:
                     yield delta
                     if delta["finished"]:
                         return
-                else:
-                    await asyncio.to_thread(self._drive_once)
+                elif not await asyncio.to_thread(self._drive_once) and not tracked.req.finished:
+                    raise RuntimeError("the engine went idle with the request unfinished")
         finally:
             if not tracked.done:
                 self.abort(rid)
@@ -148,9 +149,9 @@ class Engine:
             texts = [prompt] if isinstance(prompt, str) else list(prompt)
             if not texts or not all(isinstance(t, str) for t in texts):
                 raise ValueError("prompt must be a string or a non-empty list of strings")
-            return [
-                self.tokenizer.encode(t, add_special_tokens=False) for t in texts
-            ], not isinstance(prompt, str)
+            # The tokenizer's own default: BOS where the model expects one (Llama 3), none
+            # where it does not (SmolLM2), as transformers' generate would see it.
+            return [self.tokenizer.encode(t) for t in texts], not isinstance(prompt, str)
         assert input_ids is not None
         if input_ids and isinstance(input_ids[0], list):
             return [list(map(int, ids)) for ids in input_ids], True  # type: ignore[arg-type]
@@ -228,10 +229,11 @@ class Engine:
             self.scheduler.add_request(parent)
             return [c.rid for c in children]
 
-    def _drive_once(self) -> None:
+    def _drive_once(self) -> bool:
+        """One scheduler step; False when there was nothing to do."""
         with self._lock:
             if not self.scheduler.has_work():
-                return
+                return False
             for out in self.scheduler.step():
                 tracked = self._tracked.get(out.req.rid)
                 if tracked is None or not out.finished:
@@ -242,3 +244,4 @@ class Engine:
                     for child in tracked.children:
                         if not self._tracked[child.rid].done:
                             self.scheduler.add_request(child)
+            return True
