@@ -42,6 +42,9 @@ def baseline(tiny_llama_dir: Path) -> list[list[int]]:
         {"enable_mixed_chunk": False, "chunked_prefill_size": 16},
         {"schedule_policy": "fcfs"},
         {"schedule_policy": "dfs-weight"},
+        {"page_size": 4, "chunked_prefill_size": 16},
+        {"page_size": 16, "enable_mixed_chunk": False, "chunked_prefill_size": 16},
+        {"page_size": 16, "disable_radix_cache": True},
     ],
     ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()),
 )

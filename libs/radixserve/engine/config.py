@@ -58,10 +58,8 @@ class EngineConfig:
             )
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise ValueError("mem_fraction_static must be in (0, 1)")
-        if self.page_size != 1:
-            # The token-granular pool is the supported layout; paged layouts come with
-            # the paged kernels.
-            raise ValueError("page_size must be 1 (token-granular KV pool)")
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         for name in ("max_running_requests", "max_prefill_tokens", "cpu_kv_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")

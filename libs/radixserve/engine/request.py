@@ -77,12 +77,6 @@ class Req:
         return len(self.origin_input_ids) + len(self.output_ids)
 
     @property
-    def owned_kv_tokens(self) -> int:
-        """Slots held by this request alone (not shared through the prefix cache)."""
-        prefix = 0 if self.prefix_indices is None else int(self.prefix_indices.numel())
-        return self.kv_len - prefix
-
-    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 

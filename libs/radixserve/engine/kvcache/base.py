@@ -63,6 +63,10 @@ class PrefixCache(ABC):
     def sizes(self) -> CacheSizes: ...
 
     @abstractmethod
+    def cached_slots(self) -> torch.Tensor:
+        """Every KV slot the cache holds, evictable or protected: int64 (invariant checks)."""
+
+    @abstractmethod
     def reset(self) -> None:
         """Drop every cached entry (flush_cache); only valid when nothing is locked.
         Does not free slots: the caller clears the pool."""

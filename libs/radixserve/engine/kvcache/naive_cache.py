@@ -66,6 +66,9 @@ class NaiveCache(PrefixCache):
     def sizes(self) -> CacheSizes:
         return CacheSizes(evictable_tokens=0, protected_tokens=0)
 
+    def cached_slots(self) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.int64, device=self.kv_pool.device)
+
     def total_size(self) -> int:
         return 0
 

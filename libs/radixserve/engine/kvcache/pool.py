@@ -1,8 +1,9 @@
-"""Token-granular KV memory: per-layer K/V buffers and a free list of slots.
+"""KV memory: per-layer K/V buffers and a free list of pages of `page_size` slots.
 
-Slot 0 is reserved and never handed out: padded index tables point at it, so a
-kernel that reads past a request's length reads harmless zeros instead of another
-request's KV.
+Page p holds slots [p * page_size, (p + 1) * page_size). Page 0 holds the reserved
+slot 0 and is never handed out: padded index tables point at slot 0, so a kernel that
+reads past a request's length reads harmless zeros instead of another request's KV.
+With page_size 1 a page is a slot and the free list is the list of free slots.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import torch
 
 
 class KVPool:
-    """KV buffers for every layer, addressed by slot; allocation in pages of `page_size` slots."""
+    """KV buffers for every layer, addressed by slot; allocation in whole pages of `page_size` slots."""
 
     def __init__(
         self,
@@ -32,6 +33,7 @@ class KVPool:
             )
         self.size = num_slots
         self.page_size = page_size
+        self.num_pages = num_slots // page_size
         self.num_layers = num_layers
         self.dtype = dtype
         # Canonical form ("cuda" -> "cuda:0"), so device comparisons hold.
@@ -44,28 +46,82 @@ class KVPool:
         self.v_buffers = [
             torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
         ]
+        self._page_offsets = torch.arange(page_size, dtype=torch.int64, device=self.device)
         self.clear()
 
     def clear(self) -> None:
-        # Free slots live on the host: allocation is a Python slice, and the scheduler
+        # Free pages live on the host: allocation is a Python slice, and the scheduler
         # needs the counts every step anyway.
-        self._free_slots = list(range(self.page_size, self.size + self.page_size))
+        self._free_pages = list(range(1, self.num_pages + 1))
+        # With pages > 1 slot, freeing goes through slot -> page, where a caller's slip
+        # would silently hand one page out twice; the flags catch that at once.
+        # (page_size 1 keeps the plain list: its hot path stays as cheap as before.)
+        self._page_is_free = bytearray([0]) + bytearray([1]) * self.num_pages
 
     def available(self) -> int:
-        return len(self._free_slots)
+        """Free slots (always whole pages)."""
+        return len(self._free_pages) * self.page_size
+
+    def available_pages(self) -> int:
+        return len(self._free_pages)
 
     def alloc(self, num_tokens: int) -> torch.Tensor | None:
-        """Hand out `num_tokens` slots (int64, on the pool's device), or None if too few are free."""
-        if num_tokens > len(self._free_slots):
+        """Hand out `num_tokens` slots (int64, on the pool's device), or None if too few are free.
+
+        `num_tokens` must be a whole number of pages; the slots come page by page, each
+        page in order, so slot i of the result sits at offset i % page_size of its page.
+        """
+        page = self.page_size
+        if num_tokens < 0 or num_tokens % page:
+            raise ValueError(
+                f"alloc needs a whole number of pages: {num_tokens} slots with page_size {page}"
+            )
+        num_pages = num_tokens // page
+        if num_pages > len(self._free_pages):
             return None
-        taken = self._free_slots[:num_tokens]
-        del self._free_slots[:num_tokens]
-        return torch.tensor(taken, dtype=torch.int64, device=self.device)
+        taken = self._free_pages[:num_pages]
+        del self._free_pages[:num_pages]
+        if page == 1:
+            return torch.tensor(taken, dtype=torch.int64, device=self.device)
+        for p in taken:
+            self._page_is_free[p] = 0
+        pages = torch.tensor(taken, dtype=torch.int64, device=self.device)
+        return (pages[:, None] * page + self._page_offsets).reshape(-1)
 
     def free(self, slots: torch.Tensor) -> None:
+        """Give back the pages the given slots lie in. The caller must own every slot of
+        those pages (a page is freed whole, once)."""
         if slots.numel() == 0:
             return
-        self._free_slots.extend(slots.tolist())
+        if self.page_size == 1:
+            self._free_pages.extend(slots.tolist())
+            return
+        # A request's slots run page by page, so one page's slots are adjacent.
+        pages = torch.unique_consecutive(slots // self.page_size).tolist()
+        bad = [p for p in pages if not 1 <= p <= self.num_pages or self._page_is_free[p]]
+        if bad or len(set(pages)) != len(pages):
+            raise RuntimeError(
+                f"KV pages freed twice or not allocatable: {bad or sorted(pages)[:8]}"
+            )
+        for p in pages:
+            self._page_is_free[p] = 1
+        self._free_pages.extend(pages)
+
+    def free_page_ids(self) -> list[int]:
+        """The free list (a copy), in hand-out order; for invariant checks."""
+        return list(self._free_pages)
+
+    def free_slot_ids(self) -> list[int]:
+        """Every free slot, page by page in free-list order; for invariant checks."""
+        if self.page_size == 1:
+            return list(self._free_pages)
+        page = self.page_size
+        return [p * page + i for p in self._free_pages for i in range(page)]
+
+    @property
+    def _free_slots(self) -> list[int]:
+        # Kept for tests written against the slot-granular pool.
+        return self.free_slot_ids()
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k_buffers[layer_id][loc] = k.to(self.dtype)

@@ -46,7 +46,9 @@ class TreeNode:
 
 
 class RadixCache(PrefixCache):
-    def __init__(self, kv_pool: KVPool, page_size: int = 1) -> None:
+    def __init__(self, kv_pool: KVPool, page_size: int | None = None) -> None:
+        # Default: the pool's page size (the two must agree).
+        page_size = kv_pool.page_size if page_size is None else page_size
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         if kv_pool.page_size != page_size:
@@ -235,6 +237,10 @@ class RadixCache(PrefixCache):
     def total_size(self) -> int:
         return self._evictable_tokens + self._protected_tokens
 
+    def cached_slots(self) -> torch.Tensor:
+        values = [node.value for node in self._nodes()]
+        return torch.cat(values) if values else self._empty()
+
     def _nodes(self) -> Iterator[TreeNode]:
         """Every node except the root, parents before children."""
         stack = list(self._root.children.values())
@@ -275,7 +281,9 @@ class RadixCache(PrefixCache):
             f"protected {self._protected_tokens} != {protected}"
         )
         assert 0 not in seen, "the reserved padding slot 0 is cached"
-        assert seen.isdisjoint(self.kv_pool._free_slots), "a cached slot is also on the free list"
+        assert seen.isdisjoint(self.kv_pool.free_slot_ids()), (
+            "a cached slot is also on the free list"
+        )
 
     def pretty(self) -> str:
         """The tree, one node per line, indented by depth (for debugging)."""

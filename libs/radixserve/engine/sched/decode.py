@@ -21,22 +21,27 @@ class DecodeMemory:
 
 
 def ensure_decode_memory(kv: KVManager, running: list[Req], extra_tokens: int = 0) -> DecodeMemory:
-    """Retract the requests with the least progress until every other one has a slot."""
+    """Retract the requests with the least progress until every other one has a slot.
+
+    Counted in whole pages: a request needs a new page only when its last one is full.
+    """
     keep = list(running)
     # The ones that lose least when retracted go last: fewest outputs, longest prompt.
     keep.sort(key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)), reverse=True)
     retracted: list[Req] = []
-    while keep and kv.available_tokens() < len(keep) + extra_tokens:
+    need = kv.decode_slots_needed(keep)
+    while keep and kv.available_tokens() < need + extra_tokens:
         if len(keep) == 1 and extra_tokens == 0:
             break
         victim = keep.pop()
+        need -= kv.slots_needed(victim, 1)  # before release resets its kv_len
         kv.release(victim)
         victim.status = ReqStatus.WAITING
         victim.prefill_done = False
         victim.num_retractions += 1
         retracted.append(victim)
     unservable: list[Req] = []
-    if keep and kv.available_tokens() < len(keep):
+    if keep and kv.available_tokens() < need:
         unservable = keep
         keep = []
     retracted.reverse()

@@ -1,9 +1,9 @@
 """The prefill adder: admits waiting requests into this step until a budget runs out.
 
 Budgets: KV tokens (what is free or evictable, minus what running requests are
-expected to still need), prefill tokens per step (max_prefill_tokens), and the
-chunk size; a request longer than the remaining chunk is split, and only one
-request is ever mid-chunk.
+expected to still need; new KV is counted in whole pages), prefill tokens per step
+(max_prefill_tokens), and the chunk size; a request longer than the remaining chunk
+is split, and only one request is ever mid-chunk.
 """
 
 from __future__ import annotations
@@ -59,7 +59,12 @@ class PrefillAdder:
     def add_chunked(self, req: Req) -> None:
         """Continue the request that was mid-chunk (it already holds a row and its prefix)."""
         remaining = req.seq_len - req.kv_len
-        budget = min(remaining, self._rem_kv(), max(self.rem_input_tokens, 1))
+        # Whole pages only: the tail of its last page is free, the rest costs pages.
+        budget = min(
+            remaining,
+            self.kv.max_extend_tokens(req, self._rem_kv()),
+            max(self.rem_input_tokens, 1),
+        )
         if budget <= 0:
             self.chunked = req  # no memory this step; try again next step
             return
@@ -83,7 +88,7 @@ class PrefillAdder:
         # With nothing else running, the future estimate must not keep a request out.
         alone = self.num_running == 0 and not self.admitted
         future = self._future_tokens(req) if need == extend_len and not alone else 0
-        if need + future > self._rem_kv():
+        if self.kv.slots_needed(req, need) + future > self._rem_kv():
             self.kv.release(req)
             return AddResult.NO_TOKENS
         req.status = ReqStatus.RUNNING

@@ -195,9 +195,7 @@ class Scheduler:
         return list(self.running)
 
     def _unassign_one(self, req: Req) -> None:
-        assert req.req_pool_idx is not None
-        slot = self.kv.req_pool.req_to_token[req.req_pool_idx, req.kv_len : req.kv_len + 1]
-        self.kv.kv_pool.free(slot.to(torch.int64))
+        self.kv.unassign_new_slots(req, 1)
         req.extend_len = 0
 
     def _plan_prefill(self, decode_reqs: list[Req]) -> list[Req]:
