@@ -26,7 +26,11 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_cuda_float32_matches_hf(tiny_dir: Path) -> None:
     engine = Engine(
-        model_path=str(tiny_dir), device="cuda", dtype="float32", debug_check_invariants=True
+        model_path=str(tiny_dir),
+        device="cuda",
+        dtype="float32",
+        debug_check_invariants=True,
+        max_total_tokens=8192,  # the per-step invariant check walks the whole pool
     )
     prompts = make_prompts(engine.runner.vocab_size, [5, 17, 40, 3, 64])
     ours = engine_outputs(engine, prompts, 32)
@@ -36,7 +40,13 @@ def test_cuda_float32_matches_hf(tiny_dir: Path) -> None:
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"chunked_prefill_size": 16}, {"disable_radix_cache": True}, {"max_total_tokens": 200}],
+    [
+        {"chunked_prefill_size": 16},
+        {"disable_radix_cache": True},
+        {"max_total_tokens": 200},
+        {"page_size": 16, "chunked_prefill_size": 16},
+        {"page_size": 4, "max_total_tokens": 256},
+    ],
 )
 def test_cuda_configs_agree(tiny_dir: Path, kwargs: dict[str, object]) -> None:
     base = Engine(model_path=str(tiny_dir), device="cuda", dtype="float32", max_total_tokens=8192)
