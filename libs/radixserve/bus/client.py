@@ -44,6 +44,7 @@ from radixserve.bus.errors import BusClosed, BusConnectError, BusError, BusNoRes
 from radixserve.bus.message import BusMsg
 from radixserve.bus.settings import BusSettings
 from radixserve.bus.tracing import extract_trace, inject_trace
+from radixserve.retry import RetriesExhausted, retry_with_backoff
 
 log = logging.getLogger(__name__)
 
@@ -110,35 +111,34 @@ class Bus:
 
     async def _connect_with_retry(self) -> None:
         s = self.settings
-        delay = s.connect_backoff_s
-        last_error: BaseException | None = None
-        for attempt in range(1, s.connect_attempts + 1):
+
+        async def attempt() -> NatsClient:
             nc = NatsClient()
             try:
                 # NOTE: with unlimited reconnects nats-py's own first connect never gives
                 # up, so each attempt is bounded from outside and the client closed.
                 await asyncio.wait_for(self._connect_once(nc), s.connect_timeout_s)
-            except (TimeoutError, OSError, nats.errors.Error) as exc:
-                last_error = exc
+            except BaseException:
                 await nc.close()
-                log.warning(
-                    "NATS %s: connect attempt %d/%d failed: %r",
-                    s.url,
-                    attempt,
-                    s.connect_attempts,
-                    exc,
-                )
-                if attempt < s.connect_attempts:
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, s.connect_backoff_max_s)
-                continue
-            self._nc = nc
-            log.info("NATS connected to %s as %r", s.url, s.name)
-            return
-        raise BusConnectError(
-            f"cannot connect to NATS at {s.url} after {s.connect_attempts} attempts "
-            f"({s.connect_timeout_s}s each): {last_error!r}"
-        ) from last_error
+                raise
+            return nc
+
+        try:
+            self._nc = await retry_with_backoff(
+                attempt,
+                attempts=s.connect_attempts,
+                first_delay_s=s.connect_backoff_s,
+                max_delay_s=s.connect_backoff_max_s,
+                retry_on=(TimeoutError, OSError, nats.errors.Error),
+                log=log,
+                what=f"NATS {s.url} connect",
+            )
+        except RetriesExhausted as exc:
+            raise BusConnectError(
+                f"cannot connect to NATS at {s.url} after {s.connect_attempts} attempts "
+                f"({s.connect_timeout_s}s each): {exc.last_error!r}"
+            ) from exc.last_error
+        log.info("NATS connected to %s as %r", s.url, s.name)
 
     async def _connect_once(self, nc: NatsClient) -> None:
         s = self.settings

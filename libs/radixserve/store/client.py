@@ -28,6 +28,7 @@ from typing import cast
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from radixserve.retry import RetriesExhausted, retry_with_backoff
 from radixserve.store.ratelimit import (
     TOKEN_BUCKET_LUA,
     RateLimitDecision,
@@ -101,23 +102,21 @@ class Store:
 
     async def _ping_with_retry(self) -> None:
         s = self.settings
-        delay = s.connect_backoff_s
-        last_error: BaseException | None = None
-        for attempt in range(1, s.connect_attempts + 1):
-            try:
-                await asyncio.wait_for(self._redis.ping(), s.connect_timeout_s)
-                return
-            except (TimeoutError, RedisError, OSError) as exc:
-                last_error = exc
-                log.warning(
-                    "Redis %s: connect attempt %d/%d failed", s.url, attempt, s.connect_attempts
-                )
-            if attempt < s.connect_attempts:
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, s.connect_backoff_max_s)
-        raise StoreConnectError(
-            f"cannot reach Redis at {s.url} after {s.connect_attempts} attempts: {last_error!r}"
-        ) from last_error
+        try:
+            await retry_with_backoff(
+                lambda: asyncio.wait_for(self._redis.ping(), s.connect_timeout_s),
+                attempts=s.connect_attempts,
+                first_delay_s=s.connect_backoff_s,
+                max_delay_s=s.connect_backoff_max_s,
+                retry_on=(TimeoutError, RedisError, OSError),
+                log=log,
+                what=f"Redis {s.url} connect",
+            )
+        except RetriesExhausted as exc:
+            raise StoreConnectError(
+                f"cannot reach Redis at {s.url} after {s.connect_attempts} attempts: "
+                f"{exc.last_error!r}"
+            ) from exc.last_error
 
     async def close(self) -> None:
         await self._redis.aclose()
