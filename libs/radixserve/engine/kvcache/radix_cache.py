@@ -75,10 +75,18 @@ class RadixCache(PrefixCache):
     # -- lookup and insertion ----------------------------------------------------
     def match_prefix(self, key: Sequence[int]) -> MatchResult:
         key = key[: len(key) // self.page_size * self.page_size]
+        node, _, path = self._walk(key)
+        indices = torch.cat([n.value for n in path]) if path else self._empty()
+        return MatchResult(indices=indices, node=node)
+
+    def _walk(self, key: Sequence[int]) -> tuple[TreeNode, int, list[TreeNode]]:
+        """Follow `key` down the tree, splitting the last node where the match ends inside
+        it and touching every node passed (LRU). Returns the deepest node, how many tokens
+        matched, and the matched nodes below the root."""
         now = next(self._clock)
         node = self._root
         node.last_access_time = now
-        values: list[torch.Tensor] = []
+        path: list[TreeNode] = []
         pos = 0
         while pos < len(key):
             child = node.children.get(self._child_key(key, pos))
@@ -88,32 +96,18 @@ class RadixCache(PrefixCache):
             if n < len(child.key):
                 child = self._split(child, n)
             child.last_access_time = now
-            values.append(child.value)
+            path.append(child)
             node = child
             pos += n
-        indices = torch.cat(values) if values else self._empty()
-        return MatchResult(indices=indices, node=node)
+        return node, pos, path
 
     def insert(self, key: Sequence[int], indices: torch.Tensor) -> int:
         self._check_insert_args(key, indices)
-        now = next(self._clock)
-        node = self._root
-        node.last_access_time = now
-        pos = 0
-        while pos < len(key):
-            child = node.children.get(self._child_key(key, pos))
-            if child is None:
-                break
-            n = self._match_len(child.key, key, pos)
-            if n < len(child.key):
-                child = self._split(child, n)
-            child.last_access_time = now
-            node = child
-            pos += n
+        node, pos, _ = self._walk(key)
         if pos < len(key):
             # clone: a view would keep the caller's whole index tensor alive
             leaf = TreeNode(next(self._node_ids), list(key[pos:]), indices[pos:].clone(), node)
-            leaf.last_access_time = now
+            leaf.last_access_time = node.last_access_time  # this walk's clock tick
             node.children[self._child_key(leaf.key, 0)] = leaf
             self._evictable_tokens += len(leaf.key)
         return pos
