@@ -2,4 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
+# Models are always local: never let transformers or huggingface_hub reach for a hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
 pytest_plugins = ["tests.fixtures.servers"]

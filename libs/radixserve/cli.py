@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from typing import Any
 
@@ -77,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # A model path is always local: transformers must not try a hub at run time.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
     ns = build_parser().parse_args(argv)
     logging.basicConfig(
         level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
