@@ -19,13 +19,16 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+from pathlib import Path
 from types import FrameType, TracebackType
-from typing import TextIO
+from typing import TextIO, TypeVar
 
 from radixserve.infra.binaries import find_nats_server, find_redis_server
 from radixserve.infra.process import InfraError
 from radixserve.infra.servers import LocalServer, NatsServer, RedisServer
 from radixserve.infra.settings import InfraSettings
+
+_S = TypeVar("_S", bound=LocalServer)
 
 _WATCH_PERIOD_S = 0.2
 
@@ -72,30 +75,30 @@ class Infra:
         s = self.settings
         try:
             if s.nats_url is None:
-                binary = find_nats_server(s.nats_server_path)
-                self.nats = NatsServer(
-                    binary,
-                    host=s.host,
-                    port=s.nats_port,
-                    startup_timeout_s=s.startup_timeout_s,
-                    stop_timeout_s=s.stop_timeout_s,
+                self.nats = self._start_local(
+                    NatsServer, find_nats_server(s.nats_server_path), s.nats_port
                 )
-                self.nats.start()
             if s.redis_url is None:
-                redis_binary = find_redis_server(s.redis_server_path)
-                self.redis = RedisServer(
-                    redis_binary,
-                    host=s.host,
-                    port=s.redis_port,
-                    startup_timeout_s=s.startup_timeout_s,
-                    stop_timeout_s=s.stop_timeout_s,
+                self.redis = self._start_local(
+                    RedisServer, find_redis_server(s.redis_server_path), s.redis_port
                 )
-                self.redis.start()
         except BaseException:
             self.stop()
             raise
         self._started = True
         return self
+
+    def _start_local(self, kind: type[_S], binary: Path, port: int | None) -> _S:
+        s = self.settings
+        server = kind(
+            binary,
+            host=s.host,
+            port=port,
+            startup_timeout_s=s.startup_timeout_s,
+            stop_timeout_s=s.stop_timeout_s,
+        )
+        server.start()
+        return server
 
     def stop(self) -> None:
         """Stop the servers this object started. Idempotent."""
