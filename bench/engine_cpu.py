@@ -48,32 +48,32 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def bench_hf_one_at_a_time(model: torch.nn.Module, prompts: list[list[int]], out_len: int) -> float:
-    t0 = time.perf_counter()
-    for ids in prompts:
-        x = torch.tensor([ids], device=model.device)
-        model.generate(
-            x,
-            attention_mask=torch.ones_like(x),
-            max_new_tokens=out_len,
-            min_new_tokens=out_len,
-            do_sample=False,
-            pad_token_id=0,
-        )  # type: ignore[operator]
-    return len(prompts) * out_len / (time.perf_counter() - t0)
-
-
-def bench_hf_batched(model: torch.nn.Module, prompts: list[list[int]], out_len: int) -> float:
-    x = torch.tensor(prompts, device=model.device)  # equal lengths: no padding needed
-    t0 = time.perf_counter()
-    model.generate(
+def _hf_generate(model: torch.nn.Module, batch: list[list[int]], out_len: int) -> None:
+    x = torch.tensor(batch, device=model.device)  # equal lengths: no padding needed
+    model.generate(  # type: ignore[operator]
         x,
         attention_mask=torch.ones_like(x),
         max_new_tokens=out_len,
         min_new_tokens=out_len,
         do_sample=False,
         pad_token_id=0,
-    )  # type: ignore[operator]
+    )
+
+
+def bench_hf_one_at_a_time(model: torch.nn.Module, prompts: list[list[int]], out_len: int) -> float:
+    _sync()
+    t0 = time.perf_counter()
+    for ids in prompts:
+        _hf_generate(model, [ids], out_len)
+    _sync()
+    return len(prompts) * out_len / (time.perf_counter() - t0)
+
+
+def bench_hf_batched(model: torch.nn.Module, prompts: list[list[int]], out_len: int) -> float:
+    _sync()
+    t0 = time.perf_counter()
+    _hf_generate(model, prompts, out_len)
+    _sync()
     return len(prompts) * out_len / (time.perf_counter() - t0)
 
 
