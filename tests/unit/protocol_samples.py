@@ -23,6 +23,7 @@ from radixserve.protocol import (
     RequestError,
     RoutedRequest,
     SamplingParams,
+    ServiceHeartbeat,
     StepOutput,
     StepOutputBatch,
     StoredBlocks,
@@ -226,6 +227,10 @@ SAMPLES: list[Message] = [
         kv_event_seq=12,
         model="m",
         tokenizer_id="tok",
+    ),
+    ServiceHeartbeat(service="tokenizer", instance_id="tokenizer-h-1", time=3.0),
+    ServiceHeartbeat(
+        service="gateway", instance_id="gw-0", time=3.0, status="draining", pid=42, host="h"
     ),
     WorkerStats(worker_id="w-1", time=2.0, num_running_reqs=0, num_queue_reqs=0, free_kv_tokens=0),
     WorkerStats(

@@ -70,7 +70,13 @@ from radixserve.protocol.tokens import (
     unpack_tokens,
     unpack_tokens_array,
 )
-from radixserve.protocol.workers import Heartbeat, WorkerCapacity, WorkerStats, WorkerStatus
+from radixserve.protocol.workers import (
+    Heartbeat,
+    ServiceHeartbeat,
+    WorkerCapacity,
+    WorkerStats,
+    WorkerStatus,
+)
 
 __all__ = [
     "DEFAULT_PREFIX",
@@ -100,6 +106,7 @@ __all__ = [
     "RequestError",
     "RoutedRequest",
     "SamplingParams",
+    "ServiceHeartbeat",
     "StepOutput",
     "StepOutputBatch",
     "StoredBlocks",

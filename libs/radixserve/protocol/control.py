@@ -31,6 +31,7 @@ class RequestError(Message, frozen=True):
     error_type: str = "invalid_request_error"
     param: str | None = None
     service: str = ""
+    retry_after_s: float | None = None  # 429 / 503: the gateway's Retry-After header
 
 
 class FlushCacheRequest(Message, frozen=True):

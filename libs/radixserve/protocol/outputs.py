@@ -53,7 +53,9 @@ class DetokParams(Message, frozen=True):
     """
 
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     stop: list[str] = msgspec.field(default_factory=list)
+    no_stop_trim: bool = False
 
 
 class StepOutput(Message, frozen=True):

@@ -155,7 +155,17 @@ class Subjects:
         """worker -> scheduler: `Heartbeat`."""
         return self._join("heartbeat", check_token(worker_id, "worker id"))
 
+    def alive(self, service: str, instance_id: str) -> str:
+        """every service instance -> anyone watching (`radixserve health`, `up`): `ServiceHeartbeat`."""
+        return self._join(
+            "alive", check_token(service, "service name"), check_token(instance_id, "instance id")
+        )
+
     # -- wildcard forms for subscribers -----------------------------------------------
+    @cached_property
+    def alive_all(self) -> str:
+        return self._join("alive", ">")
+
     @cached_property
     def worker_run_all(self) -> str:
         return self._join("worker", "*", "run")

@@ -1,4 +1,5 @@
-"""What each worker reports about itself: load (`WorkerStats`) and liveness (`Heartbeat`)."""
+"""What services report about themselves: worker load (`WorkerStats`), worker liveness
+(`Heartbeat`), and every service's liveness (`ServiceHeartbeat`)."""
 
 from __future__ import annotations
 
@@ -59,3 +60,18 @@ class WorkerStats(Message, frozen=True):
     token_usage: float = 0.0  # in-use share of the KV pool, 0..1
     cache_hit_rate: float = 0.0  # cached prompt tokens / prompt tokens, recent window
     gen_throughput: float = 0.0  # generated tokens per second
+
+
+class ServiceHeartbeat(Message, frozen=True):
+    """any service instance -> `{p}.alive.{service}.{instance_id}`, every couple of seconds.
+
+    What `radixserve health` and `radixserve up` read to tell which services are up.
+    `status` is "ready" while taking work and "draining" after SIGTERM.
+    """
+
+    service: str
+    instance_id: str
+    time: float  # wall clock, time.time()
+    status: str = "ready"
+    pid: int = 0
+    host: str = ""

@@ -1,0 +1,12 @@
+"""The six services as thin adapters over the libraries (receive, call the library, publish).
+
+Each `radixserve.services.<name>` module exposes:
+
+    add_arguments(parser: argparse.ArgumentParser) -> None   # its own flags
+    run(ns: argparse.Namespace) -> int                       # blocking; the exit code
+
+`radixserve serve <name>` calls them; `runtime.py` holds what every service shares
+(settings, logging, connect, supervised tasks, heartbeat, drain on SIGTERM). The
+top-level `services/<name>/` folders hold each service's README (and, later, its
+Dockerfile); the code ships in the wheel, here.
+"""

@@ -1,0 +1,295 @@
+"""What every service process shares: settings, logging, connect, supervise, heartbeat, drain.
+
+A service module defines `async def main(ctx: ServiceContext) -> None` that subscribes
+its handlers and returns; `run_service` then keeps the process alive until SIGTERM or
+SIGINT, publishes a `ServiceHeartbeat` every `heartbeat_interval_s`, and on the signal
+runs the drain callbacks the service registered (stop taking work, finish or hand
+back what is in flight), then drains NATS and exits 0. A supervised background task
+that crashes stops the process with exit code 1, so the supervisor (`radixserve up`,
+Docker, Kubernetes) restarts it: nothing fails silently.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from radixserve.bus import Bus, BusSettings
+from radixserve.bus.settings import DEFAULT_NATS_URL, ENV_NATS_URL
+from radixserve.protocol import ServiceHeartbeat, Subjects, encode
+from radixserve.protocol.subjects import DEFAULT_PREFIX, check_token
+from radixserve.store.settings import DEFAULT_REDIS_URL, ENV_REDIS_URL
+
+log = logging.getLogger(__name__)
+
+ENV_PREFIX = "RADIXSERVE_SUBJECT_PREFIX"
+ENV_INSTANCE_ID = "RADIXSERVE_INSTANCE_ID"
+ENV_LOG_FORMAT = "RADIXSERVE_LOG_FORMAT"  # "text" (default) or "json"
+ENV_LOG_PROMPTS = "RADIXSERVE_LOG_PROMPTS"  # "1": prompt/output text may appear in debug logs
+
+DrainCallback = Callable[[], Awaitable[None]]
+
+
+def default_instance_id(service: str) -> str:
+    """`<service>-<host>-<short random>`: one NATS token, unique per process."""
+    host = "".join(c if c.isalnum() or c in "-_" else "-" for c in socket.gethostname())
+    return f"{service}-{host or 'host'}-{uuid.uuid4().hex[:6]}"
+
+
+@dataclass(frozen=True)
+class ServiceSettings:
+    """What every service needs; each service's own settings hold one of these."""
+
+    service: str
+    instance_id: str = ""
+    nats_url: str = DEFAULT_NATS_URL
+    redis_url: str = DEFAULT_REDIS_URL
+    subject_prefix: str = DEFAULT_PREFIX
+    heartbeat_interval_s: float = 1.0
+    drain_timeout_s: float = 10.0
+    # The first NATS connection: attempts with doubling backoff, each logged.
+    connect_attempts: int = 30
+
+    def __post_init__(self) -> None:
+        if not self.instance_id:
+            object.__setattr__(self, "instance_id", default_instance_id(self.service))
+        check_token(self.instance_id, "instance id")
+        if self.heartbeat_interval_s <= 0 or self.drain_timeout_s <= 0:
+            raise ValueError("heartbeat_interval_s and drain_timeout_s must be > 0")
+
+    @classmethod
+    def from_env(
+        cls, service: str, environ: Mapping[str, str] | None = None, **overrides: Any
+    ) -> ServiceSettings:
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {
+            "service": service,
+            "instance_id": env.get(ENV_INSTANCE_ID, ""),
+            "nats_url": env.get(ENV_NATS_URL, "").strip() or DEFAULT_NATS_URL,
+            "redis_url": env.get(ENV_REDIS_URL, "").strip() or DEFAULT_REDIS_URL,
+            "subject_prefix": env.get(ENV_PREFIX, "").strip() or DEFAULT_PREFIX,
+        }
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+    @property
+    def subjects(self) -> Subjects:
+        return Subjects(self.subject_prefix)
+
+    def bus_settings(self) -> BusSettings:
+        return BusSettings(
+            url=self.nats_url,
+            name=self.instance_id,
+            connect_attempts=self.connect_attempts,
+            connect_backoff_max_s=2.0,
+        )
+
+
+def add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags every service takes; unset ones fall back to `RADIXSERVE_*` variables."""
+    parser.add_argument(
+        "--nats-url", default=None, help=f"default ${ENV_NATS_URL} or {DEFAULT_NATS_URL}"
+    )
+    parser.add_argument(
+        "--redis-url", default=None, help=f"default ${ENV_REDIS_URL} or {DEFAULT_REDIS_URL}"
+    )
+    parser.add_argument(
+        "--subject-prefix", default=None, help=f"default ${ENV_PREFIX} or {DEFAULT_PREFIX}"
+    )
+    parser.add_argument("--instance-id", default=None, help="default <service>-<host>-<random>")
+
+
+def settings_from_args(service: str, ns: argparse.Namespace) -> ServiceSettings:
+    return ServiceSettings.from_env(
+        service,
+        nats_url=getattr(ns, "nats_url", None),
+        redis_url=getattr(ns, "redis_url", None),
+        subject_prefix=getattr(ns, "subject_prefix", None),
+        instance_id=getattr(ns, "instance_id", None),
+    )
+
+
+@dataclass
+class ServiceContext:
+    """Handed to a service's `main`: its bus, subjects and the means to run and stop."""
+
+    settings: ServiceSettings
+    bus: Bus
+    stopping: asyncio.Event = field(default_factory=asyncio.Event)
+    status: str = "ready"
+    _drain_callbacks: list[DrainCallback] = field(default_factory=list)
+    _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
+    _crashed: BaseException | None = None
+
+    @property
+    def subjects(self) -> Subjects:
+        return self.settings.subjects
+
+    def on_drain(self, callback: DrainCallback) -> None:
+        """Run `callback` on SIGTERM, before NATS is drained (in registration order)."""
+        self._drain_callbacks.append(callback)
+
+    def spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+        """A supervised background task: if it raises, the service stops with exit code 1."""
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def fail(self, exc: BaseException) -> None:
+        """Stop the service as crashed (exit code 1)."""
+        if self._crashed is None:
+            self._crashed = exc
+        self.stopping.set()
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if task.cancelled() or self.stopping.is_set():
+            return
+        exc = task.exception()
+        if exc is not None:
+            log.error(
+                "task %s crashed: %r; stopping the service", task.get_name(), exc, exc_info=exc
+            )
+            self.fail(exc)
+
+    async def _cancel_tasks(self) -> None:
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _heartbeat_loop(ctx: ServiceContext) -> None:
+    s = ctx.settings
+    subject = ctx.subjects.alive(s.service, s.instance_id)
+    host = socket.gethostname()
+    while True:
+        beat = ServiceHeartbeat(
+            service=s.service,
+            instance_id=s.instance_id,
+            time=time.time(),
+            status=ctx.status,
+            pid=os.getpid(),
+            host=host,
+        )
+        if ctx.bus.is_connected:
+            try:
+                await ctx.bus.publish(subject, encode(beat))
+            except Exception as exc:  # a NATS blip must not kill the service
+                log.warning("heartbeat publish failed: %r", exc)
+        await asyncio.sleep(s.heartbeat_interval_s)
+
+
+async def serve_async(
+    settings: ServiceSettings, main: Callable[[ServiceContext], Awaitable[None]]
+) -> int:
+    """Connect, run `main`, heartbeat, wait for a signal, drain. Returns the exit code."""
+    log.info(
+        "starting %s (instance %s), NATS %s",
+        settings.service,
+        settings.instance_id,
+        settings.nats_url,
+    )
+    bus = await Bus.connect(settings.bus_settings())
+    ctx = ServiceContext(settings=settings, bus=bus)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, ctx.stopping.set)
+    try:
+        await main(ctx)
+        ctx.spawn(_heartbeat_loop(ctx), "heartbeat")
+        log.info("%s ready", settings.service)
+        await ctx.stopping.wait()
+        log.info("%s draining", settings.service)
+        ctx.status = "draining"
+        for callback in ctx._drain_callbacks:
+            try:
+                await asyncio.wait_for(callback(), settings.drain_timeout_s)
+            except Exception as exc:
+                log.warning("drain step failed: %r", exc)
+    finally:
+        await ctx._cancel_tasks()
+        try:
+            await asyncio.wait_for(bus.drain(), settings.drain_timeout_s)
+        except Exception as exc:
+            log.warning("NATS drain failed: %r", exc)
+            await bus.close()
+    if ctx._crashed is not None:
+        log.error("%s stopped after a crash", settings.service)
+        return 1
+    log.info("%s stopped", settings.service)
+    return 0
+
+
+def run_service(
+    settings: ServiceSettings, main: Callable[[ServiceContext], Awaitable[None]]
+) -> int:
+    """Blocking entry point used by `radixserve serve <name>`."""
+    setup_logging(settings.service)
+    try:
+        return asyncio.run(serve_async(settings, main))
+    except Exception as exc:
+        log.error("%s failed: %s", settings.service, exc, exc_info=True)
+        return 1
+
+
+class _LogfmtFormatter(logging.Formatter):
+    """`ts level service logger: message rid=...`: greppable, with the request id."""
+
+    def __init__(self, service: str, as_json: bool) -> None:
+        super().__init__()
+        self.service = service
+        self.as_json = as_json
+
+    def format(self, record: logging.LogRecord) -> str:
+        rid = getattr(record, "rid", None)
+        ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+        ts += f".{int(record.msecs):03d}Z"
+        message = record.getMessage()
+        if self.as_json:
+            import json
+
+            body: dict[str, Any] = {
+                "ts": ts,
+                "level": record.levelname,
+                "service": self.service,
+                "logger": record.name,
+                "msg": message,
+            }
+            if rid:
+                body["rid"] = rid
+            if record.exc_info:
+                body["exc"] = self.formatException(record.exc_info)
+            return json.dumps(body)
+        line = f"{ts} {record.levelname} {self.service} {record.name}: {message}"
+        if rid:
+            line += f" rid={rid}"
+        if record.exc_info:
+            line += "\n" + self.formatException(record.exc_info)
+        return line
+
+
+def setup_logging(service: str, level: str | None = None) -> None:
+    """One handler on stderr; `RADIXSERVE_LOG_FORMAT=json` for log shippers."""
+    handler = logging.StreamHandler(sys.stderr)
+    as_json = os.environ.get(ENV_LOG_FORMAT, "text").lower() == "json"
+    handler.setFormatter(_LogfmtFormatter(service, as_json))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel((level or os.environ.get("RADIXSERVE_LOG_LEVEL", "INFO")).upper())
+
+
+def log_prompts_enabled() -> bool:
+    """Prompt and output text stay out of logs unless RADIXSERVE_LOG_PROMPTS=1."""
+    return os.environ.get(ENV_LOG_PROMPTS, "") == "1"
