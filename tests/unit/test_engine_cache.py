@@ -44,24 +44,28 @@ def test_abort_half_of_in_flight(tiny_llama_dir: Path) -> None:
     prompts = make_prompts(
         engine.runner.vocab_size, [8 + (i * 7) % 40 for i in range(100)], seed=11
     )
-    params = engine._normalize_params(greedy_params(12), 1)[0]
-    rids = [engine._submit(p, params)[0] for p in prompts]
+    rids = [engine.submit(p, greedy_params(12)) for p in prompts]
+    finals = {}
     for _ in range(4):  # some are running, some mid-prefill, some still waiting
-        engine._drive_once()
-    states = {engine._tracked[rid].req.status for rid in rids[::2]}
+        engine.step()
+    states = {engine._groups[rid].choices[0].status for rid in rids[::2]}
     assert ReqStatus.RUNNING in states and ReqStatus.WAITING in states
     for rid in rids[::2]:
         assert engine.abort(rid)
     engine.scheduler.check_invariants()
-    while not all(engine._tracked[rid].done for rid in rids):
-        engine._drive_once()
+    while engine.has_work():
+        for out in engine.step():
+            if out.finished:
+                assert out.rid not in finals, "a request finished twice"
+                finals[out.rid] = out.req
+    assert sorted(finals) == sorted(rids) and engine.num_tracked() == 0
     usage = engine.scheduler.usage()
     assert usage.in_flight_tokens == 0 and usage.protected_tokens == 0
     assert usage.free_tokens + usage.evictable_tokens == usage.pool_size
     for rid in rids[::2]:
-        reason = engine._tracked[rid].req.finish_reason
+        reason = finals[rid].finish_reason
         assert reason is not None and reason.kind == "abort"
-    survivors = [engine._tracked[rid].req.output_ids for rid in rids[1::2]]
+    survivors = [finals[rid].output_ids for rid in rids[1::2]]
     reference = engine_outputs(_engine(tiny_llama_dir), prompts[1::2], 12)
     assert survivors == reference
 

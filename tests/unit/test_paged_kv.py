@@ -178,7 +178,9 @@ def test_prefill_budget_counts_whole_pages() -> None:
     req = _req(list(range(100, 120)))  # 20 tokens take two pages
     assert _adder(kv, rem_kv=24).add_one(req) is AddResult.NO_TOKENS
     assert req.req_pool_idx is None and kv.kv_pool.available() == 64
-    adder = _adder(kv, rem_kv=32)
+    # Two pages for the prompt plus one reserved for its first decode step.
+    assert _adder(kv, rem_kv=40).add_one(req) is AddResult.NO_TOKENS
+    adder = _adder(kv, rem_kv=48)
     assert adder.add_one(req) is AddResult.ADDED and adder.admitted == [req]
     assert kv.kv_pool.available() == 32
 

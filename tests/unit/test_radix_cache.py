@@ -82,9 +82,9 @@ def test_evicts_least_recently_used_leaf_first() -> None:
     cache.match_prefix([1, 1])  # a is now the most recent
     freed_order = []
     for _ in range(3):
-        before = list(pool._free_slots)
+        before = list(pool.free_slot_ids())
         assert cache.evict(1) == 2  # whole leaves go at once
-        freed_order.append(pool._free_slots[len(before) :])
+        freed_order.append(pool.free_slot_ids()[len(before) :])
     assert freed_order == [b.tolist(), c.tolist(), a.tolist()]
     assert cache.evict(5) == 0 and pool.available() == pool.size
     cache.check_invariants()
@@ -270,10 +270,10 @@ class RadixMachine(RuleBasedStateMachine):
 
     def evict_and_check(self, num_tokens: int) -> None:
         order = self.eviction_order()
-        mark = len(self.pool._free_slots)
+        mark = len(self.pool.free_slot_ids())
         freed = self.cache.evict(num_tokens)
         assert freed >= min(num_tokens, len(order) * self.PAGE) and freed % self.PAGE == 0
-        freed_slots = self.pool._free_slots[mark:]
+        freed_slots = self.pool.free_slot_ids()[mark:]
         assert len(freed_slots) == freed
         gone = order[: freed // self.PAGE]
         assert sorted(freed_slots) == sorted(s for p in gone for s in self.ref[p])
@@ -400,7 +400,7 @@ class RadixMachine(RuleBasedStateMachine):
             (len(self.ref) - len(locked)) * self.PAGE,
         )
         in_flight = [s for r in self.running for s in r.own.tolist()]
-        free = self.pool._free_slots
+        free = self.pool.free_slot_ids()
         total = len(free) + sizes.evictable_tokens + sizes.protected_tokens + len(in_flight)
         assert total == self.pool.size
         # Every slot is free XOR cached XOR held by a request; none twice.
@@ -465,7 +465,7 @@ class NaiveMachine(RuleBasedStateMachine):
         sizes = self.cache.sizes()
         assert sizes.evictable_tokens == sizes.protected_tokens == 0
         in_flight = [s for _, _, slots in self.running for s in slots.tolist()]
-        owned = [*self.pool._free_slots, *in_flight]
+        owned = [*self.pool.free_slot_ids(), *in_flight]
         assert sorted(owned) == list(range(1, self.pool.size + 1))
 
 

@@ -7,7 +7,9 @@ from dataclasses import dataclass
 from typing import Any
 
 SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight")
-ATTENTION_BACKENDS = ("torch", "triton", "flashinfer")
+# The backends built so far; "triton" and "flashinfer" arrive with the GPU work.
+ATTENTION_BACKENDS = ("torch",)
+PLANNED_ATTENTION_BACKENDS = ("triton", "flashinfer")
 
 
 @dataclass
@@ -47,6 +49,11 @@ class EngineConfig:
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(
                 f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}"
+            )
+        if self.attention_backend in PLANNED_ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend {self.attention_backend!r} is not available yet; "
+                f"use one of {ATTENTION_BACKENDS}"
             )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(

@@ -1,5 +1,12 @@
 """`Engine`: the in-process API (like `sglang.Engine`) over runner + scheduler.
 
+Two layers:
+- the step API a serving loop drives (the worker service): `submit` a request,
+  `abort` it, `step()` once per iteration -> the new tokens of every choice that
+  produced some or finished; `load()` for stats. Nothing else crosses it, so GPU
+  work (overlap scheduling, CUDA graphs) stays behind `step()`.
+- the convenience API on top of it: `generate`, `generate_stream`, `chat`.
+
 Calls are synchronous; `generate_stream` runs engine steps in a worker thread so
 an asyncio caller stays responsive. One lock serialises steps, so several streams
 (and blocking calls from other threads) share one continuous batch.
@@ -11,20 +18,33 @@ import asyncio
 import threading
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from types import TracebackType
 from typing import Any
 
 import torch
 
 from radixserve.engine.config import EngineConfig
+from radixserve.engine.groups import ChoiceOutput, RequestGroup
 from radixserve.engine.kvcache.base import PrefixCache
 from radixserve.engine.kvcache.naive_cache import NaiveCache
 from radixserve.engine.kvcache.radix_cache import RadixCache
 from radixserve.engine.model.tokenizer import apply_chat_template, load_tokenizer
 from radixserve.engine.outputs import Tracked, final_output, stream_delta
-from radixserve.engine.request import Req
+from radixserve.engine.request import FinishReason, Req, ReqStatus
 from radixserve.engine.runner import ModelRunner
 from radixserve.engine.sampling.params import SamplingParams, resolve_seed
+from radixserve.engine.sched.kv_manager import KVUsage
 from radixserve.engine.sched.scheduler import Scheduler
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """What a serving loop reports about the engine (WorkerStats)."""
+
+    num_running_reqs: int
+    num_queue_reqs: int
+    kv: KVUsage
 
 
 class Engine:
@@ -50,9 +70,104 @@ class Engine:
         )
         self.eos_token_ids = frozenset(self.runner.model_config.eos_token_ids)
         self._lock = threading.RLock()
-        self._tracked: dict[str, Tracked] = {}
+        self._groups: dict[str, RequestGroup] = {}
+        # Req.rid -> (its group, choice index; -1 for the hidden shared prefill)
+        self._owner: dict[str, tuple[RequestGroup, int]] = {}
+        self._pending: list[ChoiceOutput] = []  # finished outside the scheduler; next step
+        self._closed = False
 
-    # -- public API -------------------------------------------------------------
+    # -- the step API -------------------------------------------------------------
+    def submit(
+        self,
+        input_ids: list[int],
+        sampling_params: dict[str, Any] | SamplingParams | None = None,
+        rid: str | None = None,
+    ) -> str:
+        """Queue one prompt (token ids); returns its rid. Raises ValueError for bad input."""
+        (params,) = self._normalize_params(sampling_params, 1)
+        return self._submit([int(t) for t in input_ids], params, rid).rid
+
+    def step(self) -> list[ChoiceOutput]:
+        """One iteration of continuous batching: the choices that produced tokens or finished."""
+        with self._lock:
+            self._check_open()
+            outputs, self._pending = self._pending, []
+            if self.scheduler.has_work():
+                for step_out in self.scheduler.step():
+                    owner = self._owner.get(step_out.req.rid)
+                    if owner is None:  # forgotten by its caller (aborted)
+                        continue
+                    group, index = owner
+                    if index < 0:
+                        if step_out.finished:
+                            outputs.extend(self._shared_prefill_done(group, step_out.req))
+                        continue
+                    outputs.append(
+                        ChoiceOutput(
+                            group.rid,
+                            index,
+                            step_out.req,
+                            step_out.new_token_ids,
+                            step_out.new_logprobs,
+                        )
+                    )
+            for out in outputs:
+                if out.finished:
+                    self._owner.pop(out.req.rid, None)
+                    group_of = self._groups.get(out.rid)
+                    if group_of is not None and group_of.finished:
+                        del self._groups[out.rid]
+            return outputs
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return not self._closed and bool(self._pending or self.scheduler.has_work())
+
+    def abort(self, rid: str) -> bool:
+        """Abort every choice of `rid` (and its shared prefill). Its final outputs, with
+        finish reason "abort", come from the next `step()`. False if `rid` is unknown."""
+        with self._lock:
+            group = self._groups.get(rid)
+            if group is None:
+                return False
+            if group.prefill is not None:
+                self._owner.pop(group.prefill.rid, None)
+                self.scheduler.abort(group.prefill.rid)
+                group.prefill = None
+            for index, choice in enumerate(group.choices):
+                if choice.finished:
+                    continue
+                if not self.scheduler.abort(choice.rid):
+                    # Still waiting on the shared prefill: it holds no KV.
+                    self._finish_unscheduled(choice, FinishReason("abort", message="aborted"))
+                    self._pending.append(ChoiceOutput(rid, index, choice))
+            return True
+
+    def forget(self, rid: str) -> None:
+        """Stop tracking `rid` (after aborting it): its outputs are dropped from then on."""
+        with self._lock:
+            group = self._groups.pop(rid, None)
+            if group is None:
+                return
+            for req in [*group.choices, *([group.prefill] if group.prefill else [])]:
+                self._owner.pop(req.rid, None)
+            self._pending = [o for o in self._pending if o.rid != rid]
+
+    def num_tracked(self) -> int:
+        """Requests submitted and not yet reported finished (tests check nothing leaks)."""
+        with self._lock:
+            return len(self._groups)
+
+    def load(self) -> EngineLoad:
+        with self._lock:
+            self._check_open()
+            return EngineLoad(
+                num_running_reqs=len(self.scheduler.holders()),
+                num_queue_reqs=len(self.scheduler.waiting),
+                kv=self.scheduler.usage(),
+            )
+
+    # -- the convenience API ------------------------------------------------------
     def generate(
         self,
         prompt: str | list[str] | None = None,
@@ -60,19 +175,28 @@ class Engine:
         input_ids: list[int] | list[list[int]] | None = None,
     ) -> dict[str, Any] | list[dict[str, Any]]:
         """Blocking generation; a list of prompts (or of input_ids lists) gives a list back."""
+        self._check_open()
         prompts, batched = self._normalize_prompts(prompt, input_ids)
         params_list = self._normalize_params(sampling_params, len(prompts))
-        groups = [self._submit(ids, p) for ids, p in zip(prompts, params_list, strict=True)]
-        rids = [rid for group in groups for rid in group]
+        groups: list[RequestGroup] = []
         try:
-            while not all(self._tracked[rid].done for rid in rids):
-                if not self._drive_once():
-                    raise RuntimeError("the engine went idle with requests unfinished")
+            for ids, params in zip(prompts, params_list, strict=True):
+                groups.append(self._submit(ids, params))
+            while not all(g.finished for g in groups):
+                with self._lock:
+                    if not self.has_work():
+                        raise RuntimeError("the engine went idle with requests unfinished")
+                    self.step()
         finally:
-            for rid in rids:
-                if not self._tracked[rid].done:
-                    self.abort(rid)
-        outputs = [final_output(self._tracked.pop(rid), self._decode) for rid in rids]
+            for group in groups:
+                if not group.finished:
+                    self.abort(group.rid)
+                self.forget(group.rid)
+        outputs = [
+            final_output(Tracked(choice, started=group.started), self.tokenizer)
+            for group in groups
+            for choice in group.choices
+        ]
         if batched or len(outputs) > 1:
             return outputs
         return outputs[0]
@@ -84,27 +208,28 @@ class Engine:
         input_ids: list[int] | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
         """Yields deltas {text, output_ids, finished, meta_info} until the request finishes."""
+        self._check_open()
         prompts, batched = self._normalize_prompts(prompt, input_ids)
         if batched:
             raise ValueError("generate_stream takes one prompt")
         params = self._normalize_params(sampling_params, 1)[0]
         if params.n != 1:
             raise ValueError("generate_stream supports n == 1 only")
-        (rid,) = self._submit(prompts[0], params)
-        tracked = self._tracked[rid]
+        group = self._submit(prompts[0], params)
+        tracked = Tracked(group.choices[0], started=group.started)
         try:
             while True:
-                delta = stream_delta(tracked, self._decode)
+                delta = stream_delta(tracked, self.tokenizer)
                 if delta is not None:
                     yield delta
                     if delta["finished"]:
                         return
-                elif not await asyncio.to_thread(self._drive_once) and not tracked.req.finished:
+                elif not await asyncio.to_thread(self._step_if_busy) and not tracked.req.finished:
                     raise RuntimeError("the engine went idle with the request unfinished")
         finally:
-            if not tracked.done:
-                self.abort(rid)
-            self._tracked.pop(rid, None)
+            if not group.finished:
+                self.abort(group.rid)
+            self.forget(group.rid)
 
     def chat(
         self, messages: list[dict[str, str]], sampling_params: dict[str, Any] | None = None
@@ -114,29 +239,53 @@ class Engine:
         assert isinstance(out, dict)
         return out
 
-    def abort(self, rid: str) -> bool:
-        with self._lock:
-            tracked = self._tracked.get(rid)
-            if tracked is not None:
-                for child in tracked.children:
-                    self.scheduler.abort(child.rid)
-                    self._tracked[child.rid].done = True
-            found = self.scheduler.abort(rid)
-            if tracked is not None:
-                tracked.done = True
-            return found
-
     def flush_cache(self) -> bool:
         """Empty the radix cache. Returns False (and does nothing) while requests run."""
         with self._lock:
+            self._check_open()
             return self.scheduler.flush_cache()
 
     def shutdown(self) -> None:
+        """Abort everything, then free the model, the KV pool and (on CUDA) cached memory.
+
+        The engine is unusable afterwards; `with Engine(...) as engine:` calls this on exit.
+        """
         with self._lock:
-            for rid in list(self._tracked):
+            if self._closed:
+                return
+            for rid in list(self._groups):
                 self.abort(rid)
+                self.forget(rid)
+            self._closed = True
+            # The scheduler holds the pools and, through its callbacks, the engine: drop it
+            # so nothing keeps the tensors alive until a cycle collection.
+            del self.scheduler
+            self.runner.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.shutdown()
 
     # -- internals --------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the engine is shut down")
+
+    def _step_if_busy(self) -> bool:
+        """One step if there is work; False when idle."""
+        with self._lock:
+            if not self.has_work():
+                return False
+            self.step()
+            return True
+
     def _decode(self, ids: list[int], skip_special_tokens: bool) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
 
@@ -183,7 +332,7 @@ class Engine:
             out.append(params)
         return out
 
-    def _make_req(self, ids: list[int], params: SamplingParams, seed: int | None = None) -> Req:
+    def _make_req(self, rid: str, ids: list[int], params: SamplingParams, seed: int) -> Req:
         if not ids:
             raise ValueError("the prompt is empty")
         if min(ids) < 0 or max(ids) >= self.runner.vocab_size:
@@ -200,48 +349,62 @@ class Engine:
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
         return Req(
-            rid=uuid.uuid4().hex,
+            rid=rid,
             origin_input_ids=list(ids),
             params=params,
-            seed=resolve_seed(params) if seed is None else seed,
+            seed=seed,
             stop_token_ids=frozenset(stop_ids),
         )
 
-    def _submit(self, ids: list[int], params: SamplingParams) -> list[str]:
+    def _submit(
+        self, ids: list[int], params: SamplingParams, rid: str | None = None
+    ) -> RequestGroup:
         """Queue one prompt; n > 1 runs the prompt's prefill once, then n samples share it."""
         with self._lock:
+            self._check_open()
+            rid = rid or uuid.uuid4().hex
+            if rid in self._groups:
+                raise ValueError(f"request id {rid!r} is already in use")
+            seed = resolve_seed(params)
             if params.n == 1:
-                req = self._make_req(ids, params)
-                self._tracked[req.rid] = Tracked(req)
-                self.scheduler.add_request(req)
-                return [req.rid]
-            base_seed = resolve_seed(params)
-            children = [self._make_req(ids, params, seed=base_seed + i) for i in range(params.n)]
-            for child in children:
-                self._tracked[child.rid] = Tracked(child)
-            if not self.scheduler.kv.cache.reuses_prefixes:
-                for child in children:
-                    self.scheduler.add_request(child)
-                return [c.rid for c in children]
-            parent_params = SamplingParams.from_dict({"max_new_tokens": 0})
-            parent = self._make_req(ids, parent_params)
-            self._tracked[parent.rid] = Tracked(parent, children=children, hidden=True)
-            self.scheduler.add_request(parent)
-            return [c.rid for c in children]
+                group = RequestGroup(rid, [self._make_req(rid, ids, params, seed)])
+            else:
+                # Every choice is built (and so validated) before anything is queued.
+                choices = [
+                    self._make_req(f"{rid}-{i}", ids, params, seed + i) for i in range(params.n)
+                ]
+                group = RequestGroup(rid, choices)
+                if self.scheduler.kv.cache.reuses_prefixes:
+                    prefill_params = SamplingParams.from_dict({"max_new_tokens": 0})
+                    group.prefill = self._make_req(f"{rid}-prefill", ids, prefill_params, seed)
+            self._groups[rid] = group
+            if group.prefill is not None:
+                self._owner[group.prefill.rid] = (group, -1)
+                self.scheduler.add_request(group.prefill)
+            for index, choice in enumerate(group.choices):
+                self._owner[choice.rid] = (group, index)
+                if group.prefill is None:
+                    self.scheduler.add_request(choice)
+            return group
 
-    def _drive_once(self) -> bool:
-        """One scheduler step; False when there was nothing to do."""
-        with self._lock:
-            if not self.scheduler.has_work():
-                return False
-            for out in self.scheduler.step():
-                tracked = self._tracked.get(out.req.rid)
-                if tracked is None or not out.finished:
-                    continue
-                tracked.done = True
-                if tracked.hidden:
-                    self._tracked.pop(out.req.rid)
-                    for child in tracked.children:
-                        if not self._tracked[child.rid].done:
-                            self.scheduler.add_request(child)
-            return True
+    def _shared_prefill_done(self, group: RequestGroup, prefill: Req) -> list[ChoiceOutput]:
+        """The hidden prefill of n > 1 ended: schedule the choices, or fail them with it."""
+        self._owner.pop(prefill.rid, None)
+        group.prefill = None
+        reason = prefill.finish_reason
+        if reason is not None and reason.kind == "abort":
+            outputs = []
+            for index, choice in enumerate(group.choices):
+                if not choice.finished:
+                    self._finish_unscheduled(choice, reason)
+                    outputs.append(ChoiceOutput(group.rid, index, choice))
+            return outputs
+        for choice in group.choices:
+            if not choice.finished:
+                self.scheduler.add_request(choice)
+        return []
+
+    @staticmethod
+    def _finish_unscheduled(req: Req, reason: FinishReason) -> None:
+        req.finish_reason = reason
+        req.status = ReqStatus.FINISHED

@@ -1,16 +1,23 @@
-"""Per-request bookkeeping on the engine's side: text so far, deltas, the result dict."""
+"""Per-request bookkeeping on the engine's side: deltas and the result dict.
+
+Text comes from `radixserve.detok`, the library the detokenizer service runs too:
+one definition of incremental decoding, hold-back and stop trimming.
+"""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from radixserve.detok import DecodeStatus, decode_step
 from radixserve.engine.request import Req
-from radixserve.engine.sched.finish import trim_stop_string
+from radixserve.protocol import DetokParams
 
-Decode = Callable[[list[int], bool], str]  # (token ids, skip_special_tokens) -> text
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from radixserve.engine.sampling.params import SamplingParams
 
 
 @dataclass
@@ -19,16 +26,23 @@ class Tracked:
 
     req: Req
     started: float = field(default_factory=time.perf_counter)
-    sent_text_len: int = 0
     sent_token_len: int = 0
-    done: bool = False
-    children: list[Req] = field(default_factory=list)  # n > 1: released when this prefill finishes
-    hidden: bool = False  # the shared-prefix prefill of n > 1: not returned to the caller
+    decode_status: DecodeStatus | None = None  # streaming only: created by the first delta
 
 
-def full_text(req: Req, decode: Decode) -> str:
-    text = decode(req.output_ids, req.params.skip_special_tokens)
-    return trim_stop_string(text, req.finish_reason, req.params.no_stop_trim)
+def detok_params(params: SamplingParams) -> DetokParams:
+    return DetokParams(
+        skip_special_tokens=params.skip_special_tokens,
+        spaces_between_special_tokens=params.spaces_between_special_tokens,
+        stop=list(params.stop),
+        no_stop_trim=params.no_stop_trim,
+    )
+
+
+def full_text(req: Req, tokenizer: PreTrainedTokenizerBase) -> str:
+    """The whole output text at once (one decode), trimmed at the matched stop."""
+    status = DecodeStatus(detok_params(req.params))
+    return decode_step(tokenizer, status, req.output_ids, req.finish_reason, final=True)
 
 
 def meta_info(t: Tracked) -> dict[str, Any]:
@@ -48,39 +62,32 @@ def meta_info(t: Tracked) -> dict[str, Any]:
     return meta
 
 
-def final_output(t: Tracked, decode: Decode) -> dict[str, Any]:
+def final_output(t: Tracked, tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
     return {
-        "text": full_text(t.req, decode),
+        "text": full_text(t.req, tokenizer),
         "output_ids": list(t.req.output_ids),
         "meta_info": meta_info(t),
     }
 
 
-def stream_delta(t: Tracked, decode: Decode) -> dict[str, Any] | None:
+def stream_delta(t: Tracked, tokenizer: PreTrainedTokenizerBase) -> dict[str, Any] | None:
     """The text and tokens produced since the last delta, or None if there is nothing to send.
 
-    Text that may still change is held back: a trailing partial UTF-8 character, and
-    while unfinished, a tail that could be the start of a stop string.
+    Decodes only the new ids (with a short context); text that may still change is
+    held back (see radixserve.detok).
     """
     req = t.req
-    text = full_text(req, decode)
-    finished = req.finished
-    end = len(text)
-    if not finished:
-        if text.endswith("\ufffd"):
-            end = len(text.rstrip("\ufffd"))
-        if req.params.stop:
-            end = min(end, max(len(text) - (max(len(s) for s in req.params.stop) - 1), 0))
-    end = max(end, t.sent_text_len)
+    if t.decode_status is None:
+        t.decode_status = DecodeStatus(detok_params(req.params))
     new_tokens = req.output_ids[t.sent_token_len :]
-    if end == t.sent_text_len and not new_tokens and not finished:
+    finished = req.finished
+    if not new_tokens and not finished:
         return None
-    delta = {
-        "text": text[t.sent_text_len : end],
+    text = decode_step(tokenizer, t.decode_status, new_tokens, req.finish_reason)
+    t.sent_token_len += len(new_tokens)
+    return {
+        "text": text,
         "output_ids": list(new_tokens),
         "finished": finished,
         "meta_info": meta_info(t),
     }
-    t.sent_text_len = end
-    t.sent_token_len = len(req.output_ids)
-    return delta

@@ -14,11 +14,9 @@ from radixserve.engine.config import EngineConfig
 from radixserve.engine.forward_batch import ForwardBatch
 from radixserve.engine.kvcache.pool import KVPool, ReqToTokenPool
 from radixserve.engine.model.config import ModelConfig
-from radixserve.engine.model.loader import load_model, resolve_model_path
+from radixserve.engine.model.loader import load_model, resolve_dtype, resolve_model_path
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -32,20 +30,12 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def resolve_dtype(name: str, device: torch.device, model_dtype: str | None) -> torch.dtype:
-    if name != "auto":
-        return _DTYPES[name]
-    if device.type == "cpu":
-        return torch.float32  # half-precision matmuls are slow or missing on CPUs
-    return _DTYPES.get(model_dtype or "", torch.bfloat16)
-
-
 def make_attention_backend(name: str) -> AttentionBackend:
-    if name == "torch":
-        from radixserve.engine.attention.torch_backend import TorchAttentionBackend
+    # EngineConfig.validate admits only the backends built so far.
+    assert name == "torch", name
+    from radixserve.engine.attention.torch_backend import TorchAttentionBackend
 
-        return TorchAttentionBackend()
-    raise ValueError(f"attention backend {name!r} is not available in this build; use 'torch'")
+    return TorchAttentionBackend()
 
 
 class ModelRunner:
@@ -54,10 +44,26 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.model_path = resolve_model_path(config.model_path)
         model_config = ModelConfig.from_pretrained(self.model_path)
-        self.dtype = resolve_dtype(config.dtype, self.device, model_config.torch_dtype)
-        self.model, self.model_config = load_model(self.model_path, self.dtype, self.device)
+        self.dtype = resolve_dtype(config.dtype, self.device, model_config)
+        trained_len = model_config.max_position_embeddings
+        self.context_len = config.context_length or trained_len
+        if self.context_len > trained_len:
+            # The rotary table is sized for the configured context below; quality past
+            # the trained length is the model's (and its rope scaling's) business.
+            log.warning(
+                "context_length %d exceeds the model's max_position_embeddings %d: the model "
+                "was trained on shorter sequences and may degrade past them",
+                self.context_len,
+                trained_len,
+            )
+        self.model, self.model_config = load_model(
+            self.model_path,
+            self.dtype,
+            self.device,
+            max_positions=max(self.context_len, trained_len),
+            config=model_config,
+        )
         self.vocab_size = self.model_config.vocab_size
-        self.context_len = config.context_length or self.model_config.max_position_embeddings
         self.kv_pool = KVPool(
             num_slots=self._kv_budget_tokens(),
             num_layers=self.model_config.num_hidden_layers,
@@ -66,6 +72,7 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
             page_size=config.page_size,
+            debug=config.debug_check_invariants,
         )
         # One spare row: the request mid-chunk holds one beyond the running limit.
         self.req_pool = ReqToTokenPool(
@@ -80,10 +87,6 @@ class ModelRunner:
             self.kv_pool.size,
         )
 
-    def _bytes_per_token(self) -> int:
-        c = self.model_config
-        return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * self.dtype.itemsize
-
     def _kv_budget_tokens(self) -> int:
         if self.config.max_total_tokens is not None:
             return self.config.max_total_tokens
@@ -92,7 +95,11 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         # What the static fraction leaves after the weights; the rest is for activations.
         budget = free - total * (1.0 - self.config.mem_fraction_static)
-        tokens = int(budget // self._bytes_per_token())
+        c = self.model_config
+        per_token = KVPool.bytes_per_token_for(
+            c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.dtype
+        )
+        tokens = int(budget // per_token)
         if tokens < 16:
             raise RuntimeError(
                 f"no GPU memory left for the KV cache (free {free / 2**30:.1f} GiB of "
@@ -103,6 +110,13 @@ class ModelRunner:
         # at full context leaves ample room for cached prefixes.
         ceiling = 4 * (self.config.max_running_requests + 1) * self.context_len
         return min(tokens, ceiling)
+
+    def close(self) -> None:
+        """Drop the weights, the KV memory and the backend; free cached CUDA memory."""
+        for name in ("model", "kv_pool", "req_pool", "attn"):
+            self.__dict__.pop(name, None)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

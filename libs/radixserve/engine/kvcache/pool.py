@@ -23,6 +23,7 @@ class KVPool:
         dtype: torch.dtype,
         device: torch.device | str,
         page_size: int = 1,
+        debug: bool = False,
     ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -36,6 +37,9 @@ class KVPool:
         self.num_pages = num_slots // page_size
         self.num_layers = num_layers
         self.dtype = dtype
+        # Page size 1 tracks free flags only in debug mode: its hot path stays a list
+        # append; pages > 1 always check (a slip there would hand one page out twice).
+        self.track_free_flags = debug or page_size > 1
         # Canonical form ("cuda" -> "cuda:0"), so device comparisons hold.
         self.device = torch.empty(0, device=device).device
         # One extra page in front holds the reserved padding slot 0.
@@ -53,9 +57,7 @@ class KVPool:
         # Free pages live on the host: allocation is a Python slice, and the scheduler
         # needs the counts every step anyway.
         self._free_pages = list(range(1, self.num_pages + 1))
-        # With pages > 1 slot, freeing goes through slot -> page, where a caller's slip
-        # would silently hand one page out twice; the flags catch that at once.
-        # (page_size 1 keeps the plain list: its hot path stays as cheap as before.)
+        # Free flags per page catch a double free at the point of the free.
         self._page_is_free = bytearray([0]) + bytearray([1]) * self.num_pages
 
     def available(self) -> int:
@@ -81,10 +83,11 @@ class KVPool:
             return None
         taken = self._free_pages[:num_pages]
         del self._free_pages[:num_pages]
+        if self.track_free_flags:
+            for p in taken:
+                self._page_is_free[p] = 0
         if page == 1:
             return torch.tensor(taken, dtype=torch.int64, device=self.device)
-        for p in taken:
-            self._page_is_free[p] = 0
         pages = torch.tensor(taken, dtype=torch.int64, device=self.device)
         return (pages[:, None] * page + self._page_offsets).reshape(-1)
 
@@ -93,11 +96,15 @@ class KVPool:
         those pages (a page is freed whole, once)."""
         if slots.numel() == 0:
             return
-        if self.page_size == 1:
+        if not self.track_free_flags:
             self._free_pages.extend(slots.tolist())
             return
         # A request's slots run page by page, so one page's slots are adjacent.
-        pages = torch.unique_consecutive(slots // self.page_size).tolist()
+        pages = (
+            slots.tolist()
+            if self.page_size == 1
+            else torch.unique_consecutive(slots // self.page_size).tolist()
+        )
         bad = [p for p in pages if not 1 <= p <= self.num_pages or self._page_is_free[p]]
         if bad or len(set(pages)) != len(pages):
             raise RuntimeError(
@@ -118,18 +125,16 @@ class KVPool:
         page = self.page_size
         return [p * page + i for p in self._free_pages for i in range(page)]
 
-    @property
-    def _free_slots(self) -> list[int]:
-        # Kept for tests written against the slot-granular pool.
-        return self.free_slot_ids()
-
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k_buffers[layer_id][loc] = k.to(self.dtype)
         self.v_buffers[layer_id][loc] = v.to(self.dtype)
 
-    def bytes_per_token(self) -> int:
-        k = self.k_buffers[0]
-        return 2 * self.num_layers * k.shape[1] * k.shape[2] * k.element_size()
+    @staticmethod
+    def bytes_per_token_for(
+        num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
+        """KV bytes one token takes over all layers (K and V): what sizes a pool."""
+        return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
 
 
 class ReqToTokenPool:

@@ -59,10 +59,15 @@ def load_model(
     dtype: str | torch.dtype = "auto",
     device: str | torch.device = "cpu",
     max_positions: int | None = None,
+    config: ModelConfig | None = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """Load a Hugging Face folder (see resolve_model_path) onto `device` in eval mode."""
+    """Load a Hugging Face folder (see resolve_model_path) onto `device` in eval mode.
+
+    `max_positions` sizes the rotary table (default: the model's max_position_embeddings);
+    `config` saves parsing config.json again when the caller already has it.
+    """
     folder = Path(path)
-    config = ModelConfig.from_pretrained(folder)
+    config = config or ModelConfig.from_pretrained(folder)
     device = torch.device(device)
     torch_dtype = resolve_dtype(dtype, device, config)
     if config.sliding_window is not None and config.sliding_window < config.max_position_embeddings:

@@ -2,7 +2,9 @@
 
 A retracted request gives its KV back (what it computed goes into the prefix cache,
 so a later re-prefill may find it there), keeps its output tokens, and goes back to
-the front of the waiting queue; nothing it produced is lost.
+the front of the waiting queue; nothing it produced is lost. The request mid-chunk
+is retracted first: it has produced nothing yet, and decoding requests must never be
+starved (or aborted as "too large") by a prefill that is still being admitted.
 """
 
 from __future__ import annotations
@@ -16,12 +18,21 @@ from radixserve.engine.sched.kv_manager import KVManager
 @dataclass(frozen=True)
 class DecodeMemory:
     keep: list[Req]  # requests that decode this step
-    retracted: list[Req]  # back to waiting, in the order they should resume
+    retracted: list[Req]  # back to waiting, in the order they should resume (the chunked one last)
     unservable: list[Req]  # could not fit even alone: the caller finishes them with an error
 
 
-def ensure_decode_memory(kv: KVManager, running: list[Req], extra_tokens: int = 0) -> DecodeMemory:
-    """Retract the requests with the least progress until every other one has a slot.
+def retract(kv: KVManager, req: Req) -> None:
+    """Give back the request's KV (its computed pages stay in the cache) and mark it waiting."""
+    kv.release(req)
+    req.status = ReqStatus.WAITING
+    req.prefill_done = False
+    req.num_retractions += 1
+
+
+def ensure_decode_memory(kv: KVManager, running: list[Req], chunked: Req | None) -> DecodeMemory:
+    """Retract the request mid-chunk, then the requests with the least progress, until
+    every other running request has a slot for its next token.
 
     Counted in whole pages: a request needs a new page only when its last one is full.
     """
@@ -30,15 +41,13 @@ def ensure_decode_memory(kv: KVManager, running: list[Req], extra_tokens: int = 
     keep.sort(key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)), reverse=True)
     retracted: list[Req] = []
     need = kv.decode_slots_needed(keep)
-    while keep and kv.available_tokens() < need + extra_tokens:
-        if len(keep) == 1 and extra_tokens == 0:
-            break
+    if chunked is not None and keep and kv.available_tokens() < need:
+        retract(kv, chunked)
+        retracted.append(chunked)
+    while len(keep) > 1 and kv.available_tokens() < need:
         victim = keep.pop()
         need -= kv.slots_needed(victim, 1)  # before release resets its kv_len
-        kv.release(victim)
-        victim.status = ReqStatus.WAITING
-        victim.prefill_done = False
-        victim.num_retractions += 1
+        retract(kv, victim)
         retracted.append(victim)
     unservable: list[Req] = []
     if keep and kv.available_tokens() < need:

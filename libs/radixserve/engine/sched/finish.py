@@ -38,11 +38,3 @@ def _match_stop_string(req: Req, detokenize: Detokenize) -> str | None:
         if stop and stop in tail:
             return stop
     return None
-
-
-def trim_stop_string(text: str, reason: FinishReason | None, no_stop_trim: bool) -> str:
-    """The output text ends before the stop string that finished it."""
-    if reason is None or no_stop_trim or not isinstance(reason.matched, str):
-        return text
-    cut = text.find(reason.matched)
-    return text if cut < 0 else text[:cut]

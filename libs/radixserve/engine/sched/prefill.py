@@ -18,6 +18,13 @@ from radixserve.engine.sched.kv_manager import KVManager
 CLIP_MAX_NEW_TOKENS_ESTIMATE = 4096
 
 
+def future_tokens(req: Req, new_token_ratio: float, page_size: int) -> int:
+    """KV a running request is expected to still need: its remaining tokens scaled by the
+    new-token ratio, and never less than one page (its next decode step must fit)."""
+    expected = int(min(req.remaining_new_tokens, CLIP_MAX_NEW_TOKENS_ESTIMATE) * new_token_ratio)
+    return max(expected, page_size)
+
+
 class AddResult(enum.Enum):
     ADDED = 1
     NO_TOKENS = 2  # out of KV or prefill budget: stop admitting this step
@@ -40,9 +47,7 @@ class PrefillAdder:
         return self.kv.available_tokens() - self.reserved_tokens
 
     def _future_tokens(self, req: Req) -> int:
-        return int(
-            min(req.remaining_new_tokens, CLIP_MAX_NEW_TOKENS_ESTIMATE) * self.new_token_ratio
-        )
+        return future_tokens(req, self.new_token_ratio, self.kv.page_size)
 
     def _take(self, req: Req, extend_len: int) -> None:
         if self.rem_chunk_tokens >= 0 and extend_len > self.rem_chunk_tokens:

@@ -28,7 +28,7 @@ from radixserve.engine.sched.decode import ensure_decode_memory
 from radixserve.engine.sched.finish import Detokenize, check_finished
 from radixserve.engine.sched.kv_manager import KVManager, KVUsage
 from radixserve.engine.sched.policy import order_waiting
-from radixserve.engine.sched.prefill import AddResult, PrefillAdder
+from radixserve.engine.sched.prefill import AddResult, PrefillAdder, future_tokens
 
 
 class Runner(Protocol):
@@ -49,13 +49,6 @@ class StepOutput:
     @property
     def finished(self) -> bool:
         return self.req.finished
-
-
-@dataclass
-class StepStats:
-    num_prefill_tokens: int = 0  # tokens run through prefill (extend) this step
-    num_decode_reqs: int = 0
-    num_retracted: int = 0
 
 
 class Scheduler:
@@ -84,7 +77,6 @@ class Scheduler:
         self.total_prefill_tokens = 0
         self.total_cached_tokens = 0
         self.total_retractions = 0
-        self.last_step = StepStats()
 
     # -- requests ---------------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -140,8 +132,7 @@ class Scheduler:
 
     def _step(self) -> list[StepOutput]:
         outputs, self._pending = self._pending, []
-        stats = StepStats()
-        decode_reqs = self._plan_decode(outputs, stats)
+        decode_reqs = self._plan_decode(outputs)
         prefill_reqs = self._plan_prefill(decode_reqs)
         if prefill_reqs and not self.config.enable_mixed_chunk and decode_reqs:
             # Prefill-first without mixing: the decoders give their slot back and wait a step.
@@ -149,7 +140,6 @@ class Scheduler:
                 self._unassign_one(req)
             decode_reqs = []
         batch_reqs = decode_reqs + prefill_reqs
-        self.last_step = stats
         if not batch_reqs:
             if self.waiting and not self.running and self.chunked is None:
                 # Nothing runs, so nothing will free memory: the head request can never fit.
@@ -160,9 +150,7 @@ class Scheduler:
                     )
                 )
             return outputs
-        stats.num_decode_reqs = len(decode_reqs)
-        stats.num_prefill_tokens = sum(r.extend_len for r in prefill_reqs)
-        self.total_prefill_tokens += stats.num_prefill_tokens
+        self.total_prefill_tokens += sum(r.extend_len for r in prefill_reqs)
         logits = self._forward(batch_reqs)
         outputs.extend(self._process(batch_reqs, logits))
         if decode_reqs and not prefill_reqs:
@@ -172,14 +160,15 @@ class Scheduler:
             )
         return outputs
 
-    def _plan_decode(self, outputs: list[StepOutput], stats: StepStats) -> list[Req]:
+    def _plan_decode(self, outputs: list[StepOutput]) -> list[Req]:
         if not self.running:
             return []
-        memory = ensure_decode_memory(self.kv, self.running)
+        memory = ensure_decode_memory(self.kv, self.running, self.chunked)
+        if self.chunked is not None and self.chunked in memory.retracted:
+            self.chunked = None
         for req in reversed(memory.retracted):
             self.waiting.appendleft(req)
         if memory.retracted:
-            stats.num_retracted = len(memory.retracted)
             self.total_retractions += len(memory.retracted)
             self.new_token_ratio = 1.0  # we were too optimistic: reserve fully for a while
         for req in memory.unservable:
@@ -205,7 +194,7 @@ class Scheduler:
         adder = PrefillAdder(
             kv=self.kv,
             reserved_tokens=sum(
-                int(min(r.remaining_new_tokens, 4096) * self.new_token_ratio) for r in decode_reqs
+                future_tokens(r, self.new_token_ratio, self.kv.page_size) for r in decode_reqs
             ),
             rem_input_tokens=self.config.max_prefill_tokens,
             rem_chunk_tokens=chunk if chunk > 0 else -1,

@@ -1,0 +1,128 @@
+"""Put a request's answer together from the `TextDelta`s the detokenizer sends.
+
+    assembly = Assembly(plan)
+    update = assembly.apply(delta)      # None for a delta that is not ours (or late)
+    if assembly.done: body = chat_completion(plan, assembly, created)
+
+Each (rid, choice) of the plan is one `ChoiceState`, addressed by its merged index.
+Counters in deltas are totals so far, so the latest value wins (a repeated or
+reordered delta cannot inflate usage); text, ids and logprobs are appended.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from radixserve.api.mapping import GenerationPlan
+from radixserve.protocol import FinishReason, LogprobEntry, TextDelta
+
+
+@dataclass
+class ChoiceState:
+    """Everything one choice produced so far."""
+
+    index: int  # merged: prompt_index * n + choice
+    rid: str
+    prompt_index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[LogprobEntry] = field(default_factory=list)
+    finish: FinishReason | None = None
+    completion_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish is not None
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class ChoiceUpdate:
+    """What one delta changed: its choice (after the change) and the delta itself."""
+
+    choice: ChoiceState
+    delta: TextDelta
+
+
+@dataclass
+class _PromptCounters:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class Assembly:
+    """The growing answer of one `GenerationPlan`."""
+
+    def __init__(self, plan: GenerationPlan) -> None:
+        self.plan = plan
+        self.choices: list[ChoiceState] = []
+        for prompt_index, rid in enumerate(plan.rids):
+            for choice in range(plan.n):
+                self.choices.append(
+                    ChoiceState(plan.choice_index(prompt_index, choice), rid, prompt_index)
+                )
+        self._prompts = [_PromptCounters() for _ in plan.rids]
+        self._unfinished = len(self.choices)
+
+    @property
+    def done(self) -> bool:
+        return self._unfinished == 0
+
+    def apply(self, delta: TextDelta) -> ChoiceUpdate | None:
+        """Fold `delta` into its choice; None when it belongs to no unfinished choice."""
+        prompt_index = self.plan.prompt_index(delta.rid)
+        if prompt_index is None or not 0 <= delta.index < self.plan.n:
+            return None
+        choice = self.choices[self.plan.choice_index(prompt_index, delta.index)]
+        if choice.finished:
+            return None  # a late or repeated final delta
+        counters = self._prompts[prompt_index]
+        counters.prompt_tokens = max(counters.prompt_tokens, delta.prompt_tokens)
+        counters.cached_tokens = max(counters.cached_tokens, delta.cached_tokens)
+        choice.completion_tokens = max(choice.completion_tokens, delta.completion_tokens)
+        choice.text += delta.text
+        if delta.token_ids:
+            choice.token_ids.extend(delta.token_ids_list)
+        if delta.logprobs:
+            choice.logprobs.extend(delta.logprobs)
+        if delta.finish_reason is not None:
+            choice.finish = delta.finish_reason
+            self._unfinished -= 1
+        return ChoiceUpdate(choice, delta)
+
+    def usage(self) -> Usage:
+        """Prompt tokens once per prompt (not per choice); completion tokens of every choice."""
+        return Usage(
+            prompt_tokens=sum(p.prompt_tokens for p in self._prompts),
+            completion_tokens=sum(c.completion_tokens for c in self.choices),
+            cached_tokens=sum(p.cached_tokens for p in self._prompts),
+        )
+
+    def prompt_usage(self, prompt_index: int) -> tuple[int, int]:
+        """(prompt_tokens, cached_tokens) of one prompt."""
+        counters = self._prompts[prompt_index]
+        return counters.prompt_tokens, counters.cached_tokens
+
+    def unfinished_rids(self) -> list[str]:
+        """The rids that still have a running choice (what an abort must reach)."""
+        rids: list[str] = []
+        for choice in self.choices:
+            if not choice.finished and choice.rid not in rids:
+                rids.append(choice.rid)
+        return rids
+
+    def aborted(self) -> ChoiceState | None:
+        """The first choice that ended with finish kind `abort`, if any."""
+        return next(
+            (c for c in self.choices if c.finish is not None and c.finish.kind == "abort"), None
+        )

@@ -1,0 +1,416 @@
+"""HTTP request bodies -> `protocol.SubmitRequest`s: defaults, normalisation, cross-field rules.
+
+    plan = plan_chat(body, response_id=new_response_id("chat"), gateway_id=gid,
+                     served_model="SmolLM2-135M-Instruct", arrival_time=time.time())
+    for submit in plan.submits:
+        await bus.publish(subjects.tokenize, encode(submit))
+
+A `GenerationPlan` is everything the gateway needs to publish a request and to put
+its answer together: one `SubmitRequest` per prompt (a list of prompts in
+`/v1/completions` or a batch in `/generate`), and how the choices of those requests
+merge (`index = prompt_index * n + choice`). Every rule that needs more than one
+field lives here and raises `ApiError` with the offending `param`.
+
+Defaults when the client sets no length: 256 new tokens for chat, 16 for
+`/v1/completions` (OpenAI's legacy default), SGLang's 128 for `/generate`.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, Literal
+
+from radixserve.api.errors import ApiError
+from radixserve.api.native_models import GenerateRequest
+from radixserve.api.openai_models import (
+    ChatCompletionRequest,
+    ChatMessageIn,
+    CompletionRequest,
+    OpenAISamplingFields,
+    ResponseFormat,
+)
+from radixserve.protocol import ChatMessage, SamplingParams, SubmitRequest, pack_tokens
+
+Endpoint = Literal["chat", "completion", "generate"]
+PromptInput = str | list[int]
+
+CHAT_DEFAULT_MAX_TOKENS = 256
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
+GENERATE_DEFAULT_MAX_NEW_TOKENS = SamplingParams().max_new_tokens  # SGLang's 128
+# SGLang's choice for `response_format: json_object`: any JSON object.
+JSON_OBJECT_SCHEMA = '{"type": "object"}'
+
+_ID_PREFIX: dict[Endpoint, str] = {"chat": "chatcmpl-", "completion": "cmpl-", "generate": ""}
+_GRAMMAR_FIELDS = ("regex", "json_schema", "ebnf")
+
+
+def new_response_id(endpoint: Endpoint) -> str:
+    """`chatcmpl-<hex>`, `cmpl-<hex>` or `<hex>`: the response id, X-Request-Id and rid."""
+    return _ID_PREFIX[endpoint] + uuid.uuid4().hex
+
+
+@dataclass(frozen=True)
+class GenerationPlan:
+    """One HTTP generation request as the bus sees it, plus how to answer it."""
+
+    endpoint: Endpoint
+    response_id: str
+    model: str  # the served model name, echoed in the response
+    submits: tuple[SubmitRequest, ...]
+    n: int
+    stream: bool
+    include_usage: bool = False  # stream: a last chunk with the usage
+    logprobs: bool = False  # put logprobs in the answer
+    # `/v1/completions` with `echo`: each prompt's text, prepended to its choices.
+    echo_texts: tuple[str, ...] = ()
+    # `/generate` answers a list when the input was a batch or n > 1.
+    batch: bool = False
+
+    @cached_property
+    def _prompt_indexes(self) -> dict[str, int]:
+        return {s.rid: i for i, s in enumerate(self.submits)}
+
+    @property
+    def rids(self) -> tuple[str, ...]:
+        return tuple(s.rid for s in self.submits)
+
+    @property
+    def num_choices(self) -> int:
+        return len(self.submits) * self.n
+
+    def prompt_index(self, rid: str) -> int | None:
+        return self._prompt_indexes.get(rid)
+
+    def choice_index(self, prompt_index: int, choice: int) -> int:
+        """The merged `index` of a choice in the answer."""
+        return prompt_index * self.n + choice
+
+
+# -- the three endpoints ----------------------------------------------------------------
+
+
+def plan_chat(
+    req: ChatCompletionRequest,
+    *,
+    response_id: str,
+    gateway_id: str,
+    served_model: str,
+    arrival_time: float,
+) -> GenerationPlan:
+    check_model(req.model, served_model)
+    messages = chat_messages(req.messages)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise ApiError.invalid("top_logprobs requires logprobs to be true", "top_logprobs")
+    max_tokens, max_param = _first_set(
+        (req.max_completion_tokens, "max_completion_tokens"), (req.max_tokens, "max_tokens")
+    )
+    sampling = _openai_sampling(
+        req,
+        max_new_tokens=CHAT_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
+        max_param=max_param,
+        return_logprob=bool(req.logprobs),
+        top_logprobs_num=req.top_logprobs or 0,
+        response_format=req.response_format,
+    )
+    submit = SubmitRequest(
+        rid=response_id,
+        gateway_id=gateway_id,
+        sampling=sampling,
+        messages=messages,
+        stream=bool(req.stream),
+        arrival_time=arrival_time,
+        model=served_model,
+    )
+    return GenerationPlan(
+        endpoint="chat",
+        response_id=response_id,
+        model=served_model,
+        submits=(submit,),
+        n=sampling.n,
+        stream=bool(req.stream),
+        include_usage=_include_usage(req),
+        logprobs=bool(req.logprobs),
+    )
+
+
+def plan_completion(
+    req: CompletionRequest,
+    *,
+    response_id: str,
+    gateway_id: str,
+    served_model: str,
+    arrival_time: float,
+) -> GenerationPlan:
+    check_model(req.model, served_model)
+    prompts = completion_prompts(req.prompt)
+    echo_texts: tuple[str, ...] = ()
+    if req.echo:
+        if not all(isinstance(p, str) for p in prompts):
+            raise ApiError.invalid(
+                "echo is not supported for token-id prompts (the gateway has no tokenizer "
+                "to turn them back into text)",
+                "echo",
+            )
+        echo_texts = tuple(p for p in prompts if isinstance(p, str))
+    sampling = _openai_sampling(
+        req,
+        max_new_tokens=COMPLETION_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens,
+        max_param="max_tokens",
+        return_logprob=req.logprobs is not None,
+        top_logprobs_num=req.logprobs or 0,
+        response_format=req.response_format,
+    )
+    submits = _prompt_submits(
+        prompts, response_id, gateway_id, sampling, bool(req.stream), served_model, arrival_time
+    )
+    return GenerationPlan(
+        endpoint="completion",
+        response_id=response_id,
+        model=served_model,
+        submits=submits,
+        n=sampling.n,
+        stream=bool(req.stream),
+        include_usage=_include_usage(req),
+        logprobs=req.logprobs is not None,
+        echo_texts=echo_texts,
+    )
+
+
+def plan_generate(
+    req: GenerateRequest,
+    *,
+    response_id: str,
+    gateway_id: str,
+    served_model: str,
+    arrival_time: float,
+) -> GenerationPlan:
+    if (req.text is None) == (req.input_ids is None):
+        raise ApiError.invalid("give exactly one of text or input_ids", "text")
+    prompts: list[PromptInput]
+    batch: bool
+    if req.text is not None:
+        batch = isinstance(req.text, list)
+        prompts = list(req.text) if isinstance(req.text, list) else [req.text]
+        if not prompts:
+            raise ApiError.invalid("text must not be an empty list", "text")
+    else:
+        assert req.input_ids is not None
+        batch = bool(req.input_ids) and isinstance(req.input_ids[0], list)
+        prompts = _id_prompts(req.input_ids, "input_ids")
+    values = req.sampling_params.model_dump(exclude_none=True) if req.sampling_params else {}
+    values["stop"] = normalize_stop(values.get("stop"))
+    values["max_new_tokens"] = values.get("max_new_tokens", GENERATE_DEFAULT_MAX_NEW_TOKENS)
+    _check_min_tokens(
+        values.get("min_new_tokens"),
+        values["max_new_tokens"],
+        "sampling_params.min_new_tokens",
+    )
+    _check_one_grammar(values, "sampling_params.")
+    values["return_logprob"] = bool(req.return_logprob)
+    values["top_logprobs_num"] = req.top_logprobs_num or 0
+    sampling = SamplingParams(**values)
+    submits = _prompt_submits(
+        prompts, response_id, gateway_id, sampling, bool(req.stream), served_model, arrival_time
+    )
+    return GenerationPlan(
+        endpoint="generate",
+        response_id=response_id,
+        model=served_model,
+        submits=submits,
+        n=sampling.n,
+        stream=bool(req.stream),
+        logprobs=bool(req.return_logprob),
+        batch=batch or sampling.n > 1,
+    )
+
+
+# -- the pieces ---------------------------------------------------------------------------
+
+
+def check_model(requested: str | None, served: str) -> None:
+    """A request names the served model or none at all; anything else is a 404."""
+    if requested and requested != served:
+        raise ApiError.model_not_found(requested)
+
+
+def normalize_stop(stop: str | Sequence[str] | None) -> list[str]:
+    """A bare string or a list -> a list; empty strings (which would match at once) dropped."""
+    if stop is None:
+        return []
+    items = [stop] if isinstance(stop, str) else list(stop)
+    return [s for s in items if s]
+
+
+def chat_messages(messages: Sequence[ChatMessageIn]) -> list[ChatMessage]:
+    """Flatten content parts to text; anything but text parts is a 400."""
+    if not messages:
+        raise ApiError.invalid("messages must not be empty", "messages")
+    out: list[ChatMessage] = []
+    for i, message in enumerate(messages):
+        content = message.content
+        if content is None:
+            text = ""
+        elif isinstance(content, str):
+            text = content
+        else:
+            texts: list[str] = []
+            for j, part in enumerate(content):
+                if part.type != "text":
+                    raise ApiError.invalid(
+                        f"only text content parts are supported, got {part.type!r}",
+                        f"messages[{i}].content[{j}].type",
+                    )
+                if part.text is None:
+                    raise ApiError.invalid(
+                        "a text content part needs its text", f"messages[{i}].content[{j}].text"
+                    )
+                texts.append(part.text)
+            text = "\n".join(texts)
+        out.append(ChatMessage(role=message.role, content=text, name=message.name))
+    return out
+
+
+def completion_prompts(prompt: str | list[int] | list[list[int]] | list[str]) -> list[PromptInput]:
+    """`prompt` in its four OpenAI shapes -> one entry per prompt (text or token ids)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise ApiError.invalid("prompt must not be empty", "prompt")
+    if isinstance(prompt[0], str):
+        return [p for p in prompt if isinstance(p, str)]
+    return _id_prompts(prompt, "prompt")
+
+
+def _id_prompts(ids: list[int] | list[list[int]], param: str) -> list[PromptInput]:
+    if not ids:
+        raise ApiError.invalid(f"{param} must not be empty", param)
+    if isinstance(ids[0], int):
+        return [[i for i in ids if isinstance(i, int)]]
+    prompts: list[PromptInput] = []
+    for k, item in enumerate(ids):
+        if not isinstance(item, list) or not item:
+            raise ApiError.invalid(f"{param}[{k}] must be a non-empty list of token ids", param)
+        prompts.append(item)
+    return prompts
+
+
+def rid_for(response_id: str, prompt_index: int, num_prompts: int) -> str:
+    """The bus rid of one prompt: the response id itself, or `<id>-<i>` for a list."""
+    return response_id if num_prompts == 1 else f"{response_id}-{prompt_index}"
+
+
+def _prompt_submits(
+    prompts: Sequence[PromptInput],
+    response_id: str,
+    gateway_id: str,
+    sampling: SamplingParams,
+    stream: bool,
+    model: str,
+    arrival_time: float,
+) -> tuple[SubmitRequest, ...]:
+    submits = []
+    for i, prompt in enumerate(prompts):
+        text = prompt if isinstance(prompt, str) else None
+        ids = None if isinstance(prompt, str) else pack_tokens(prompt)
+        submits.append(
+            SubmitRequest(
+                rid=rid_for(response_id, i, len(prompts)),
+                gateway_id=gateway_id,
+                sampling=sampling,
+                text=text,
+                input_ids=ids,
+                stream=stream,
+                arrival_time=arrival_time,
+                model=model,
+            )
+        )
+    return tuple(submits)
+
+
+def _openai_sampling(
+    req: OpenAISamplingFields,
+    *,
+    max_new_tokens: int,
+    max_param: str,
+    return_logprob: bool,
+    top_logprobs_num: int,
+    response_format: ResponseFormat | None,
+) -> SamplingParams:
+    _check_min_tokens(req.min_tokens, max_new_tokens, "min_tokens", max_param)
+    values: dict[str, Any] = {
+        "max_new_tokens": max_new_tokens,
+        "min_new_tokens": req.min_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": req.top_k,
+        "min_p": req.min_p,
+        "frequency_penalty": req.frequency_penalty,
+        "presence_penalty": req.presence_penalty,
+        "repetition_penalty": req.repetition_penalty,
+        "stop": normalize_stop(req.stop),
+        "stop_token_ids": req.stop_token_ids,
+        "ignore_eos": req.ignore_eos,
+        "n": req.n,
+        "seed": req.seed,
+        "skip_special_tokens": req.skip_special_tokens,
+        "spaces_between_special_tokens": req.spaces_between_special_tokens,
+        "no_stop_trim": req.no_stop_trim,
+        "return_logprob": return_logprob,
+        "top_logprobs_num": top_logprobs_num,
+        "regex": req.regex,
+        "json_schema": req.json_schema,
+        "ebnf": req.ebnf,
+    }
+    grammar = response_format_schema(response_format)
+    if grammar is not None:
+        values["response_format"] = grammar
+    _check_one_grammar(values, "")
+    if grammar is not None:
+        values["json_schema"] = values.pop("response_format")
+    return SamplingParams(**{k: v for k, v in values.items() if v is not None})
+
+
+def response_format_schema(fmt: ResponseFormat | None) -> str | None:
+    """`response_format` -> the JSON schema source the grammar hop compiles (or None)."""
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return JSON_OBJECT_SCHEMA
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise ApiError.invalid(
+            "response_format of type json_schema needs json_schema.schema",
+            "response_format.json_schema",
+        )
+    return json.dumps(fmt.json_schema.schema_)
+
+
+def _check_one_grammar(values: dict[str, Any], prefix: str) -> None:
+    names = [n for n in (*_GRAMMAR_FIELDS, "response_format") if values.get(n) is not None]
+    if len(names) > 1:
+        raise ApiError.invalid(
+            f"at most one of regex, json_schema, ebnf, response_format may be set, got {names}",
+            prefix + names[-1],
+        )
+
+
+def _check_min_tokens(
+    min_tokens: int | None, max_tokens: int, param: str, max_param: str | None = None
+) -> None:
+    if min_tokens is not None and min_tokens > max_tokens:
+        bound = f"{max_param}={max_tokens}" if max_param else str(max_tokens)
+        raise ApiError.invalid(f"{param} must be <= {bound} (got {min_tokens})", param)
+
+
+def _first_set(*candidates: tuple[int | None, str]) -> tuple[int | None, str]:
+    for value, name in candidates:
+        if value is not None:
+            return value, name
+    return None, candidates[-1][1]
+
+
+def _include_usage(req: OpenAISamplingFields) -> bool:
+    return bool(req.stream and req.stream_options and req.stream_options.include_usage)

@@ -1,0 +1,96 @@
+"""Request bodies of `/v1/chat/completions` and `/v1/completions` (pydantic, strict).
+
+Only types and ranges are checked here; what depends on several fields (a
+`top_logprobs` without `logprobs`, `echo` of token ids, two grammars at once) is
+`mapping`'s, which names the offending `param`. Optional fields are `None` when the
+client left them out or sent null: `mapping` fills the defaults.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from radixserve.api.fields import (
+    Body,
+    CompletionLogprobs,
+    MaxTokens,
+    NumChoices,
+    Penalty,
+    Seed,
+    SGLangSamplingFields,
+    Stop,
+    Temperature,
+    TokenId,
+    TopLogprobsNum,
+    TopP,
+)
+
+
+class StreamOptions(Body):
+    include_usage: bool | None = None
+
+
+class ContentPart(Body):
+    """One part of a message's content; only `text` parts are served (others get a 400)."""
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessageIn(Body):
+    """A chat message as the client sends it; `tool_calls` and the like are ignored."""
+
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class JsonSchemaFormat(Body):
+    name: str | None = None
+    # `schema` would shadow a BaseModel attribute: the JSON key is an alias.
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class OpenAISamplingFields(SGLangSamplingFields):
+    """What chat and completions share: the model, sampling and streaming fields."""
+
+    model: str | None = None
+    n: NumChoices | None = None
+    stop: Stop | None = None
+    max_tokens: MaxTokens | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    seed: Seed | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+
+class ChatCompletionRequest(OpenAISamplingFields):
+    messages: list[ChatMessageIn]
+    max_completion_tokens: MaxTokens | None = None
+    logprobs: bool | None = None
+    top_logprobs: TopLogprobsNum | None = None
+    response_format: ResponseFormat | None = None
+
+
+# Token-id prompts are listed before string ones so `[1, 2]` is read as ids: pydantic's
+# smart union takes the first exact match.
+Prompt = str | list[TokenId] | list[list[TokenId]] | list[str]
+
+
+class CompletionRequest(OpenAISamplingFields):
+    prompt: Prompt
+    echo: bool | None = None
+    logprobs: CompletionLogprobs | None = None
+    response_format: ResponseFormat | None = None

@@ -1,0 +1,142 @@
+"""Response bodies for a finished request: chat, completions and `/generate`.
+
+    body = chat_completion(plan, assembly, created=int(time.time()))
+
+`usage` always carries `prompt_tokens_details.cached_tokens`. An OpenAI choice that
+ended with finish kind `abort` has no OpenAI finish reason: the caller answers with
+`abort_error(choice)` instead (`/generate` reports SGLang's `{"type": "abort"}`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from radixserve.api.assembly import Assembly, ChoiceState, Usage
+from radixserve.api.errors import SERVER_ERROR, ApiError
+from radixserve.api.logprobs import chat_logprobs, completion_logprobs, generate_logprobs
+from radixserve.api.mapping import GenerationPlan
+from radixserve.protocol import FinishReason
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    """One server-sent event (`data: <json>` and a blank line)."""
+    return b"data: " + msgspec.json.encode(payload) + b"\n\n"
+
+
+def openai_finish_reason(finish: FinishReason | None) -> str | None:
+    if finish is None:
+        return None
+    return "length" if finish.kind == "length" else "stop"
+
+
+def abort_error(choice: ChoiceState) -> ApiError:
+    """What an OpenAI endpoint answers when the backend aborted a choice."""
+    detail = choice.finish.message if choice.finish is not None else None
+    return ApiError(
+        500,
+        f"the request was aborted by the server{': ' + detail if detail else ''}",
+        SERVER_ERROR,
+        None,
+        "request_aborted",
+    )
+
+
+def usage_body(usage: Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+    }
+
+
+def chat_completion(plan: GenerationPlan, assembly: Assembly, created: int) -> dict[str, Any]:
+    return {
+        "id": plan.response_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": plan.model,
+        "choices": [
+            {
+                "index": c.index,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": chat_logprobs(c.logprobs) if plan.logprobs else None,
+                "finish_reason": openai_finish_reason(c.finish),
+            }
+            for c in assembly.choices
+        ],
+        "usage": usage_body(assembly.usage()),
+    }
+
+
+def completion(plan: GenerationPlan, assembly: Assembly, created: int) -> dict[str, Any]:
+    choices = []
+    for c in assembly.choices:
+        prefix = plan.echo_texts[c.prompt_index] if plan.echo_texts else ""
+        logprobs = completion_logprobs(c.logprobs, len(prefix))[0] if plan.logprobs else None
+        choices.append(
+            {
+                "index": c.index,
+                "text": prefix + c.text,
+                "logprobs": logprobs,
+                "finish_reason": openai_finish_reason(c.finish),
+            }
+        )
+    return {
+        "id": plan.response_id,
+        "object": "text_completion",
+        "created": created,
+        "model": plan.model,
+        "choices": choices,
+        "usage": usage_body(assembly.usage()),
+    }
+
+
+def generate_finish_reason(finish: FinishReason | None) -> dict[str, Any] | None:
+    """SGLang's `meta_info.finish_reason`: `{"type", "matched"?, "message"?}`."""
+    if finish is None:
+        return None
+    body: dict[str, Any] = {"type": finish.kind}
+    if finish.matched is not None:
+        body["matched"] = finish.matched
+    if finish.message is not None:
+        body["message"] = finish.message
+    return body
+
+
+def generate_output(
+    plan: GenerationPlan, assembly: Assembly, choice: ChoiceState, e2e_latency: float
+) -> dict[str, Any]:
+    """One `/generate` output (`text`, `output_ids`, `meta_info`)."""
+    prompt_tokens, cached_tokens = assembly.prompt_usage(choice.prompt_index)
+    meta: dict[str, Any] = {
+        "id": choice.rid,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": choice.completion_tokens,
+        "cached_tokens": cached_tokens,
+        "finish_reason": generate_finish_reason(choice.finish),
+        "e2e_latency": e2e_latency,
+    }
+    if plan.logprobs:
+        with_top = any(s.sampling.top_logprobs_num > 0 for s in plan.submits)
+        meta.update(generate_logprobs(choice.logprobs, with_top))
+    output: dict[str, Any] = {
+        "text": choice.text,
+        "output_ids": list(choice.token_ids),
+        "meta_info": meta,
+    }
+    if plan.batch:
+        output["index"] = choice.index
+    return output
+
+
+def generate_result(
+    plan: GenerationPlan, assembly: Assembly, e2e_latency: float
+) -> dict[str, Any] | list[dict[str, Any]]:
+    """One output, or a list for a batch / n > 1 (as SGLang answers)."""
+    outputs = [generate_output(plan, assembly, c, e2e_latency) for c in assembly.choices]
+    return outputs if plan.batch else outputs[0]

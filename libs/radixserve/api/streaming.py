@@ -1,0 +1,149 @@
+"""Server-sent event payloads for streamed answers, one `ChoiceUpdate` at a time.
+
+    streamer = make_streamer(plan, assembly, created)
+    for payload in streamer.chunks(update, elapsed_s):   # dicts; `responses.sse` encodes
+        yield sse(payload)
+    for payload in streamer.final(assembly): ...          # e.g. the usage chunk
+    yield SSE_DONE
+
+- chat: a first chunk with `role`, then `delta.content` chunks, then a chunk with
+  the finish reason and an empty delta (OpenAI's order);
+- completions: `text` chunks (the echoed prompt ahead of the first), legacy
+  logprobs with running `text_offset`, the finish reason on the last chunk;
+- `/generate`: SGLang's events with the cumulative `text` and `output_ids` so far.
+
+With `stream_options.include_usage`, every chunk has `"usage": null` and a last
+chunk with no choices carries the usage.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from radixserve.api.assembly import Assembly, ChoiceUpdate
+from radixserve.api.logprobs import chat_logprobs, completion_logprobs
+from radixserve.api.mapping import GenerationPlan
+from radixserve.api.responses import generate_output, openai_finish_reason, usage_body
+
+
+class Streamer(Protocol):
+    def chunks(self, update: ChoiceUpdate, elapsed_s: float) -> list[dict[str, Any]]: ...
+
+    def final(self, assembly: Assembly) -> list[dict[str, Any]]: ...
+
+
+class _OpenAIStreamer:
+    object_name = ""
+
+    def __init__(self, plan: GenerationPlan, created: int) -> None:
+        self.plan = plan
+        self.created = created
+        self._started: set[int] = set()  # choices that got their first chunk
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        chunk: dict[str, Any] = {
+            "id": self.plan.response_id,
+            "object": self.object_name,
+            "created": self.created,
+            "model": self.plan.model,
+            "choices": choices,
+        }
+        if self.plan.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def final(self, assembly: Assembly) -> list[dict[str, Any]]:
+        if not self.plan.include_usage:
+            return []
+        last = self._chunk([])
+        last["usage"] = usage_body(assembly.usage())
+        return [last]
+
+
+class ChatStreamer(_OpenAIStreamer):
+    object_name = "chat.completion.chunk"
+
+    def chunks(self, update: ChoiceUpdate, elapsed_s: float) -> list[dict[str, Any]]:
+        index = update.choice.index
+        delta = update.delta
+        out: list[dict[str, Any]] = []
+        if index not in self._started:
+            self._started.add(index)
+            out.append(self._choice(index, {"role": "assistant", "content": ""}, None, None))
+        if delta.text or delta.logprobs:
+            logprobs = chat_logprobs(delta.logprobs or []) if self.plan.logprobs else None
+            out.append(self._choice(index, {"content": delta.text}, logprobs, None))
+        if delta.finish_reason is not None:
+            out.append(self._choice(index, {}, None, openai_finish_reason(delta.finish_reason)))
+        return out
+
+    def _choice(
+        self,
+        index: int,
+        delta: dict[str, Any],
+        logprobs: dict[str, Any] | None,
+        finish_reason: str | None,
+    ) -> dict[str, Any]:
+        return self._chunk(
+            [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
+        )
+
+
+class CompletionStreamer(_OpenAIStreamer):
+    object_name = "text_completion"
+
+    def __init__(self, plan: GenerationPlan, created: int) -> None:
+        super().__init__(plan, created)
+        self._offsets: dict[int, int] = {}  # per choice: text_offset of its next token
+
+    def chunks(self, update: ChoiceUpdate, elapsed_s: float) -> list[dict[str, Any]]:
+        choice, delta = update.choice, update.delta
+        text = delta.text
+        if choice.index not in self._started:
+            self._started.add(choice.index)
+            if self.plan.echo_texts:
+                text = self.plan.echo_texts[choice.prompt_index] + text
+                self._offsets[choice.index] = len(self.plan.echo_texts[choice.prompt_index])
+        logprobs = None
+        if self.plan.logprobs:
+            start = self._offsets.get(choice.index, 0)
+            logprobs, self._offsets[choice.index] = completion_logprobs(delta.logprobs or [], start)
+        if not text and not delta.logprobs and delta.finish_reason is None:
+            return []
+        return [
+            self._chunk(
+                [
+                    {
+                        "index": choice.index,
+                        "text": text,
+                        "logprobs": logprobs,
+                        "finish_reason": openai_finish_reason(delta.finish_reason),
+                    }
+                ]
+            )
+        ]
+
+
+class GenerateStreamer:
+    """SGLang's stream: each event holds the whole text and ids so far."""
+
+    def __init__(self, plan: GenerationPlan, assembly: Assembly) -> None:
+        self.plan = plan
+        self.assembly = assembly
+
+    def chunks(self, update: ChoiceUpdate, elapsed_s: float) -> list[dict[str, Any]]:
+        delta = update.delta
+        if not delta.text and not delta.token_ids and delta.finish_reason is None:
+            return []
+        return [generate_output(self.plan, self.assembly, update.choice, elapsed_s)]
+
+    def final(self, assembly: Assembly) -> list[dict[str, Any]]:
+        return []
+
+
+def make_streamer(plan: GenerationPlan, assembly: Assembly, created: int) -> Streamer:
+    if plan.endpoint == "chat":
+        return ChatStreamer(plan, created)
+    if plan.endpoint == "completion":
+        return CompletionStreamer(plan, created)
+    return GenerateStreamer(plan, assembly)

@@ -1,0 +1,102 @@
+"""Command-line flags for every `EngineConfig` field: `--chunked-prefill-size` = `chunked_prefill_size`.
+
+Generated from the dataclass, so the worker's flags, `radixserve up`/`generate` and
+`Engine(**kwargs)` can never drift. `--model` is `model_path`. A flag left unset
+falls back to `RADIXSERVE_<FIELD>` in the environment, then to the config default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from radixserve.engine.config import EngineConfig
+
+_HIDDEN = {"debug_check_invariants"}  # tests only
+
+
+def _flag(name: str) -> str:
+    return "--model" if name == "model_path" else "--" + name.replace("_", "-")
+
+
+def _parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected a boolean, got {text!r}")
+
+
+def _converter(field: dataclasses.Field[Any]) -> Any:
+    kind = str(field.type)
+    if "bool" in kind:
+        return _parse_bool
+    if "int" in kind:
+        return int
+    if "float" in kind:
+        return float
+    return str
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    for field in dataclasses.fields(EngineConfig):
+        if field.name in _HIDDEN:
+            continue
+        help_text = f"default {field.default!r}" if field.default is not None else None
+        if "bool" in str(field.type):
+            group.add_argument(
+                _flag(field.name),
+                dest=field.name,
+                action=argparse.BooleanOptionalAction,
+                default=None,
+                help=help_text,
+            )
+        else:
+            group.add_argument(
+                _flag(field.name),
+                dest=field.name,
+                type=_converter(field),
+                default=None,
+                help="HF folder or .gguf (default: embedded SmolLM2-135M-Instruct)"
+                if field.name == "model_path"
+                else help_text,
+            )
+
+
+def engine_kwargs(
+    ns: argparse.Namespace, environ: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """The EngineConfig keyword arguments given by flags or `RADIXSERVE_*` variables."""
+    env = os.environ if environ is None else environ
+    out: dict[str, Any] = {}
+    for field in dataclasses.fields(EngineConfig):
+        value = getattr(ns, field.name, None)
+        if value is None:
+            env_name = (
+                "RADIXSERVE_MODEL"
+                if field.name == "model_path"
+                else f"RADIXSERVE_{field.name.upper()}"
+            )
+            raw = env.get(env_name, "").strip()
+            if raw:
+                value = _converter(field)(raw)
+        if value is not None:
+            out[field.name] = value
+    return out
+
+
+def engine_argv(kwargs: Mapping[str, Any]) -> list[str]:
+    """The flags that reproduce `kwargs` (for a child process: the workers of `up`)."""
+    argv: list[str] = []
+    for name, value in kwargs.items():
+        flag = _flag(name)
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv

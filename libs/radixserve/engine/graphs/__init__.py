@@ -1,1 +1,0 @@
-"""graphs package."""

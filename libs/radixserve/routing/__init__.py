@@ -1,0 +1,53 @@
+"""The scheduler service's library: worker registry, routing, in-flight table, backpressure.
+
+    dispatcher = Dispatcher(max_pending_requests=1024, worker_timeout_s=5.0, retry_after_s=1.0)
+    match dispatcher.admit(tokenized, time.monotonic(), time.time()):
+        case Routed(routed): ...      # publish on subjects.worker_run(routed.worker_id)
+        case Rejected(gateway_id, error): ...   # publish on subjects.gateway_errors(gateway_id)
+        case Dropped(reason): ...
+
+`Router` is the seam for the cache-aware router (KV-event mirrors); `LeastLoadRouter`
+is the default. Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+from radixserve.routing.aborts import RecentAborts
+from radixserve.routing.dispatcher import (
+    NO_WORKER,
+    QUEUE_FULL,
+    WORKER_LOST,
+    Decision,
+    Dispatcher,
+    Dropped,
+    Rejected,
+    Routed,
+)
+from radixserve.routing.finish import FinishedChoice, finished_choices
+from radixserve.routing.flush import merge_flush_replies
+from radixserve.routing.inflight import InflightEntry, InflightTable
+from radixserve.routing.registry import WorkerRegistry, WorkerState
+from radixserve.routing.router import LeastLoadRouter, Route, Router, WorkerLoad
+
+__all__ = [
+    "NO_WORKER",
+    "QUEUE_FULL",
+    "WORKER_LOST",
+    "Decision",
+    "Dispatcher",
+    "Dropped",
+    "FinishedChoice",
+    "InflightEntry",
+    "InflightTable",
+    "LeastLoadRouter",
+    "RecentAborts",
+    "Rejected",
+    "Route",
+    "Routed",
+    "Router",
+    "WorkerLoad",
+    "WorkerRegistry",
+    "WorkerState",
+    "finished_choices",
+    "merge_flush_replies",
+]

@@ -1,0 +1,206 @@
+"""`Dispatcher`: the scheduler service's whole state and every decision it makes.
+
+No I/O: each method takes what arrived (and the time) and returns what to send, so
+the service only decodes, calls and publishes, and the tests drive it directly.
+
+    dispatcher = Dispatcher(max_pending_requests=1024, worker_timeout_s=5, retry_after_s=1)
+    dispatcher.on_heartbeat(beat, now)           # Heartbeat / WorkerStats keep the registry
+    decision = dispatcher.admit(tokenized, now, time.time())   # Routed | Rejected | Dropped
+    worker = dispatcher.abort(rid, now)          # forward to it, or None
+    dispatcher.on_finished(rid, index, kind)     # from the workers' step outputs
+    lost = dispatcher.expire(now)                # dead workers -> 503 worker_lost
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from radixserve.protocol import (
+    FinishKind,
+    Heartbeat,
+    RequestError,
+    RoutedRequest,
+    TokenizedRequest,
+    WorkerStats,
+)
+from radixserve.routing.aborts import RecentAborts
+from radixserve.routing.inflight import InflightEntry, InflightTable
+from radixserve.routing.registry import WorkerRegistry
+from radixserve.routing.router import LeastLoadRouter, Router, WorkerLoad
+
+log = logging.getLogger(__name__)
+
+SERVICE = "scheduler"
+QUEUE_FULL = "queue_full"
+NO_WORKER = "no_worker"
+WORKER_LOST = "worker_lost"
+
+
+@dataclass(frozen=True)
+class Routed:
+    """Send `routed` to its worker's run subject."""
+
+    routed: RoutedRequest
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """Send `error` to the gateway `gateway_id`."""
+
+    gateway_id: str
+    error: RequestError
+
+
+@dataclass(frozen=True)
+class Dropped:
+    """Send nothing (the request was aborted already, or is a duplicate)."""
+
+    reason: str
+
+
+Decision = Routed | Rejected | Dropped
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        *,
+        max_pending_requests: int,
+        worker_timeout_s: float,
+        retry_after_s: float,
+        router: Router | None = None,
+        abort_memory_s: float = 60.0,
+    ) -> None:
+        if max_pending_requests < 1:
+            raise ValueError(f"max_pending_requests must be >= 1, got {max_pending_requests}")
+        if retry_after_s < 0:
+            raise ValueError(f"retry_after_s must be >= 0, got {retry_after_s}")
+        self.max_pending_requests = max_pending_requests
+        self.retry_after_s = retry_after_s
+        self.router: Router = router or LeastLoadRouter()
+        self.workers = WorkerRegistry(worker_timeout_s)
+        self.inflight = InflightTable()
+        self.early_aborts = RecentAborts(ttl_s=abort_memory_s)
+
+    # -- what workers report --------------------------------------------------------
+
+    def on_heartbeat(self, beat: Heartbeat, now: float) -> list[Rejected]:
+        """Keep the worker alive; if it restarted, what it held is lost (503s to send)."""
+        if not self.workers.on_heartbeat(beat, now):
+            return []
+        log.warning("worker %s restarted (epoch %d)", beat.worker_id, beat.epoch)
+        return self._lose(beat.worker_id, f"worker {beat.worker_id} restarted")
+
+    def on_stats(self, stats: WorkerStats, now: float) -> None:
+        self.workers.on_stats(stats, now)
+
+    def on_finished(self, rid: str, index: int, kind: FinishKind) -> bool:
+        """A choice finished; True when that finished the whole request."""
+        return self.inflight.finish_choice(rid, index, whole=kind == "abort") is not None
+
+    def on_error(self, rid: str) -> bool:
+        """A `RequestError` for `rid` reached its gateway: the request is over."""
+        return self.inflight.remove(rid) is not None
+
+    def expire(self, now: float) -> list[Rejected]:
+        """Drop workers silent for `worker_timeout_s`; 503 `worker_lost` for what they held."""
+        self.early_aborts.prune(now)
+        lost: list[Rejected] = []
+        for worker_id in self.workers.expire(now):
+            log.warning("worker %s missed its heartbeats; dropped", worker_id)
+            lost += self._lose(
+                worker_id,
+                f"worker {worker_id} stopped answering (no heartbeat for "
+                f"{self.workers.timeout_s:g}s)",
+            )
+        return lost
+
+    # -- requests ----------------------------------------------------------------------
+
+    def admit(self, request: TokenizedRequest, now: float, wall_time: float) -> Decision:
+        """Route `request` to a worker, or say why not."""
+        rid = request.rid
+        if self.early_aborts.consume(rid, now):
+            return Dropped("aborted before it was routed")
+        if rid in self.inflight:
+            return Dropped("already in flight (a duplicate)")
+        if len(self.inflight) >= self.max_pending_requests:
+            return self._reject(
+                request,
+                429,
+                QUEUE_FULL,
+                f"{len(self.inflight)} requests are in progress, the server's limit; retry later",
+                "rate_limit_error",
+            )
+        ready = [
+            WorkerLoad(state.worker_id, state.load, self.inflight.count_on(state.worker_id))
+            for state in self.workers.ready()
+        ]
+        route = self.router.pick(request, ready)
+        if route is None:
+            return self._reject(
+                request, 503, NO_WORKER, "no worker is ready to serve the request", "server_error"
+            )
+        self.workers.note_routed(route.worker_id)
+        self.inflight.add(
+            InflightEntry(
+                rid=rid,
+                worker_id=route.worker_id,
+                gateway_id=request.gateway_id,
+                choices=max(request.sampling.n, 1),
+                routed_at=wall_time,
+            )
+        )
+        routed = RoutedRequest(
+            request=request,
+            worker_id=route.worker_id,
+            expected_cached_tokens=route.expected_cached_tokens,
+            routed_at=wall_time,
+        )
+        return Routed(routed)
+
+    def abort(self, rid: str, now: float) -> str | None:
+        """The worker to forward the abort to; None when the request is not in flight
+        (then it is remembered a while, in case the request itself is still coming)."""
+        entry = self.inflight.get(rid)
+        if entry is not None:
+            return entry.worker_id
+        self.early_aborts.add(rid, now)
+        return None
+
+    def ready_workers(self) -> list[str]:
+        return sorted(state.worker_id for state in self.workers.ready())
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _lose(self, worker_id: str, why: str) -> list[Rejected]:
+        return [
+            Rejected(entry.gateway_id, self._error(entry, why))
+            for entry in self.inflight.take_worker(worker_id)
+        ]
+
+    def _error(self, entry: InflightEntry, why: str) -> RequestError:
+        return RequestError(
+            rid=entry.rid,
+            code=WORKER_LOST,
+            message=f"{why}; the request was lost, retry it",
+            http_status=503,
+            error_type="server_error",
+            service=SERVICE,
+            retry_after_s=self.retry_after_s,
+        )
+
+    def _reject(
+        self, request: TokenizedRequest, status: int, code: str, message: str, error_type: str
+    ) -> Rejected:
+        error = RequestError(
+            rid=request.rid,
+            code=code,
+            message=message,
+            http_status=status,
+            error_type=error_type,
+            service=SERVICE,
+            retry_after_s=self.retry_after_s,
+        )
+        return Rejected(request.gateway_id, error)

@@ -1,0 +1,75 @@
+"""`InflightTable`: every routed, unfinished request -> the worker holding it.
+
+A request with `n` choices finishes once per choice `index`; it leaves the table when
+all `n` have finished, or at the first abort (the worker stops every choice).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+
+@dataclass
+class InflightEntry:
+    rid: str
+    worker_id: str
+    gateway_id: str  # where an error for it goes (e.g. worker_lost)
+    choices: int  # sampling.n
+    routed_at: float  # wall clock
+    finished_choices: set[int] = field(default_factory=set)
+
+
+class InflightTable:
+    def __init__(self) -> None:
+        self._entries: dict[str, InflightEntry] = {}
+        self._per_worker: dict[str, int] = {}
+
+    def add(self, entry: InflightEntry) -> None:
+        if entry.rid in self._entries:
+            raise ValueError(f"request {entry.rid!r} is already in flight")
+        self._entries[entry.rid] = entry
+        self._per_worker[entry.worker_id] = self._per_worker.get(entry.worker_id, 0) + 1
+
+    def finish_choice(self, rid: str, index: int, *, whole: bool = False) -> InflightEntry | None:
+        """Mark choice `index` of `rid` finished (`whole`: every choice, e.g. an abort);
+        the entry, removed, once the whole request has finished, else None."""
+        entry = self._entries.get(rid)
+        if entry is None:
+            return None
+        entry.finished_choices.add(index)
+        if whole or len(entry.finished_choices) >= entry.choices:
+            return self.remove(rid)
+        return None
+
+    def remove(self, rid: str) -> InflightEntry | None:
+        entry = self._entries.pop(rid, None)
+        if entry is not None:
+            left = self._per_worker[entry.worker_id] - 1
+            if left:
+                self._per_worker[entry.worker_id] = left
+            else:
+                del self._per_worker[entry.worker_id]
+        return entry
+
+    def take_worker(self, worker_id: str) -> list[InflightEntry]:
+        """Remove and return every request held by `worker_id` (it died or restarted)."""
+        taken = [entry for entry in self._entries.values() if entry.worker_id == worker_id]
+        for entry in taken:
+            self.remove(entry.rid)
+        return taken
+
+    def get(self, rid: str) -> InflightEntry | None:
+        return self._entries.get(rid)
+
+    def count_on(self, worker_id: str) -> int:
+        return self._per_worker.get(worker_id, 0)
+
+    def __contains__(self, rid: object) -> bool:
+        return rid in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __iter__(self) -> Iterator[InflightEntry]:
+        return iter(list(self._entries.values()))

@@ -1,0 +1,134 @@
+"""radixserve serve detokenizer: step batches of token ids in, text deltas out.
+
+Subscribes `{p}.detok` (no queue group: one instance keeps every request's decoding
+state), turns each worker's `StepOutputBatch` into text with `radixserve.detok`, and
+publishes one `TextDeltaBatch` per gateway on `{p}.gateway.{gateway_id}.deltas`.
+The tokenizer is loaded before subscribing, so nothing arrives before it can be decoded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from radixserve.bus import BusMsg
+from radixserve.detok import DEFAULT_MAX_REQUESTS, IncrementalDetokenizer, StepGaps
+from radixserve.protocol import ProtocolError, StepOutputBatch, TextDeltaBatch, decode, encode
+from radixserve.services.runtime import (
+    ServiceContext,
+    ServiceSettings,
+    run_service,
+    settings_from_args,
+)
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
+
+SERVICE = "detokenizer"
+ENV_MODEL = "RADIXSERVE_MODEL"
+ENV_MAX_REQUESTS = "RADIXSERVE_DETOK_MAX_REQUESTS"
+FLUSH_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class DetokenizerSettings:
+    common: ServiceSettings
+    model: str | None = None  # HF folder or .gguf; None: the embedded SmolLM2
+    max_requests: int = DEFAULT_MAX_REQUESTS
+
+    def __post_init__(self) -> None:
+        if self.max_requests < 1:
+            raise ValueError(f"--max-requests must be >= 1, got {self.max_requests}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        default=None,
+        help=f"HF folder or .gguf whose tokenizer to use (default ${ENV_MODEL} or the "
+        "embedded SmolLM2)",
+    )
+    parser.add_argument(
+        "--max-requests",
+        type=int,
+        default=None,
+        help="live decoding states kept before the oldest is dropped "
+        f"(default ${ENV_MAX_REQUESTS} or {DEFAULT_MAX_REQUESTS})",
+    )
+
+
+def settings_from(ns: argparse.Namespace) -> DetokenizerSettings:
+    max_requests = ns.max_requests
+    if max_requests is None:
+        raw = os.environ.get(ENV_MAX_REQUESTS, "").strip()
+        try:
+            max_requests = int(raw) if raw else DEFAULT_MAX_REQUESTS
+        except ValueError:
+            raise ValueError(f"${ENV_MAX_REQUESTS} must be an integer, got {raw!r}") from None
+    return DetokenizerSettings(
+        common=settings_from_args(SERVICE, ns),
+        model=ns.model or os.environ.get(ENV_MODEL, "").strip() or None,
+        max_requests=max_requests,
+    )
+
+
+def run(ns: argparse.Namespace) -> int:
+    settings = settings_from(ns)
+    return run_service(settings.common, lambda ctx: main(ctx, settings))
+
+
+def load_tokenizer(model: str | None) -> PreTrainedTokenizerBase:
+    # Imported here: `radixserve serve detokenizer --help` must not pay for torch.
+    from radixserve.engine.model.loader import resolve_model_path
+    from radixserve.engine.model.tokenizer import load_tokenizer as load_from_folder
+
+    return load_from_folder(resolve_model_path(model))
+
+
+async def main(ctx: ServiceContext, settings: DetokenizerSettings) -> None:
+    tokenizer = await asyncio.to_thread(load_tokenizer, settings.model)
+    detok = IncrementalDetokenizer(tokenizer, settings.max_requests)
+    gaps = StepGaps()
+    subjects = ctx.subjects
+    log.info(
+        "tokenizer loaded (%d ids); keeping up to %d streams", len(tokenizer), detok.max_requests
+    )
+
+    async def on_step(msg: BusMsg) -> None:
+        try:
+            batch = decode(msg.data, StepOutputBatch)
+        except ProtocolError as exc:
+            log.warning("dropped a malformed step batch: %s", exc)
+            return
+        missed = gaps.observe(batch.worker_id, batch.step)
+        if missed:
+            log.warning(
+                "worker %s: %d step batch(es) missing before step %d (their text is lost)",
+                batch.worker_id,
+                missed,
+                batch.step,
+            )
+        for gateway_id, deltas in detok.process(batch).items():
+            try:
+                subject = subjects.gateway_deltas(gateway_id)
+            except ValueError as exc:
+                log.warning("dropped %d delta(s): %s", len(deltas), exc)
+                continue
+            await ctx.bus.publish(
+                subject, encode(TextDeltaBatch(gateway_id=gateway_id, deltas=deltas))
+            )
+
+    subscription = await ctx.bus.subscribe(subjects.detok, on_step)
+
+    async def drain() -> None:
+        await subscription.drain()  # the batches already queued are still decoded and sent
+        await ctx.bus.nats_client.flush(timeout=FLUSH_TIMEOUT_S)  # type: ignore[arg-type]
+        log.info("drained with %d unfinished streams", len(detok))
+
+    ctx.on_drain(drain)

@@ -1,0 +1,180 @@
+"""The FastAPI app of one gateway: routes, OpenAI error bodies, X-Request-Id.
+
+    app = create_app(state)     # state: GatewayState (bus, hub, records, metrics, ...)
+
+Bodies are parsed by `radixserve.api.parse_body` (pydantic, strict) rather than by
+FastAPI's parameter injection, so every validation error is the OpenAI 400 with
+`param`; FastAPI's own 422 and Starlette's HTTP errors are rewritten in that shape too.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from radixserve.api import ApiError
+from radixserve.api.errors import INVALID_REQUEST, SERVER_ERROR, error_body, param_from_loc
+from radixserve.bus import BusError, BusNoResponders, BusTimeout
+from radixserve.protocol import FlushCacheReply, FlushCacheRequest, ProtocolError, decode, encode
+from radixserve.services.gateway.generation import (
+    REQUEST_ID_HEADER,
+    error_response,
+    handle_generation,
+    json_response,
+)
+from radixserve.services.gateway.state import GatewayState
+from radixserve.telemetry.metrics import CONTENT_TYPE
+
+log = logging.getLogger(__name__)
+
+
+class RequestIdMiddleware:
+    """Every response carries X-Request-Id: the handler's (the response id) if it set
+    one, else a fresh one. Pure ASGI, so streamed bodies pass through untouched."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", []))
+                if not any(name.lower() == b"x-request-id" for name, _ in headers):
+                    headers.append((b"x-request-id", uuid.uuid4().hex.encode()))
+                    message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+def create_app(state: GatewayState) -> FastAPI:
+    app = FastAPI(title="radixserve gateway", docs_url=None, redoc_url=None)
+    app.add_middleware(RequestIdMiddleware)
+    _add_error_handlers(app)
+    settings = state.settings
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await handle_generation(state, request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await handle_generation(state, request, "completion")
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        return await handle_generation(state, request, "generate")
+
+    def model_card() -> dict[str, object]:
+        return {
+            "id": settings.served_model_name,
+            "object": "model",
+            "created": state.started_at,
+            "owned_by": "radixserve",
+        }
+
+    @app.get("/v1/models")
+    async def list_models() -> Response:
+        return json_response({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str) -> Response:
+        if model != settings.served_model_name:
+            return error_response(ApiError.model_not_found(model), uuid.uuid4().hex)
+        return json_response(model_card())
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.draining:
+            return json_response({"status": "draining"}, 503)
+        if not state.bus.is_connected:
+            return json_response({"status": "no_bus", "workers_ready": 0}, 503)
+        return json_response({"status": "ok", "workers_ready": state.workers.ready_count()})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        state.workers.prune()
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.post("/flush_cache")
+    async def flush_cache() -> Response:
+        rid = uuid.uuid4().hex
+        headers = {REQUEST_ID_HEADER: rid}
+        try:
+            state.check_accepting()
+            msg = await state.bus.request(
+                state.subjects.flush_cache,
+                encode(FlushCacheRequest(rid=rid)),
+                timeout_s=settings.flush_timeout_s,
+            )
+            reply = decode(msg.data, FlushCacheReply)
+        except ApiError as exc:
+            return error_response(exc, rid)
+        except BusNoResponders:
+            return error_response(ApiError.unavailable("no scheduler answers", "no_scheduler"), rid)
+        except BusTimeout:
+            return error_response(ApiError.timeout(settings.flush_timeout_s), rid)
+        except (BusError, ProtocolError) as exc:
+            return error_response(ApiError.unavailable(f"flush failed: {exc}"), rid)
+        # As SGLang: 200 when every cache was emptied, 400 when not (requests running).
+        return json_response(
+            {"ok": reply.ok, "message": reply.message}, 200 if reply.ok else 400, headers
+        )
+
+    @app.get("/v1/requests/{rid}")
+    async def get_request_record(rid: str) -> Response:
+        try:
+            record = await state.records.get(rid)
+        except Exception as exc:
+            log.warning("reading the request record failed: %r", exc, extra={"rid": rid})
+            return error_response(
+                ApiError.unavailable("the request store is unavailable", "store_unavailable"), rid
+            )
+        if record is None:
+            return error_response(
+                ApiError(404, f"no record of request {rid!r}", INVALID_REQUEST, "id", "not_found"),
+                rid,
+            )
+        return json_response(record, headers={REQUEST_ID_HEADER: rid})
+
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    async def validation_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
+        errors = exc.errors()
+        first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+        loc = tuple(first.get("loc", ()))
+        # FastAPI prefixes where the value came from ("body", "path", "query").
+        param = param_from_loc(loc[1:]) or None
+        message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+        return json_response(error_body(message, INVALID_REQUEST, param, INVALID_REQUEST), 400)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        code = "not_found" if exc.status_code == 404 else None
+        error_type = INVALID_REQUEST if exc.status_code < 500 else SERVER_ERROR
+        return json_response(
+            error_body(str(exc.detail), error_type, None, code),
+            exc.status_code,
+            dict(exc.headers or {}),
+        )
+
+    async def unexpected_error(request: Request, exc: Exception) -> Response:
+        log.error("unhandled error on %s: %r", request.url.path, exc, exc_info=exc)
+        return json_response(error_body("internal server error", SERVER_ERROR, None, None), 500)
+
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(HTTPException, http_error)
+    app.add_exception_handler(Exception, unexpected_error)

@@ -1,0 +1,172 @@
+"""The three generation endpoints as one flow: parse, plan, publish, wait, answer.
+
+A streamed request waits for its first event before answering, so an error that
+comes before any token (400 context length, 429 queue full, 503 no worker, ...)
+still gets its own HTTP status and headers; an error after the first chunk is sent
+as an SSE `{"error": ...}` event, which the OpenAI clients raise.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from radixserve.api import (
+    SSE_DONE,
+    ApiError,
+    ChatCompletionRequest,
+    ChoiceUpdate,
+    CompletionRequest,
+    Endpoint,
+    GenerateRequest,
+    GenerationPlan,
+    abort_error,
+    chat_completion,
+    completion,
+    generate_result,
+    make_streamer,
+    new_response_id,
+    parse_body,
+    plan_chat,
+    plan_completion,
+    plan_generate,
+    sse,
+)
+from radixserve.services.gateway.inflight import ClientDisconnected, Inflight
+from radixserve.services.gateway.state import GatewayState
+
+REQUEST_ID_HEADER = "X-Request-Id"
+
+
+def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    # msgspec: fast, and it writes a float that is not finite as null rather than failing.
+    return Response(
+        msgspec.json.encode(body), status, headers=headers, media_type="application/json"
+    )
+
+
+def error_response(exc: ApiError, request_id: str) -> Response:
+    return json_response(exc.body(), exc.status, {**exc.headers(), REQUEST_ID_HEADER: request_id})
+
+
+class SSEResponse(StreamingResponse):
+    """A stream that runs `on_close` however it ends: finished, failed, or the client
+    gone (Starlette then cancels the body iterator, which may never resume)."""
+
+    def __init__(
+        self, content: AsyncIterator[bytes], on_close: Callable[[], None], headers: dict[str, str]
+    ) -> None:
+        super().__init__(
+            content,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers},
+        )
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+async def handle_generation(state: GatewayState, request: Request, endpoint: Endpoint) -> Response:
+    response_id = new_response_id(endpoint)
+    try:
+        state.check_accepting()
+        plan = _plan(state, endpoint, response_id, await request.body())
+    except ApiError as exc:
+        state.metrics.observe_request(status=exc.status)
+        return error_response(exc, response_id)
+
+    run = Inflight(state, plan)
+    streaming = False
+    try:
+        run.watch_disconnect(request.receive)
+        await run.submit()
+        if plan.stream:
+            first = await run.next_update()
+            await run.stop_watching()
+            streaming = True
+            return SSEResponse(
+                _stream(run, first),
+                on_close=lambda: run.close(client_gone=True),
+                headers={REQUEST_ID_HEADER: response_id},
+            )
+        await run.run_to_end()
+        body = _final_body(run)
+        run.close()
+        return json_response(body, headers={REQUEST_ID_HEADER: response_id})
+    except ApiError as exc:
+        run.close(exc)
+        return error_response(exc, response_id)
+    except ClientDisconnected:
+        run.close(client_gone=True)
+        return Response(status_code=499)  # no one reads it
+    finally:
+        if not streaming:
+            run.close(client_gone=True)  # cancelled: the server is stopping or the client left
+
+
+def _plan(state: GatewayState, endpoint: Endpoint, response_id: str, raw: bytes) -> GenerationPlan:
+    common: dict[str, Any] = {
+        "response_id": response_id,
+        "gateway_id": state.gateway_id,
+        "served_model": state.settings.served_model_name,
+        "arrival_time": time.time(),
+    }
+    if endpoint == "chat":
+        return plan_chat(parse_body(ChatCompletionRequest, raw), **common)
+    if endpoint == "completion":
+        return plan_completion(parse_body(CompletionRequest, raw), **common)
+    return plan_generate(parse_body(GenerateRequest, raw), **common)
+
+
+def _check_aborted(plan: GenerationPlan, update: ChoiceUpdate) -> None:
+    # `/generate` reports an abort as SGLang does (finish_reason type "abort"); OpenAI
+    # has no finish reason for it, so those endpoints answer with an error.
+    finish = update.choice.finish
+    if plan.endpoint != "generate" and finish is not None and finish.kind == "abort":
+        raise abort_error(update.choice)
+
+
+def _final_body(run: Inflight) -> Any:
+    plan, assembly = run.plan, run.assembly
+    aborted = assembly.aborted()
+    if plan.endpoint != "generate" and aborted is not None:
+        raise abort_error(aborted)
+    created = int(time.time())
+    if plan.endpoint == "chat":
+        return chat_completion(plan, assembly, created)
+    if plan.endpoint == "completion":
+        return completion(plan, assembly, created)
+    return generate_result(plan, assembly, run.elapsed())
+
+
+async def _stream(run: Inflight, first: ChoiceUpdate) -> AsyncIterator[bytes]:
+    streamer = make_streamer(run.plan, run.assembly, int(time.time()))
+    try:
+        update = first
+        while True:
+            _check_aborted(run.plan, update)
+            for payload in streamer.chunks(update, run.elapsed()):
+                yield sse(payload)
+            if run.assembly.done:
+                break
+            update = await run.next_update()
+        for payload in streamer.final(run.assembly):
+            yield sse(payload)
+        run.close()
+        yield SSE_DONE
+    except ApiError as exc:
+        run.close(exc)
+        yield sse(exc.body())
+        yield SSE_DONE
+    finally:
+        run.close(client_gone=True)  # a no-op unless the stream was cut short

@@ -1,0 +1,186 @@
+"""One HTTP generation request on the bus: publish, wait for its deltas, abort, account.
+
+    run = Inflight(state, plan)             # registers its rids with the hub
+    await run.submit()                      # record + SubmitRequest(s) on {p}.tokenize
+    while not run.assembly.done:
+        update = await run.next_update()    # ApiError (bus error, 504), ClientDisconnected
+    run.close()                             # metrics, record, hub; aborts what still runs
+
+`close` is synchronous and idempotent, so a streaming response can call it from a
+cancelled task (the client hung up); whatever is unfinished then gets an
+`AbortRequest` through the `AbortSender`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from radixserve.api import ApiError, Assembly, ChoiceUpdate, GenerationPlan
+from radixserve.bus import BusError
+from radixserve.protocol import RequestError, encode
+from radixserve.services.gateway.hub import ClientGone, HubEvent
+from radixserve.services.gateway.state import GatewayState
+from radixserve.store import FieldValue
+
+log = logging.getLogger(__name__)
+
+# nginx's "client closed request": only ever seen in metrics and records.
+CLIENT_CLOSED_STATUS = 499
+
+
+class ClientDisconnected(Exception):
+    """The client hung up before the answer was complete."""
+
+
+class Inflight:
+    def __init__(self, state: GatewayState, plan: GenerationPlan) -> None:
+        self.state = state
+        self.plan = plan
+        self.assembly = Assembly(plan)
+        self.started = time.monotonic()
+        self.deadline = self.started + state.settings.request_timeout_s
+        self.first_token_at: float | None = None
+        self._queue: asyncio.Queue[HubEvent] = state.hub.register(plan.rids)
+        self._watcher: asyncio.Task[None] | None = None
+        self._closed = False
+        # Rids another service already failed (RequestError): nothing left to abort there.
+        self._failed_rids: set[str] = set()
+        state.add_inflight(self)
+
+    @property
+    def rid(self) -> str:
+        return self.plan.response_id
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    # -- sending --------------------------------------------------------------------------
+    async def submit(self) -> None:
+        state, plan = self.state, self.plan
+        state.records.put(
+            self.rid,
+            {
+                "state": "received",
+                "endpoint": plan.endpoint,
+                "model": plan.model,
+                "stream": int(plan.stream),
+                "n": plan.n,
+                "num_prompts": len(plan.submits),
+                "received_at": time.time(),
+            },
+        )
+        try:
+            for submit in plan.submits:
+                await state.bus.publish(state.subjects.tokenize, encode(submit))
+        except BusError as exc:
+            raise ApiError.unavailable(f"cannot reach the tokenizer: {exc}", "no_bus") from exc
+        state.records.update(self.rid, {"state": "queued", "queued_at": time.time()})
+
+    # -- receiving ------------------------------------------------------------------------
+    async def next_update(self) -> ChoiceUpdate:
+        """The next delta that changed a choice. Raises ApiError for a bus error or the
+        deadline (504), ClientDisconnected when the disconnect watcher saw the client go."""
+        while True:
+            remaining = self.deadline - time.monotonic()
+            if remaining <= 0:
+                raise ApiError.timeout(self.state.settings.request_timeout_s)
+            try:
+                event = await asyncio.wait_for(self._queue.get(), remaining)
+            except TimeoutError:
+                raise ApiError.timeout(self.state.settings.request_timeout_s) from None
+            if isinstance(event, RequestError):
+                self._failed_rids.add(event.rid)
+                raise ApiError.from_request_error(event)
+            if isinstance(event, ClientGone):
+                raise ClientDisconnected()
+            update = self.assembly.apply(event)
+            if update is None:
+                continue
+            if self.first_token_at is None and (event.text or event.token_ids):
+                self._first_token()
+            return update
+
+    async def run_to_end(self) -> None:
+        while not self.assembly.done:
+            await self.next_update()
+
+    def _first_token(self) -> None:
+        self.first_token_at = time.monotonic()
+        self.state.metrics.observe_first_token(self.first_token_at - self.started)
+        self.state.records.update(self.rid, {"state": "running", "first_token_at": time.time()})
+
+    # -- the client -------------------------------------------------------------------------
+    def watch_disconnect(self, receive: Any) -> None:
+        """Turn an ASGI `http.disconnect` into a `ClientGone` event (body already read)."""
+
+        async def watch() -> None:
+            while True:
+                message = await receive()
+                if message.get("type") == "http.disconnect":
+                    self._queue.put_nowait(ClientGone())
+                    return
+
+        self._watcher = asyncio.create_task(watch(), name=f"disconnect-{self.rid}")
+
+    async def stop_watching(self) -> None:
+        """Before a streaming response takes over `receive` (Starlette watches it then)."""
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None:
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
+
+    # -- the end --------------------------------------------------------------------------
+    def close(self, error: ApiError | None = None, *, client_gone: bool = False) -> None:
+        """Account for the request once: abort what still runs, metrics, record, hub."""
+        if self._closed:
+            return
+        self._closed = True
+        state = self.state
+        if self._watcher is not None:
+            self._watcher.cancel()
+        state.hub.unregister(self.plan.rids)
+        state.remove_inflight(self)
+        reason = (
+            "client_disconnected" if client_gone else ((error.code or error.type) if error else "")
+        )
+        for rid in self.assembly.unfinished_rids():
+            if rid not in self._failed_rids:
+                state.aborts.send(rid, reason or "unfinished")
+        status = CLIENT_CLOSED_STATUS if client_gone else (error.status if error else 200)
+        usage = self.assembly.usage()
+        ok = error is None and not client_gone
+        e2e_s = self.elapsed()
+        state.metrics.observe_request(
+            status=status,
+            prompt_tokens=usage.prompt_tokens,
+            completion_tokens=usage.completion_tokens,
+            e2e_s=e2e_s if ok else None,
+            ttft_s=None if self.first_token_at is None else self.first_token_at - self.started,
+            max_choice_tokens=max((c.completion_tokens for c in self.assembly.choices), default=0),
+        )
+        fields: dict[str, FieldValue] = {
+            "state": "finished" if ok else "failed",
+            "finished_at": time.time(),
+            "prompt_tokens": usage.prompt_tokens,
+            "completion_tokens": usage.completion_tokens,
+            "cached_tokens": usage.cached_tokens,
+        }
+        finish = [c.finish.kind for c in self.assembly.choices if c.finish is not None]
+        if finish:
+            fields["finish_reason"] = ",".join(dict.fromkeys(finish))
+        if not ok:
+            fields["http_status"] = status
+            fields["error_code"] = reason or "error"
+        state.records.update(self.rid, fields)
+        log.info(
+            "%s %s in %.3fs: %d prompt + %d completion tokens",
+            self.plan.endpoint,
+            status,
+            e2e_s,
+            usage.prompt_tokens,
+            usage.completion_tokens,
+            extra={"rid": self.rid},
+        )

@@ -1,0 +1,147 @@
+"""The Redis request record, written off the request path.
+
+    writer = RecordWriter(store, ttl_s=3600, metrics=metrics)
+    ctx.spawn(writer.run(), "record-writer")
+    writer.put(rid, {"state": "received", ...})     # never blocks, never raises
+    writer.update(rid, {"state": "finished", ...})
+    record = await writer.get(rid)                   # GET /v1/requests/{id}
+
+Every write goes through one bounded queue drained by one task, so Redis being slow
+or down never delays a token: a full queue or a failed write is dropped, counted in
+`radixserve:store_write_failures_total` and logged at most every few seconds. Writes
+of one record stay in order (one drainer); an update of a record whose `put` was
+lost writes nothing (`Store.update_request` only touches an existing record).
+
+Record fields (all strings in Redis; `get` turns the numeric ones back into numbers):
+`state` (received/queued/running/finished/failed), `endpoint`, `model`, `stream`,
+`n`, `num_prompts`, `received_at` / `queued_at` / `first_token_at` / `finished_at`
+(wall clock), `prompt_tokens`, `completion_tokens`, `cached_tokens`,
+`finish_reason`, and for failures `http_status` and `error_code`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from radixserve.store import FieldValue, Store
+from radixserve.telemetry import GatewayMetrics
+
+log = logging.getLogger(__name__)
+
+_INT_FIELDS = frozenset(
+    {"n", "num_prompts", "prompt_tokens", "completion_tokens", "cached_tokens", "http_status"}
+)
+_FLOAT_FIELDS = frozenset({"received_at", "queued_at", "first_token_at", "finished_at"})
+_LOG_EVERY_S = 10.0
+
+
+@dataclass(frozen=True)
+class _Write:
+    rid: str
+    fields: Mapping[str, FieldValue]
+    create: bool  # put (replace) vs update (only if it exists)
+
+
+class RecordWriter:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        ttl_s: float,
+        metrics: GatewayMetrics,
+        max_pending: int = 10_000,
+        write_timeout_s: float = 2.0,
+    ) -> None:
+        self.store = store
+        self.ttl_s = ttl_s
+        self.metrics = metrics
+        self.write_timeout_s = write_timeout_s
+        self._queue: asyncio.Queue[_Write] = asyncio.Queue(maxsize=max_pending)
+        self._last_log = 0.0
+        self._unlogged = 0
+
+    # -- the request path's side: never waits ------------------------------------------
+    def put(self, rid: str, fields: Mapping[str, FieldValue]) -> None:
+        self._enqueue(_Write(rid, dict(fields), create=True))
+
+    def update(self, rid: str, fields: Mapping[str, FieldValue]) -> None:
+        self._enqueue(_Write(rid, dict(fields), create=False))
+
+    def _enqueue(self, write: _Write) -> None:
+        try:
+            self._queue.put_nowait(write)
+        except asyncio.QueueFull:
+            self._failed(write.rid, "the record queue is full (Redis slow or down?)")
+
+    @property
+    def pending(self) -> int:
+        return self._queue.qsize()
+
+    # -- the drainer ------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Drain forever (a supervised task); one write at a time, each bounded."""
+        while True:
+            write = await self._queue.get()
+            try:
+                await asyncio.wait_for(self._write(write), self.write_timeout_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self._failed(write.rid, repr(exc))
+
+    async def flush(self, timeout_s: float) -> bool:
+        """Wait (bounded) until every queued write was tried; True if the queue emptied."""
+        deadline = time.monotonic() + timeout_s
+        while self._queue.qsize() and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        return self._queue.qsize() == 0
+
+    async def _write(self, write: _Write) -> None:
+        if write.create:
+            await self.store.put_request(write.rid, write.fields, self.ttl_s)
+        else:
+            await self.store.update_request(write.rid, write.fields)
+
+    def _failed(self, rid: str, why: str) -> None:
+        self.metrics.store_write_failures.inc()
+        now = time.monotonic()
+        if now - self._last_log < _LOG_EVERY_S:
+            self._unlogged += 1
+            return
+        log.warning(
+            "request record write dropped: %s (%d more since the last warning)",
+            why,
+            self._unlogged,
+            extra={"rid": rid},
+        )
+        self._last_log = now
+        self._unlogged = 0
+
+    # -- reading --------------------------------------------------------------------------
+    async def get(self, rid: str, timeout_s: float = 2.0) -> dict[str, Any] | None:
+        """The record with numbers as numbers; None if unknown. Raises on Redis errors."""
+        raw = await asyncio.wait_for(self.store.get_request(rid), timeout_s)
+        return None if raw is None else record_to_json(rid, raw)
+
+
+def record_to_json(rid: str, raw: Mapping[str, str]) -> dict[str, Any]:
+    record: dict[str, Any] = {"id": rid}
+    for name, value in raw.items():
+        try:
+            if name in _INT_FIELDS:
+                record[name] = int(value)
+                continue
+            if name in _FLOAT_FIELDS:
+                record[name] = float(value)
+                continue
+        except ValueError:
+            pass
+        record[name] = value
+    if "stream" in record:
+        record["stream"] = record["stream"] == "1"
+    return record

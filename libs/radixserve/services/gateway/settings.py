@@ -1,0 +1,120 @@
+"""The gateway's typed settings: flags first, then `RADIXSERVE_*` variables, then defaults."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from radixserve.engine.model.names import EMBEDDED_MODEL_NAME
+from radixserve.engine.model.names import served_model_name as model_name_of
+from radixserve.services.runtime import ServiceSettings, settings_from_args
+from radixserve.store import StoreSettings
+
+SERVICE = "gateway"
+
+ENV_SERVED_MODEL_NAME = "RADIXSERVE_SERVED_MODEL_NAME"
+ENV_MODEL = "RADIXSERVE_MODEL"
+ENV_HOST = "RADIXSERVE_GATEWAY_HOST"
+ENV_PORT = "RADIXSERVE_GATEWAY_PORT"
+ENV_REQUEST_TIMEOUT_S = "RADIXSERVE_REQUEST_TIMEOUT_S"
+ENV_RECORD_TTL_S = "RADIXSERVE_RECORD_TTL_S"
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    service: ServiceSettings
+    store: StoreSettings = field(default_factory=StoreSettings)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str = EMBEDDED_MODEL_NAME
+    # From arrival to the last token; then the request is aborted and answered 504.
+    request_timeout_s: float = 600.0
+    record_ttl_s: float = 3600.0
+    # A worker counts as ready in /health while its last ready heartbeat is this recent.
+    worker_timeout_s: float = 5.0
+    # Request-record writes waiting for Redis; past this they are dropped (and counted).
+    record_queue_size: int = 10_000
+    record_write_timeout_s: float = 2.0
+    flush_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if not self.served_model_name:
+            raise ValueError("the served model name must not be empty")
+        for name in ("request_timeout_s", "record_ttl_s", "worker_timeout_s", "flush_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.record_queue_size < 1:
+            raise ValueError(f"record_queue_size must be >= 1, got {self.record_queue_size}")
+
+    @property
+    def gateway_id(self) -> str:
+        """The runtime instance id: deltas and errors for this gateway come to its subjects."""
+        return self.service.instance_id
+
+
+def served_model_name(flag: str | None, model: str | None, environ: Mapping[str, str]) -> str:
+    """`--served-model-name`, else $RADIXSERVE_SERVED_MODEL_NAME, else the basename of
+    `--model` ($RADIXSERVE_MODEL), else the embedded model's name."""
+    name = flag or environ.get(ENV_SERVED_MODEL_NAME, "").strip()
+    if name:
+        return name
+    return model_name_of(model or environ.get(ENV_MODEL, "").strip() or None)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default=None, help=f"default ${ENV_HOST} or 127.0.0.1")
+    parser.add_argument("--port", type=int, default=None, help=f"default ${ENV_PORT} or 8000")
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help=f"the model name of /v1/models; default ${ENV_SERVED_MODEL_NAME}, else the "
+        f"basename of --model, else {EMBEDDED_MODEL_NAME}",
+    )
+    parser.add_argument(
+        "--model", default=None, help=f"model path (only names the model); default ${ENV_MODEL}"
+    )
+    parser.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=None,
+        help=f"abort and answer 504 after this long; default ${ENV_REQUEST_TIMEOUT_S} or 600",
+    )
+    parser.add_argument(
+        "--record-ttl-s",
+        type=float,
+        default=None,
+        help=f"TTL of the Redis request records; default ${ENV_RECORD_TTL_S} or 3600",
+    )
+
+
+def gateway_settings_from_args(
+    ns: argparse.Namespace, environ: Mapping[str, str] | None = None
+) -> GatewaySettings:
+    env = os.environ if environ is None else environ
+    service = settings_from_args(SERVICE, ns)
+    store = dataclasses.replace(StoreSettings.from_env(env), url=service.redis_url)
+
+    def pick(flag: str | float | None, var: str) -> str | None:
+        if flag is not None:
+            return str(flag)
+        return env.get(var, "").strip() or None
+
+    host = pick(ns.host, ENV_HOST)
+    port = pick(ns.port, ENV_PORT)
+    timeout = pick(ns.request_timeout_s, ENV_REQUEST_TIMEOUT_S)
+    ttl = pick(ns.record_ttl_s, ENV_RECORD_TTL_S)
+    defaults = GatewaySettings(service=service)
+    return GatewaySettings(
+        service=service,
+        store=store,
+        host=host or defaults.host,
+        port=defaults.port if port is None else int(port),
+        served_model_name=served_model_name(ns.served_model_name, ns.model, env),
+        request_timeout_s=defaults.request_timeout_s if timeout is None else float(timeout),
+        record_ttl_s=defaults.record_ttl_s if ttl is None else float(ttl),
+    )

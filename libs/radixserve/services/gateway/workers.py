@@ -1,0 +1,65 @@
+"""What the gateway knows about workers: who is ready (for /health) and their load (metrics).
+
+    tracker = WorkerTracker(metrics, timeout_s=5.0)
+    await bus.subscribe(subjects.heartbeat_all, tracker.on_heartbeat)
+    await bus.subscribe(subjects.stats_all, tracker.on_stats)
+    tracker.ready_count()        # workers whose last heartbeat said ready, recently
+
+Routing is the scheduler's; this is only a view, kept from the same messages.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from radixserve.bus import BusMsg
+from radixserve.protocol import Heartbeat, ProtocolError, WorkerStats, WorkerStatus, decode
+from radixserve.telemetry import GatewayMetrics
+
+log = logging.getLogger(__name__)
+
+
+class WorkerTracker:
+    def __init__(self, metrics: GatewayMetrics, timeout_s: float) -> None:
+        self.metrics = metrics
+        self.timeout_s = timeout_s
+        # worker id -> (monotonic time of its last heartbeat, its status then)
+        self._heartbeats: dict[str, tuple[float, WorkerStatus]] = {}
+        self._stats_seen: dict[str, float] = {}  # worker id -> monotonic time of its stats
+
+    async def on_heartbeat(self, msg: BusMsg) -> None:
+        try:
+            beat = decode(msg.data, Heartbeat)
+        except ProtocolError as exc:
+            log.warning("dropping a malformed heartbeat on %s: %s", msg.subject, exc)
+            return
+        self._heartbeats[beat.worker_id] = (time.monotonic(), beat.status)
+
+    async def on_stats(self, msg: BusMsg) -> None:
+        try:
+            stats = decode(msg.data, WorkerStats)
+        except ProtocolError as exc:
+            log.warning("dropping malformed stats on %s: %s", msg.subject, exc)
+            return
+        self._stats_seen[stats.worker_id] = time.monotonic()
+        self.metrics.observe_worker_stats(stats)
+
+    def ready_count(self) -> int:
+        cutoff = time.monotonic() - self.timeout_s
+        return sum(
+            1
+            for seen, status in self._heartbeats.values()
+            if seen >= cutoff and status == WorkerStatus.READY
+        )
+
+    def prune(self) -> None:
+        """Forget workers silent for a while (their gauges too), e.g. before a scrape."""
+        cutoff = time.monotonic() - 3 * self.timeout_s
+        for worker, seen in list(self._stats_seen.items()):
+            if seen < cutoff:
+                del self._stats_seen[worker]
+                self.metrics.forget_worker(worker)
+        for worker, (seen, _) in list(self._heartbeats.items()):
+            if seen < cutoff:
+                del self._heartbeats[worker]

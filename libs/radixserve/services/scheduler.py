@@ -1,0 +1,224 @@
+"""scheduler service: routes each `TokenizedRequest` to a worker (docs/request-path.md, hop 3).
+
+Keeps the live workers from their heartbeats and stats, sends each request to the
+least loaded ready worker, remembers rid -> worker until the request finishes (seen
+in the workers' step outputs), forwards aborts, fans `flush_cache` out, and answers
+429 / 503 when it cannot take a request. Every decision is `radixserve.routing`'s;
+this file only moves messages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from radixserve.bus import BusError, BusMsg, BusNoResponders, BusTimeout
+from radixserve.protocol import (
+    AbortRequest,
+    FlushCacheReply,
+    FlushCacheRequest,
+    Heartbeat,
+    ProtocolError,
+    QueueGroups,
+    RequestError,
+    TokenizedRequest,
+    WorkerStats,
+    decode,
+    encode,
+)
+from radixserve.routing import (
+    Dispatcher,
+    Dropped,
+    Rejected,
+    Routed,
+    finished_choices,
+    merge_flush_replies,
+)
+from radixserve.services.runtime import (
+    ServiceContext,
+    ServiceSettings,
+    run_service,
+    settings_from_args,
+)
+
+log = logging.getLogger(__name__)
+
+SERVICE = "scheduler"
+
+
+@dataclass(frozen=True)
+class SchedulerSettings:
+    service: ServiceSettings
+    max_pending_requests: int = 1024
+    worker_timeout_s: float = 5.0
+    retry_after_s: float = 1.0
+    flush_timeout_s: float = 5.0  # per worker, all at once
+
+    def __post_init__(self) -> None:
+        if self.max_pending_requests < 1:
+            raise ValueError("--max-pending-requests must be >= 1")
+        if self.worker_timeout_s <= 0 or self.flush_timeout_s <= 0:
+            raise ValueError("--worker-timeout-s and the flush timeout must be > 0")
+        if self.retry_after_s < 0:
+            raise ValueError("--retry-after-s must be >= 0")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--max-pending-requests",
+        type=int,
+        default=1024,
+        help="unfinished requests at most; more get 429 queue_full",
+    )
+    parser.add_argument(
+        "--worker-timeout-s",
+        type=float,
+        default=5.0,
+        help="a worker without a heartbeat for this long is dead",
+    )
+    parser.add_argument(
+        "--retry-after-s", type=float, default=1.0, help="Retry-After of 429 / 503 answers"
+    )
+
+
+def settings_from(ns: argparse.Namespace) -> SchedulerSettings:
+    return SchedulerSettings(
+        service=settings_from_args(SERVICE, ns),
+        max_pending_requests=ns.max_pending_requests,
+        worker_timeout_s=ns.worker_timeout_s,
+        retry_after_s=ns.retry_after_s,
+    )
+
+
+def run(ns: argparse.Namespace) -> int:
+    settings = settings_from(ns)
+
+    async def main(ctx: ServiceContext) -> None:
+        await start(ctx, settings)
+
+    return run_service(settings.service, main)
+
+
+async def start(ctx: ServiceContext, settings: SchedulerSettings) -> None:
+    dispatcher = Dispatcher(
+        max_pending_requests=settings.max_pending_requests,
+        worker_timeout_s=settings.worker_timeout_s,
+        retry_after_s=settings.retry_after_s,
+    )
+    bus, subjects = ctx.bus, ctx.subjects
+
+    async def send_errors(rejected: list[Rejected]) -> None:
+        for item in rejected:
+            await bus.publish(subjects.gateway_errors(item.gateway_id), encode(item.error))
+
+    async def on_schedule(msg: BusMsg) -> None:
+        try:
+            request = decode(msg.data, TokenizedRequest)
+        except ProtocolError as exc:
+            log.error("malformed TokenizedRequest dropped: %s", exc)
+            return
+        decision = dispatcher.admit(request, time.monotonic(), time.time())
+        if isinstance(decision, Routed):
+            routed = decision.routed
+            log.debug("routed to %s", routed.worker_id, extra={"rid": request.rid})
+            await bus.publish(subjects.worker_run(routed.worker_id), encode(routed))
+        elif isinstance(decision, Rejected):
+            log.info("rejected: %s", decision.error.code, extra={"rid": request.rid})
+            await send_errors([decision])
+        elif isinstance(decision, Dropped):
+            log.info("dropped: %s", decision.reason, extra={"rid": request.rid})
+
+    async def on_abort(msg: BusMsg) -> None:
+        try:
+            abort = decode(msg.data, AbortRequest)
+        except ProtocolError as exc:
+            log.warning("malformed AbortRequest: %s", exc)
+            return
+        worker_id = dispatcher.abort(abort.rid, time.monotonic())
+        if worker_id is not None:
+            await bus.publish(subjects.worker_abort(worker_id), encode(abort))
+
+    async def flush_one(worker_id: str, data: bytes) -> FlushCacheReply | str:
+        try:
+            raw = await bus.request(
+                subjects.worker_flush_cache(worker_id), data, timeout_s=settings.flush_timeout_s
+            )
+            return decode(raw.data, FlushCacheReply)
+        except BusTimeout:
+            return f"no reply within {settings.flush_timeout_s:g}s"
+        except BusNoResponders:
+            return "not listening"
+        except (BusError, ProtocolError) as exc:
+            return f"failed: {exc}"
+
+    async def on_flush(msg: BusMsg) -> None:
+        try:
+            request = decode(msg.data, FlushCacheRequest)
+        except ProtocolError as exc:
+            log.warning("malformed FlushCacheRequest: %s", exc)
+            return
+        workers = dispatcher.ready_workers()
+        data = encode(request)
+        replies = await asyncio.gather(*(flush_one(worker_id, data) for worker_id in workers))
+        reply = merge_flush_replies(request.rid, dict(zip(workers, replies, strict=True)))
+        log.info("flush_cache: %s", reply.message, extra={"rid": request.rid})
+        if msg.reply:
+            await bus.respond(msg, encode(reply))
+
+    async def on_heartbeat(msg: BusMsg) -> None:
+        try:
+            beat = decode(msg.data, Heartbeat)
+        except ProtocolError as exc:
+            log.warning("malformed Heartbeat on %s: %s", msg.subject, exc)
+            return
+        await send_errors(dispatcher.on_heartbeat(beat, time.monotonic()))
+
+    async def on_stats(msg: BusMsg) -> None:
+        try:
+            stats = decode(msg.data, WorkerStats)
+        except ProtocolError as exc:
+            log.warning("malformed WorkerStats on %s: %s", msg.subject, exc)
+            return
+        dispatcher.on_stats(stats, time.monotonic())
+
+    async def on_step_outputs(msg: BusMsg) -> None:
+        try:
+            finished = finished_choices(msg.data)
+        except ProtocolError as exc:
+            log.warning("malformed StepOutputBatch: %s", exc)
+            return
+        for choice in finished:
+            dispatcher.on_finished(choice.rid, choice.index, choice.kind)
+
+    async def on_request_error(msg: BusMsg) -> None:
+        # A request that failed after routing (the worker refused it) never finishes on
+        # `detok`; its error to the gateway is the sign it is over.
+        try:
+            error = decode(msg.data, RequestError)
+        except ProtocolError:
+            return
+        dispatcher.on_error(error.rid)
+
+    async def expire_workers() -> None:
+        interval_s = min(1.0, settings.worker_timeout_s / 4)
+        while True:
+            await asyncio.sleep(interval_s)
+            await send_errors(dispatcher.expire(time.monotonic()))
+
+    # Worker state first, so the first requests already see the workers.
+    await bus.subscribe(subjects.heartbeat_all, on_heartbeat)
+    await bus.subscribe(subjects.stats_all, on_stats)
+    await bus.subscribe(subjects.detok, on_step_outputs)
+    await bus.subscribe(subjects.gateway_errors_all, on_request_error)
+    schedule = await bus.subscribe(subjects.schedule, on_schedule, queue=QueueGroups.SCHEDULER)
+    await bus.subscribe(subjects.abort, on_abort, queue=QueueGroups.SCHEDULER)
+    await bus.subscribe(subjects.flush_cache, on_flush, queue=QueueGroups.SCHEDULER)
+    ctx.spawn(expire_workers(), "expire-workers")
+
+    async def drain() -> None:
+        await schedule.drain()  # route what is queued; take nothing new
+
+    ctx.on_drain(drain)

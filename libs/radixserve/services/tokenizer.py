@@ -1,0 +1,219 @@
+"""tokenizer service: `SubmitRequest` -> checked `TokenizedRequest` (docs/request-path.md, hop 2).
+
+Renders chat messages with the model's template, tokenizes text, passes input_ids
+through; checks the vocabulary and the context length; has constrained requests'
+grammars compiled by the grammar service; publishes to the scheduler. Every refusal
+goes to the owning gateway's errors subject. Runs as N replicas in one queue group.
+The logic lives in `radixserve.prep`; this file only moves messages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from radixserve.bus import BusMsg, BusNoResponders, BusTimeout
+from radixserve.protocol import (
+    GrammarCompileReply,
+    ProtocolError,
+    QueueGroups,
+    RequestError,
+    SubmitRequest,
+    TokenizedRequest,
+    decode,
+    encode,
+)
+from radixserve.services.runtime import (
+    ServiceContext,
+    ServiceSettings,
+    run_service,
+    settings_from_args,
+)
+
+if TYPE_CHECKING:
+    from radixserve.prep import GrammarSpec, PromptTokenizer
+
+log = logging.getLogger(__name__)
+
+SERVICE = "tokenizer"
+ENV_MODEL = "RADIXSERVE_MODEL"
+
+
+@dataclass(frozen=True)
+class TokenizerSettings:
+    service: ServiceSettings
+    model: str | None = None  # None: the embedded SmolLM2
+    context_length: int | None = None  # None: the model's max_position_embeddings
+    grammar_timeout_s: float = 5.0
+    # Requests in progress at once (most of them waiting on the grammar service);
+    # past it the subscription waits and NATS buffers.
+    max_concurrent_requests: int = 256
+
+    def __post_init__(self) -> None:
+        if self.context_length is not None and self.context_length <= 0:
+            raise ValueError(f"--context-length must be > 0, got {self.context_length}")
+        if self.grammar_timeout_s <= 0:
+            raise ValueError(f"--grammar-timeout-s must be > 0, got {self.grammar_timeout_s}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model",
+        default=None,
+        help=f"HF folder or .gguf (default ${ENV_MODEL}, else the embedded SmolLM2)",
+    )
+    parser.add_argument(
+        "--context-length",
+        type=int,
+        default=None,
+        help="prompt + max_new_tokens limit; must match the workers' (default: the model's "
+        "max_position_embeddings)",
+    )
+    parser.add_argument("--grammar-timeout-s", type=float, default=5.0)
+
+
+def settings_from(ns: argparse.Namespace) -> TokenizerSettings:
+    return TokenizerSettings(
+        service=settings_from_args(SERVICE, ns),
+        model=ns.model or os.environ.get(ENV_MODEL, "").strip() or None,
+        context_length=ns.context_length,
+        grammar_timeout_s=ns.grammar_timeout_s,
+    )
+
+
+def run(ns: argparse.Namespace) -> int:
+    settings = settings_from(ns)
+
+    async def main(ctx: ServiceContext) -> None:
+        await start(ctx, settings)
+
+    return run_service(settings.service, main)
+
+
+async def start(ctx: ServiceContext, settings: TokenizerSettings) -> None:
+    # Heavy imports (transformers) only once the service really starts: `--help` stays quick.
+    from radixserve.engine.model.loader import resolve_model_path
+    from radixserve.prep import load_prompt_tokenizer
+
+    model_dir = await asyncio.to_thread(resolve_model_path, settings.model)
+    prompter = await asyncio.to_thread(load_prompt_tokenizer, model_dir, settings.context_length)
+    log.info(
+        "tokenizer of %s: vocabulary %d, context length %d, id %s",
+        model_dir,
+        prompter.vocab_size,
+        prompter.context_len,
+        prompter.tokenizer_id,
+    )
+    handler = _Tokenizer(ctx, settings, prompter)
+    subscription = await ctx.bus.subscribe(
+        ctx.subjects.tokenize, handler.on_message, queue=QueueGroups.TOKENIZER
+    )
+
+    async def drain() -> None:
+        await subscription.drain()  # no new requests; the queued ones get their task
+        await handler.wait_idle()
+
+    ctx.on_drain(drain)
+
+
+class _Tokenizer:
+    """One task per message (bounded), so a request waiting on the grammar service or a
+    long prompt being tokenized does not hold up the ones behind it."""
+
+    def __init__(
+        self, ctx: ServiceContext, settings: TokenizerSettings, prompter: PromptTokenizer
+    ) -> None:
+        self.ctx = ctx
+        self.settings = settings
+        self.prompter = prompter
+        self._slots = asyncio.Semaphore(settings.max_concurrent_requests)
+        self._active: set[asyncio.Task[Any]] = set()
+        # NOTE: one thread, because a Hugging Face fast tokenizer shared between threads
+        # can fail with "Already borrowed"; it still keeps tokenizing off the event loop.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+
+    async def on_message(self, msg: BusMsg) -> None:
+        await self._slots.acquire()
+        task = self.ctx.spawn(self._handle(msg), name="tokenize-request")
+        self._active.add(task)
+        task.add_done_callback(self._active.discard)
+
+    async def wait_idle(self) -> None:
+        if self._active:
+            await asyncio.gather(*self._active, return_exceptions=True)
+        self._executor.shutdown(wait=False)
+
+    async def _handle(self, msg: BusMsg) -> None:
+        try:
+            await self._process(msg)
+        finally:
+            self._slots.release()
+
+    async def _process(self, msg: BusMsg) -> None:
+        from radixserve.prep import PrepError, request_address
+
+        try:
+            req = decode(msg.data, SubmitRequest)
+        except ProtocolError as exc:
+            address = request_address(msg.data)
+            log.warning("malformed SubmitRequest: %s", exc, extra={"rid": address and address[0]})
+            if address is not None:
+                rid, gateway_id = address
+                await self._send_error(gateway_id, PrepError(str(exc)).to_request_error(rid))
+            return
+        try:
+            tokenized = await self._tokenize(req)
+        except PrepError as err:
+            log.info("request refused: %s (%s)", err.code, err.param, extra={"rid": req.rid})
+            await self._send_error(req.gateway_id, err.to_request_error(req.rid, SERVICE))
+            return
+        except Exception as exc:  # one request's bug must not stop the replica or hang the client
+            log.exception("tokenizing failed", extra={"rid": req.rid})
+            error = RequestError(
+                rid=req.rid,
+                code="internal_error",
+                message=f"the tokenizer failed: {type(exc).__name__}",
+                http_status=500,
+                error_type="server_error",
+                service=SERVICE,
+            )
+            await self._send_error(req.gateway_id, error)
+            return
+        log.debug("tokenized: %d prompt tokens", tokenized.prompt_tokens, extra={"rid": req.rid})
+        await self.ctx.bus.publish(self.ctx.subjects.schedule, encode(tokenized))
+
+    async def _tokenize(self, req: SubmitRequest) -> TokenizedRequest:
+        from radixserve.prep import grammar_spec, tokenized_request
+
+        spec = grammar_spec(req.sampling)
+        loop = asyncio.get_running_loop()
+        prompt = await loop.run_in_executor(self._executor, self.prompter.prepare, req)
+        key = None if spec is None else await self._compile_grammar(req.rid, spec)
+        return tokenized_request(req, prompt, key)
+
+    async def _compile_grammar(self, rid: str, spec: GrammarSpec) -> str:
+        from radixserve.prep import compile_request, key_from_reply, unavailable_error
+
+        request = compile_request(rid, spec, self.prompter.tokenizer_id)
+        timeout_s = self.settings.grammar_timeout_s
+        try:
+            raw = await self.ctx.bus.request(
+                self.ctx.subjects.grammar_compile, encode(request), timeout_s=timeout_s
+            )
+        except BusTimeout as exc:
+            raise unavailable_error(spec, f"no reply within {timeout_s:g}s") from exc
+        except BusNoResponders as exc:
+            raise unavailable_error(spec, "no grammar service is running") from exc
+        try:
+            reply = decode(raw.data, GrammarCompileReply)
+        except ProtocolError as exc:
+            raise unavailable_error(spec, f"unreadable reply: {exc}") from exc
+        return key_from_reply(reply, spec)
+
+    async def _send_error(self, gateway_id: str, error: RequestError) -> None:
+        await self.ctx.bus.publish(self.ctx.subjects.gateway_errors(gateway_id), encode(error))

@@ -1,0 +1,230 @@
+"""worker: owns the engine (model, KV pool, radix cache) and runs routed requests.
+
+Subscribes `{p}.worker.{id}.>` (run, abort, flush_cache); the engine runs in its own
+thread (`radixserve.worker.driver`) and hands back one `StepOutputBatch` per step,
+published on `{p}.detok`. Publishes `Heartbeat` and `WorkerStats` every second.
+On SIGTERM: heartbeat "draining" (the scheduler routes nothing new), new requests are
+handed back with a 503, running ones finish (bounded by the drain timeout) and the
+rest are aborted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import time
+from typing import Any
+
+from radixserve import protocol
+from radixserve.bus import BusMsg
+from radixserve.engine.flags import add_engine_arguments, engine_kwargs
+from radixserve.services.runtime import ServiceContext, run_service, settings_from_args
+
+log = logging.getLogger("radixserve.worker")
+
+SERVICE = "worker"
+STATS_INTERVAL_S = 1.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_engine_arguments(parser)
+
+
+def run(ns: argparse.Namespace) -> int:
+    settings = settings_from_args(SERVICE, ns)
+    kwargs = engine_kwargs(ns)
+
+    async def main(ctx: ServiceContext) -> None:
+        await WorkerService(ctx, kwargs).start()
+
+    return run_service(settings, main)
+
+
+class WorkerService:
+    def __init__(self, ctx: ServiceContext, engine_options: dict[str, Any]) -> None:
+        self.ctx = ctx
+        self.subjects = ctx.subjects
+        self.worker_id = ctx.settings.instance_id
+        self.engine_options = engine_options
+        self.status = protocol.WorkerStatus.STARTING
+        self.epoch = time.time_ns()
+        self.capacity = protocol.WorkerCapacity(
+            max_running_requests=0, max_total_num_tokens=0, max_context_len=0
+        )
+        self.model_name = ""
+        self.outbox: asyncio.Queue[tuple[int, list[protocol.StepOutput]]] = asyncio.Queue()
+        self.driver: Any = None
+        self._last_tokens = 0
+        self._last_stats = time.monotonic()
+
+    async def start(self) -> None:
+        self.ctx.spawn(self._heartbeats(), "heartbeats")  # "starting" while the model loads
+        from radixserve.engine.engine import Engine
+        from radixserve.worker.driver import EngineDriver
+
+        engine = await asyncio.to_thread(Engine, **self.engine_options)
+        loop = asyncio.get_running_loop()
+        self.driver = EngineDriver(
+            engine,
+            on_step=lambda step, outs: self._from_thread(
+                loop, self.outbox.put_nowait, (step, outs)
+            ),
+            on_reject=lambda error, gateway: self._from_thread(
+                loop, self._spawn_reject, error, gateway
+            ),
+        )
+        config = engine.config
+        self.capacity = protocol.WorkerCapacity(
+            max_running_requests=config.max_running_requests,
+            max_total_num_tokens=engine.runner.kv_pool.size,
+            max_context_len=engine.context_len,
+            page_size=config.page_size,
+            kv_block_size=config.page_size,
+        )
+        self.model_name = str(engine.runner.model_path)
+        self.driver.start()
+        self.ctx.spawn(self._publish_steps(), "publish-steps")
+        self.ctx.spawn(self._stats(), "stats")
+        self.ctx.spawn(self._watch_engine(), "watch-engine")
+        await self.ctx.bus.subscribe(self.subjects.worker_all(self.worker_id), self._on_message)
+        self.status = protocol.WorkerStatus.READY
+        await self._heartbeat()
+        self.ctx.on_drain(self._drain)
+        log.info(
+            "worker %s ready: model %s, KV pool %d tokens",
+            self.worker_id,
+            self.model_name,
+            self.capacity.max_total_num_tokens,
+        )
+
+    # -- messages addressed to this worker ------------------------------------------------
+    async def _on_message(self, msg: BusMsg) -> None:
+        kind = msg.subject.rsplit(".", 1)[-1]
+        if kind == "run":
+            routed = protocol.decode(msg.data, protocol.RoutedRequest)
+            if self.status is not protocol.WorkerStatus.READY:
+                await self._reject(
+                    protocol.RequestError(
+                        rid=routed.rid,
+                        code="worker_draining",
+                        message="the worker is shutting down; retry",
+                        http_status=503,
+                        error_type="service_unavailable",
+                        service=SERVICE,
+                        retry_after_s=1.0,
+                    ),
+                    routed.request.gateway_id,
+                )
+                return
+            log.debug("run", extra={"rid": routed.rid})
+            self.driver.submit(routed)
+        elif kind == "abort":
+            abort = protocol.decode(msg.data, protocol.AbortRequest)
+            log.info("abort: %s", abort.reason or "requested", extra={"rid": abort.rid})
+            self.driver.abort(abort.rid)
+        elif kind == "flush_cache":
+            request = protocol.decode(msg.data, protocol.FlushCacheRequest)
+            try:
+                ok = await asyncio.wait_for(asyncio.wrap_future(self.driver.flush_cache()), 10.0)
+                message = "" if ok else "requests are running; the cache was not flushed"
+            except TimeoutError:
+                ok, message = False, "the engine did not answer within 10 s"
+            reply = protocol.FlushCacheReply(
+                rid=request.rid, ok=ok, worker_id=self.worker_id, message=message
+            )
+            if msg.reply:
+                await self.ctx.bus.respond(msg, protocol.encode(reply))
+
+    @staticmethod
+    def _from_thread(loop: asyncio.AbstractEventLoop, callback: Any, *args: Any) -> None:
+        """Run `callback(*args)` on the event loop (called from the engine thread)."""
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(callback, *args)
+
+    def _spawn_reject(self, error: protocol.RequestError, gateway_id: str) -> None:
+        self.ctx.spawn(self._reject(error, gateway_id), f"reject-{error.rid}")
+
+    async def _reject(self, error: protocol.RequestError, gateway_id: str) -> None:
+        log.info("rejected: %s", error.message, extra={"rid": error.rid})
+        await self.ctx.bus.publish(self.subjects.gateway_errors(gateway_id), protocol.encode(error))
+
+    # -- background tasks -------------------------------------------------------------------
+    async def _publish_steps(self) -> None:
+        while True:
+            step, outputs = await self.outbox.get()
+            batch = protocol.StepOutputBatch(worker_id=self.worker_id, step=step, outputs=outputs)
+            await self.ctx.bus.publish(self.subjects.detok, protocol.encode(batch))
+
+    async def _watch_engine(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            if self.driver.error is not None:
+                raise RuntimeError(f"the engine thread failed: {self.driver.error!r}")
+            if not self.driver.alive and not self.ctx.stopping.is_set():
+                raise RuntimeError("the engine thread stopped")
+
+    async def _heartbeats(self) -> None:
+        while True:
+            await self._heartbeat()
+            await asyncio.sleep(STATS_INTERVAL_S)
+
+    async def _heartbeat(self) -> None:
+        beat = protocol.Heartbeat(
+            worker_id=self.worker_id,
+            time=time.time(),
+            status=self.status,
+            capacity=self.capacity,
+            epoch=self.epoch,
+            model=self.model_name,
+        )
+        if self.ctx.bus.is_connected:
+            await self.ctx.bus.publish(
+                self.subjects.heartbeat(self.worker_id), protocol.encode(beat)
+            )
+
+    async def _stats(self) -> None:
+        while True:
+            await self._publish_stats()
+            await asyncio.sleep(STATS_INTERVAL_S)
+
+    async def _publish_stats(self) -> None:
+        load = self.driver.load
+        now = time.monotonic()
+        tokens = self.driver.generated_tokens
+        throughput = (tokens - self._last_tokens) / max(now - self._last_stats, 1e-6)
+        self._last_tokens, self._last_stats = tokens, now
+        kv = load.kv
+        stats = protocol.WorkerStats(
+            worker_id=self.worker_id,
+            time=time.time(),
+            num_running_reqs=load.num_running_reqs,
+            num_queue_reqs=load.num_queue_reqs,
+            free_kv_tokens=kv.free_tokens,
+            evictable_kv_tokens=kv.evictable_tokens,
+            total_kv_tokens=kv.pool_size,
+            token_usage=kv.used_tokens / kv.pool_size if kv.pool_size else 0.0,
+            gen_throughput=throughput,
+        )
+        if self.ctx.bus.is_connected:
+            await self.ctx.bus.publish(self.subjects.stats(self.worker_id), protocol.encode(stats))
+
+    # -- drain --------------------------------------------------------------------------------
+    async def _drain(self) -> None:
+        self.status = protocol.WorkerStatus.DRAINING
+        await self._heartbeat()
+        deadline = time.monotonic() + self.ctx.settings.drain_timeout_s * 0.8
+        while self.driver.num_tracked and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for rid in list(self.driver.builder.gateways):
+            self.driver.abort(rid)
+        # The aborts' final outputs come from the next step.
+        for _ in range(40):
+            if not self.driver.num_tracked:
+                break
+            await asyncio.sleep(0.05)
+        while not self.outbox.empty():
+            await asyncio.sleep(0.01)
+        self.status = protocol.WorkerStatus.STOPPING
+        await self._heartbeat()
+        self.driver.stop()

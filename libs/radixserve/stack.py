@@ -1,0 +1,198 @@
+"""`radixserve up`: the six services as supervised child processes on one machine.
+
+Each service is `python -m radixserve.cli serve NAME ...` in its own process group
+(infra.process.ManagedProcess: it dies with us, even on SIGKILL). A service that
+exits is restarted with a doubling backoff (1 s .. 30 s, reset after a minute of
+uptime), and the restart is announced. `stop()` stops them front to back: the
+gateway first (it stops taking requests), the detokenizer last (it delivers the
+last tokens).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from radixserve.infra.process import ManagedProcess
+from radixserve.services.health import HealthReport, probe
+
+# Start order; stop runs it backwards except that the gateway goes first.
+START_ORDER = ("detokenizer", "grammar", "scheduler", "tokenizer", "worker", "gateway")
+STOP_ORDER = ("gateway", "tokenizer", "scheduler", "worker", "grammar", "detokenizer")
+BACKOFF_START_S = 1.0
+BACKOFF_MAX_S = 30.0
+STABLE_AFTER_S = 60.0
+
+
+@dataclass(frozen=True)
+class StackSpec:
+    nats_url: str
+    redis_url: str
+    subject_prefix: str
+    host: str
+    port: int
+    workers: int
+    model_dir: Path
+    served_model_name: str
+    worker_args: list[str]  # engine flags for every worker
+    tokenizer_args: list[str]  # e.g. --context-length, kept equal to the workers'
+    log_dir: Path
+    extra_args: dict[str, list[str]] = field(default_factory=dict)  # per service, e.g. tests
+
+    def common_args(self) -> list[str]:
+        return [
+            "--nats-url",
+            self.nats_url,
+            "--redis-url",
+            self.redis_url,
+            "--subject-prefix",
+            self.subject_prefix,
+        ]
+
+    def service_args(self, name: str) -> list[str]:
+        return [*self._own_args(name), *self.extra_args.get(name, [])]
+
+    def _own_args(self, name: str) -> list[str]:
+        model = ["--model", str(self.model_dir)]
+        if name == "gateway":
+            return [
+                "--host",
+                self.host,
+                "--port",
+                str(self.port),
+                "--served-model-name",
+                self.served_model_name,
+            ]
+        if name == "tokenizer":
+            return [*model, *self.tokenizer_args]
+        if name == "detokenizer":
+            return model
+        if name == "worker":
+            return [*model, *self.worker_args]
+        return []
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+@dataclass
+class Supervised:
+    """One service process and its restart bookkeeping."""
+
+    name: str
+    process: ManagedProcess
+    started_at: float = 0.0
+    restarts: int = 0
+    backoff_s: float = BACKOFF_START_S
+    restart_at: float | None = None
+
+    def start(self) -> None:
+        self.process.start()
+        self.started_at = time.monotonic()
+        self.restart_at = None
+
+
+@dataclass
+class Stack:
+    spec: StackSpec
+    say: Callable[[str], None] = print
+    services: list[Supervised] = field(default_factory=list)
+
+    def start(self) -> None:
+        self.spec.log_dir.mkdir(parents=True, exist_ok=True)
+        check_port_free(self.spec.host, self.spec.port)
+        for name in START_ORDER:
+            count = self.spec.workers if name == "worker" else 1
+            for k in range(count):
+                instance = f"{name}-{k}"
+                argv = [
+                    sys.executable,
+                    "-m",
+                    "radixserve.cli",
+                    "serve",
+                    name,
+                    *self.spec.common_args(),
+                    "--instance-id",
+                    instance,
+                    *self.spec.service_args(name),
+                ]
+                log_path = self.spec.log_dir / f"{instance}.log"
+                item = Supervised(instance, ManagedProcess(instance, argv, log_path))
+                item.start()
+                self.services.append(item)
+
+    def supervise_once(self) -> None:
+        """Restart what exited, with backoff. Call it every fraction of a second."""
+        now = time.monotonic()
+        for item in self.services:
+            if item.process.alive:
+                if now - item.started_at > STABLE_AFTER_S:
+                    item.backoff_s = BACKOFF_START_S
+                continue
+            if item.restart_at is None:
+                tail = item.process.output_tail(5)
+                item.restart_at = now + item.backoff_s
+                self.say(
+                    f"radixserve: {item.name} exited; restarting in {item.backoff_s:.0f}s "
+                    f"(log {item.process.log_path})\n{tail}"
+                )
+                item.backoff_s = min(item.backoff_s * 2, BACKOFF_MAX_S)
+            elif now >= item.restart_at:
+                item.restarts += 1
+                item.start()
+                self.say(f"radixserve: {item.name} restarted (restart {item.restarts})")
+
+    def wait_healthy(self, timeout_s: float) -> HealthReport:
+        """Until every service heartbeats, a worker is ready and the gateway answers."""
+        deadline = time.monotonic() + timeout_s
+        report = HealthReport()
+        while time.monotonic() < deadline:
+            self.supervise_once()
+            report = asyncio.run(probe(self.spec.nats_url, self.spec.subject_prefix, wait_s=1.2))
+            if report.healthy and self._gateway_ok():
+                return report
+        tails = "\n".join(f"--- {s.name} ---\n{s.process.output_tail(8)}" for s in self.services)
+        missing = report.missing() or (["a ready worker"] if not report.ready_workers else [])
+        raise TimeoutError(
+            f"the stack was not healthy within {timeout_s:.0f}s "
+            f"(missing: {', '.join(missing) or 'the gateway HTTP answer'})\n{tails}"
+        )
+
+    def _gateway_ok(self) -> bool:
+        try:
+            return httpx.get(f"{self.spec.url}/health", timeout=2.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        by_kind = sorted(self.services, key=lambda s: STOP_ORDER.index(s.name.rsplit("-", 1)[0]))
+        for item in by_kind:
+            item.process.stop(timeout_s=timeout_s)
+
+    def pids(self) -> list[int]:
+        return [s.process.pid for s in self.services if s.process.pid is not None]
+
+
+def check_port_free(host: str, port: int) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise ValueError(
+                f"port {port} on {host} is in use ({exc.strerror}); pass --port to pick another"
+            ) from None
+
+
+def default_log_dir() -> Path:
+    base = Path(os.environ.get("RADIXSERVE_LOG_DIR", "") or Path.home() / ".cache/radixserve/logs")
+    return base / time.strftime("%Y%m%d-%H%M%S")

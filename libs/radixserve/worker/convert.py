@@ -1,0 +1,84 @@
+"""Between wire messages and the engine's step API: requests in, step outputs out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgspec
+
+from radixserve import protocol
+from radixserve.engine.groups import ChoiceOutput
+from radixserve.engine.outputs import detok_params
+from radixserve.engine.sampling.params import SamplingParams
+
+
+def engine_params(wire: protocol.SamplingParams) -> SamplingParams:
+    """The engine's validated form of the wire parameters (same field names)."""
+    return SamplingParams.from_dict(msgspec.structs.asdict(wire))
+
+
+@dataclass
+class OutputBuilder:
+    """Turns the engine's `ChoiceOutput`s into `StepOutput`s, remembering per request
+    which gateway owns it and which choices have already sent their `DetokParams`."""
+
+    gateways: dict[str, str] = field(default_factory=dict)  # rid -> gateway id
+    unfinished: dict[str, int] = field(default_factory=dict)  # rid -> choices still running
+    announced: set[tuple[str, int]] = field(default_factory=set)
+
+    def track(self, rid: str, gateway_id: str, n: int) -> None:
+        self.gateways[rid] = gateway_id
+        self.unfinished[rid] = n
+
+    def __len__(self) -> int:
+        return len(self.gateways)
+
+    def build(self, out: ChoiceOutput) -> protocol.StepOutput | None:
+        gateway_id = self.gateways.get(out.rid)
+        if gateway_id is None:
+            return None
+        req = out.req
+        key = (out.rid, out.index)
+        detok = None
+        if key not in self.announced:
+            self.announced.add(key)
+            detok = detok_params(req.params)
+        reason = req.finish_reason
+        token_logprobs = top_logprobs = None
+        if req.params.return_logprob:
+            token_logprobs = [lp.logprob for lp in out.new_logprobs]
+            if req.params.top_logprobs_num > 0:
+                top_logprobs = [
+                    protocol.TopLogprobs(
+                        token_ids=protocol.pack_tokens([t for t, _ in lp.top]),
+                        logprobs=[v for _, v in lp.top],
+                    )
+                    for lp in out.new_logprobs
+                ]
+            if len(token_logprobs) != len(out.new_token_ids):  # an abort carries no tokens
+                token_logprobs = top_logprobs = None
+        if reason is not None:
+            self.announced.discard(key)
+            self.unfinished[out.rid] -= 1
+            if self.unfinished[out.rid] <= 0:
+                del self.unfinished[out.rid]
+                del self.gateways[out.rid]
+        return protocol.StepOutput(
+            rid=out.rid,
+            gateway_id=gateway_id,
+            new_token_ids=protocol.pack_tokens(out.new_token_ids),
+            index=out.index,
+            finish_reason=None
+            if reason is None
+            else protocol.FinishReason(
+                kind=reason.kind,  # type: ignore[arg-type]
+                matched=reason.matched,
+                message=reason.message,
+            ),
+            prompt_tokens=len(req.origin_input_ids),
+            completion_tokens=len(req.output_ids),
+            cached_tokens=req.cached_tokens,
+            token_logprobs=token_logprobs,
+            top_logprobs=top_logprobs,
+            detok=detok,
+        )

@@ -1,0 +1,160 @@
+"""The engine in its own thread, driven through the step API.
+
+The asyncio side (the worker service) never waits on the engine: `submit`, `abort`
+and `flush_cache` put a command in a thread-safe inbox and return; the engine thread
+applies the commands between steps, runs `engine.step()`, and hands one list of
+`StepOutput`s per step to `on_step` (which the service forwards to its event loop).
+A snapshot of the engine's load is refreshed after every step for stats.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from radixserve import protocol
+from radixserve.engine.engine import Engine, EngineLoad
+from radixserve.worker.convert import OutputBuilder, engine_params
+
+log = logging.getLogger(__name__)
+
+StepCallback = Callable[[int, list[protocol.StepOutput]], None]  # (step number, outputs)
+RejectCallback = Callable[[protocol.RequestError, str], None]  # (error, gateway id)
+
+_PARAM_RE = re.compile(r"sampling parameter '(\w+)'")
+
+
+@dataclass(frozen=True)
+class _Submit:
+    routed: protocol.RoutedRequest
+
+
+@dataclass(frozen=True)
+class _Abort:
+    rid: str
+
+
+@dataclass(frozen=True)
+class _Flush:
+    done: concurrent.futures.Future[bool]
+
+
+class EngineDriver:
+    def __init__(
+        self,
+        engine: Engine,
+        on_step: StepCallback,
+        on_reject: RejectCallback,
+        idle_wait_s: float = 0.05,
+    ) -> None:
+        self.engine = engine
+        self.on_step = on_step
+        self.on_reject = on_reject
+        self.idle_wait_s = idle_wait_s
+        self.builder = OutputBuilder()
+        self.error: BaseException | None = None
+        self.steps = 0
+        self.load: EngineLoad = engine.load()
+        self.generated_tokens = 0  # for throughput in stats
+        self._inbox: queue.SimpleQueue[_Submit | _Abort | _Flush] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+
+    # -- called from the asyncio side (any thread) ----------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, routed: protocol.RoutedRequest) -> None:
+        self._inbox.put(_Submit(routed))
+
+    def abort(self, rid: str) -> None:
+        self._inbox.put(_Abort(rid))
+
+    def flush_cache(self) -> concurrent.futures.Future[bool]:
+        done: concurrent.futures.Future[bool] = concurrent.futures.Future()
+        self._inbox.put(_Flush(done))
+        return done
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    @property
+    def num_tracked(self) -> int:
+        return len(self.builder)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout_s)
+
+    # -- the engine thread --------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                busy = self.engine.has_work()
+                self._apply_commands(wait_s=0.0 if busy else self.idle_wait_s)
+                if self.engine.has_work():
+                    self._step()
+                self.load = self.engine.load()
+        except BaseException as exc:  # reported by the service, which then exits non-zero
+            log.exception("the engine thread failed")
+            self.error = exc
+
+    def _apply_commands(self, wait_s: float) -> None:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                timeout = max(deadline - time.monotonic(), 0.0)
+                command = (
+                    self._inbox.get(timeout=timeout) if timeout > 0 else self._inbox.get_nowait()
+                )
+            except queue.Empty:
+                return
+            if isinstance(command, _Submit):
+                self._submit(command.routed)
+            elif isinstance(command, _Abort):
+                self.engine.abort(command.rid)
+            else:
+                command.done.set_result(self.engine.flush_cache())
+            deadline = 0.0  # after the first command, only drain what is already there
+
+    def _submit(self, routed: protocol.RoutedRequest) -> None:
+        request = routed.request
+        try:
+            if request.grammar_key is not None:
+                raise ValueError(
+                    "structured outputs (regex/json_schema/ebnf) are not supported yet"
+                )
+            params = engine_params(request.sampling)
+            self.engine.submit(request.input_ids_list, params, rid=request.rid)
+        except ValueError as exc:
+            match = _PARAM_RE.search(str(exc))
+            error = protocol.RequestError(
+                rid=request.rid,
+                code="invalid_request_error",
+                message=str(exc),
+                http_status=400,
+                param=match.group(1) if match else None,
+                service="worker",
+            )
+            self.on_reject(error, request.gateway_id)
+            return
+        self.builder.track(request.rid, request.gateway_id, params.n)
+
+    def _step(self) -> None:
+        outputs = []
+        for choice in self.engine.step():
+            self.generated_tokens += len(choice.new_token_ids)
+            message = self.builder.build(choice)
+            if message is not None:
+                outputs.append(message)
+        if outputs:
+            # Numbered per published batch, so the detokenizer can tell a lost one.
+            self.steps += 1
+            self.on_step(self.steps, outputs)

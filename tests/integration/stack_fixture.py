@@ -1,0 +1,64 @@
+"""The whole stack for integration tests: real NATS and Redis, the six services as
+processes (`radixserve.stack.Stack`, the code `radixserve up` runs), one model."""
+
+from __future__ import annotations
+
+import socket
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from radixserve.stack import Stack, StackSpec
+
+
+@dataclass(frozen=True)
+class RunningStack:
+    stack: Stack
+    url: str
+    model: str
+    subject_prefix: str
+    nats_url: str
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@contextmanager
+def running_stack(
+    nats_url: str,
+    redis_url: str,
+    model_dir: Path,
+    log_dir: Path,
+    worker_args: list[str],
+    extra_args: dict[str, list[str]] | None = None,
+    context_length: int | None = None,
+    ready_timeout_s: float = 150.0,
+) -> Iterator[RunningStack]:
+    prefix = f"s{uuid.uuid4().hex[:8]}"
+    context = ["--context-length", str(context_length)] if context_length else []
+    spec = StackSpec(
+        nats_url=nats_url,
+        redis_url=redis_url,
+        subject_prefix=prefix,
+        host="127.0.0.1",
+        port=free_port(),
+        workers=1,
+        model_dir=model_dir,
+        served_model_name="test-model",
+        worker_args=[*worker_args, *context],
+        tokenizer_args=context,
+        log_dir=log_dir,
+        extra_args=extra_args or {},
+    )
+    stack = Stack(spec, say=print)
+    stack.start()
+    try:
+        stack.wait_healthy(ready_timeout_s)
+        yield RunningStack(stack, spec.url, "test-model", prefix, nats_url)
+    finally:
+        stack.stop()

@@ -1,0 +1,316 @@
+"""The whole stack, driven as users drive it: the official `openai` client and httpx.
+
+Real NATS and Redis, the six services as processes, a tiny random-weight Llama with
+the real SmolLM2 tokenizer. References: the in-process `Engine` on the same weights
+(greedy token ids and text).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from radixserve import Engine, protocol
+from radixserve.bus import Bus, BusMsg
+from tests.helpers.tiny_models import make_tiny_llama
+from tests.integration.stack_fixture import RunningStack, running_stack
+from tests.unit.engine_helpers import make_prompts
+
+pytestmark = pytest.mark.timeout(300)
+
+CONTEXT = 100_000  # longer than the model was built for: long requests for the 504 test
+WORKER_ARGS = ["--device", "cpu", "--max-total-tokens", "16384"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("stack_model"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir: Path) -> Engine:
+    return Engine(model_path=str(model_dir), device="cpu", context_length=CONTEXT)
+
+
+@pytest.fixture(scope="module")
+def stack(
+    nats_url: str, redis_url: str, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningStack]:
+    with running_stack(
+        nats_url,
+        redis_url,
+        model_dir,
+        tmp_path_factory.mktemp("stack_logs"),
+        WORKER_ARGS,
+        extra_args={
+            "gateway": ["--request-timeout-s", "8"],
+            "scheduler": ["--max-pending-requests", "24"],
+        },
+        context_length=CONTEXT,
+    ) as running:
+        yield running
+
+
+@pytest.fixture()
+def client(stack: RunningStack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0)
+
+
+GREEDY = {"temperature": 0.0, "max_tokens": 12}
+
+
+def test_models_lists_the_served_name(client: openai.OpenAI, stack: RunningStack) -> None:
+    assert [m.id for m in client.models.list().data] == [stack.model]
+
+
+def test_chat_equals_the_engine_streaming_or_not(
+    client: openai.OpenAI, stack: RunningStack, engine: Engine
+) -> None:
+    messages = [{"role": "user", "content": "Tell me about radix trees."}]
+    reference = engine.chat(messages, {"temperature": 0, "max_new_tokens": 12})
+    reply = client.chat.completions.create(model=stack.model, messages=messages, **GREEDY)  # type: ignore[arg-type]
+    assert reply.choices[0].message.content == reference["text"]
+    assert reply.usage is not None and reply.usage.completion_tokens == 12
+    assert reply.usage.prompt_tokens_details is not None
+    assert reply.choices[0].finish_reason == "length"
+    chunks = list(
+        client.chat.completions.create(
+            model=stack.model,
+            messages=messages,  # type: ignore[arg-type]
+            stream=True,
+            stream_options={"include_usage": True},
+            **GREEDY,  # type: ignore[arg-type]
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == reference["text"]
+    usage = [c.usage for c in chunks if c.usage is not None]
+    assert len(usage) == 1 and usage[0].completion_tokens == 12
+    assert chunks[-1].choices == []
+
+
+def test_completions_n2_logprobs_and_stop(
+    client: openai.OpenAI, stack: RunningStack, engine: Engine
+) -> None:
+    prompt = "The radix tree keeps"
+    reference = engine.generate(prompt, {"temperature": 0, "max_new_tokens": 12})
+    assert isinstance(reference, dict)
+    out = client.completions.create(model=stack.model, prompt=prompt, logprobs=2, **GREEDY)  # type: ignore[arg-type]
+    assert out.choices[0].text == reference["text"]
+    logprobs = out.choices[0].logprobs
+    assert logprobs is not None and logprobs.token_logprobs is not None
+    assert len(logprobs.token_logprobs) == 12 and all(lp <= 0 for lp in logprobs.token_logprobs)
+    two = client.completions.create(
+        model=stack.model, prompt=prompt, n=2, temperature=1.0, seed=7, max_tokens=8
+    )
+    assert sorted(c.index for c in two.choices) == [0, 1]
+    text = reference["text"]
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    stopped = client.completions.create(model=stack.model, prompt=prompt, stop=[stop], **GREEDY)  # type: ignore[arg-type]
+    assert stopped.choices[0].text == text[: text.find(stop)]
+    assert stopped.choices[0].finish_reason == "stop"
+    # Streamed, the stop string never leaks either, whichever deltas it spans.
+    streamed = client.completions.create(
+        model=stack.model,
+        prompt=prompt,
+        stop=[stop],
+        stream=True,
+        **GREEDY,  # type: ignore[arg-type]
+    )
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == text[: text.find(stop)]
+
+
+def test_repeated_long_prefix_is_cached(client: openai.OpenAI, stack: RunningStack) -> None:
+    prompt = "radix " * 300
+    client.completions.create(model=stack.model, prompt=prompt, max_tokens=2)
+    again = client.completions.create(model=stack.model, prompt=prompt, max_tokens=2)
+    assert again.usage is not None and again.usage.prompt_tokens_details is not None
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert cached is not None and cached >= again.usage.prompt_tokens - 1 > 0
+
+
+def test_native_generate_and_flush(stack: RunningStack, engine: Engine) -> None:
+    (ids,) = make_prompts(engine.runner.vocab_size, [40], seed=3)
+    reference = engine.generate(
+        input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": 10}
+    )
+    assert isinstance(reference, dict)
+    body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": 10}}
+    out = httpx.post(f"{stack.url}/generate", json=body, timeout=60).json()
+    assert out["output_ids"] == reference["output_ids"] and out["text"] == reference["text"]
+    meta = out["meta_info"]
+    assert meta["prompt_tokens"] == 40 and meta["completion_tokens"] == 10
+    assert meta["finish_reason"]["type"] == "length"
+    ids_seen: list[int] = []
+    with httpx.stream(
+        "POST", f"{stack.url}/generate", json={**body, "stream": True}, timeout=60
+    ) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                event = json.loads(line[6:])
+                ids_seen = event["output_ids"]
+                last_text = event["text"]
+    assert ids_seen == reference["output_ids"] and last_text == reference["text"]
+    flushed = httpx.post(f"{stack.url}/flush_cache", timeout=30)
+    assert flushed.status_code == 200
+
+
+def test_sixteen_concurrent_greedy_requests_equal_the_engine(
+    stack: RunningStack, engine: Engine
+) -> None:
+    prompts = make_prompts(engine.runner.vocab_size, [5 + 7 * i for i in range(16)], seed=9)
+    params = {"temperature": 0, "max_new_tokens": 16}
+    reference = engine.generate(input_ids=prompts, sampling_params=params)
+    assert isinstance(reference, list)
+
+    async def run_all() -> list[list[int]]:
+        async with httpx.AsyncClient(timeout=120) as http:
+            replies = await asyncio.gather(
+                *(
+                    http.post(
+                        f"{stack.url}/generate", json={"input_ids": p, "sampling_params": params}
+                    )
+                    for p in prompts
+                )
+            )
+        return [r.json()["output_ids"] for r in replies]
+
+    assert asyncio.run(run_all()) == [r["output_ids"] for r in reference]
+
+
+def test_request_record_is_kept(client: openai.OpenAI, stack: RunningStack) -> None:
+    raw = client.chat.completions.with_raw_response.create(
+        model=stack.model, messages=[{"role": "user", "content": "hi"}], max_tokens=3
+    )
+    rid = raw.headers["x-request-id"]
+    assert rid == raw.parse().id
+    record: dict[str, object] = {}
+    for _ in range(50):  # fire-and-forget writes land shortly after the reply
+        record = httpx.get(f"{stack.url}/v1/requests/{rid}", timeout=10).json()
+        if record.get("state") == "finished":
+            break
+        time.sleep(0.1)
+    assert record["state"] == "finished" and int(str(record["completion_tokens"])) == 3
+    assert httpx.get(f"{stack.url}/v1/requests/nope", timeout=10).status_code == 404
+
+
+def _error(response: httpx.Response) -> dict[str, object]:
+    body = response.json()
+    assert set(body["error"]) >= {"message", "type", "param", "code"}, body
+    return dict(body["error"])
+
+
+def test_errors(stack: RunningStack) -> None:
+    url = f"{stack.url}/v1/chat/completions"
+    ok = {"model": stack.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    bad = httpx.post(url, json={**ok, "temperature": -1}, timeout=30)
+    assert bad.status_code == 400 and _error(bad)["param"] == "temperature"
+    malformed = httpx.post(url, content=b"{not json", headers={"Content-Type": "application/json"})
+    assert malformed.status_code == 400
+    too_long = httpx.post(url, json={**ok, "max_tokens": CONTEXT}, timeout=30)
+    assert too_long.status_code == 400 and _error(too_long)["code"] == "context_length_exceeded"
+    unknown = httpx.post(url, json={**ok, "model": "no-such-model"}, timeout=30)
+    assert unknown.status_code == 404
+    grammar = httpx.post(url, json={**ok, "regex": "[ab]+"}, timeout=30)
+    assert grammar.status_code == 400
+    # A request past the gateway's deadline (8 s here) is a 504, and it is aborted.
+    slow = {**ok, "max_tokens": 90_000, "ignore_eos": True}
+    timed_out = httpx.post(url, json=slow, timeout=60)
+    assert timed_out.status_code == 504 and _error(timed_out)["code"] == "timeout"
+
+
+def test_queue_bound_gives_429(stack: RunningStack) -> None:
+    body = {
+        "model": stack.model,
+        "prompt": "x",
+        "max_tokens": 60_000,
+        "ignore_eos": True,
+        "stream": True,
+    }
+
+    async def flood() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=30) as http:
+            # Streams stay open; more than the scheduler's bound of 24 are in flight.
+            responses = []
+            streams = [
+                http.stream("POST", f"{stack.url}/v1/completions", json=body) for _ in range(30)
+            ]
+            for s in streams:
+                responses.append(await s.__aenter__())
+            for s in streams:
+                await s.__aexit__(None, None, None)
+            return responses
+
+    responses = asyncio.run(flood())
+    limited = [r for r in responses if r.status_code == 429]
+    assert limited and all("retry-after" in r.headers for r in limited)
+
+
+def test_client_disconnect_frees_kv_within_a_second(stack: RunningStack) -> None:
+    async def scenario() -> tuple[float, protocol.WorkerStats]:
+        bus = await Bus.connect(stack.nats_url)
+        subjects = protocol.Subjects(stack.subject_prefix)
+        aborted: dict[str, float] = {}
+        stats: list[protocol.WorkerStats] = []
+
+        async def on_detok(msg: BusMsg) -> None:
+            for out in protocol.decode(msg.data, protocol.StepOutputBatch).outputs:
+                reason = out.finish_reason
+                if reason is not None and reason.kind == "abort":
+                    aborted[out.rid] = time.monotonic()
+
+        async def on_stats(msg: BusMsg) -> None:
+            stats.append(protocol.decode(msg.data, protocol.WorkerStats))
+
+        await bus.subscribe(subjects.detok, on_detok)
+        await bus.subscribe(subjects.stats_all, on_stats)
+        body = {
+            "model": stack.model,
+            "prompt": "x",
+            "max_tokens": 60_000,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        async with httpx.AsyncClient(timeout=30) as http:
+            async with http.stream("POST", f"{stack.url}/v1/completions", json=body) as response:
+                rid = response.headers["x-request-id"]
+                lines = response.aiter_lines()
+                for _ in range(5):
+                    await lines.__anext__()
+            closed_at = time.monotonic()
+        while rid not in aborted:
+            await asyncio.sleep(0.01)
+            assert time.monotonic() - closed_at < 5, "the request was never aborted"
+        seen = len(stats)
+        while len(stats) < seen + 2:
+            await asyncio.sleep(0.05)
+        await bus.close()
+        return aborted[rid] - closed_at, stats[-1]
+
+    took, last = asyncio.run(scenario())
+    assert took < 1.0, f"KV freed {took:.2f}s after the client went away"
+    assert last.num_running_reqs == 0
+    assert last.free_kv_tokens + last.evictable_kv_tokens == last.total_kv_tokens
+
+
+def test_no_worker_gives_503(stack: RunningStack) -> None:
+    """Last: it kills the worker."""
+    for item in stack.stack.services:
+        if item.name.startswith("worker"):
+            item.process.kill()
+    url = f"{stack.url}/v1/completions"
+    body = {"model": stack.model, "prompt": "x", "max_tokens": 2}
+    deadline = time.monotonic() + 20
+    response = httpx.post(url, json=body, timeout=30)
+    while response.status_code != 503 and time.monotonic() < deadline:
+        time.sleep(0.5)
+        response = httpx.post(url, json=body, timeout=30)
+    assert response.status_code == 503 and "retry-after" in response.headers

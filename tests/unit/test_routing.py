@@ -1,0 +1,283 @@
+"""radixserve.routing: least-load choice, liveness, backpressure, aborts and the
+accounting of finished requests, driven through the `Dispatcher` the scheduler uses."""
+
+from __future__ import annotations
+
+import pytest
+
+from radixserve.protocol import (
+    FinishReason,
+    FlushCacheReply,
+    Heartbeat,
+    RequestError,
+    SamplingParams,
+    StepOutput,
+    StepOutputBatch,
+    TokenizedRequest,
+    WorkerCapacity,
+    WorkerStats,
+    WorkerStatus,
+    encode,
+    pack_tokens,
+)
+from radixserve.routing import (
+    NO_WORKER,
+    QUEUE_FULL,
+    WORKER_LOST,
+    Dispatcher,
+    Dropped,
+    LeastLoadRouter,
+    RecentAborts,
+    Rejected,
+    Routed,
+    WorkerLoad,
+    finished_choices,
+    merge_flush_replies,
+)
+
+CAPACITY = WorkerCapacity(max_running_requests=8, max_total_num_tokens=4096, max_context_len=512)
+TIMEOUT_S = 5.0
+
+
+def _beat(worker_id: str, status: WorkerStatus = WorkerStatus.READY, epoch: int = 1) -> Heartbeat:
+    return Heartbeat(worker_id=worker_id, time=0.0, status=status, capacity=CAPACITY, epoch=epoch)
+
+
+def _stats(worker_id: str, running: int, queued: int = 0, at: float = 0.0) -> WorkerStats:
+    return WorkerStats(
+        worker_id=worker_id,
+        time=at,
+        num_running_reqs=running,
+        num_queue_reqs=queued,
+        free_kv_tokens=1000,
+    )
+
+
+def _request(rid: str, n: int = 1, gateway_id: str = "gw-1") -> TokenizedRequest:
+    return TokenizedRequest(
+        rid=rid,
+        gateway_id=gateway_id,
+        input_ids=pack_tokens([1, 2, 3]),
+        sampling=SamplingParams(n=n),
+    )
+
+
+def _dispatcher(max_pending: int = 100, *workers: str) -> Dispatcher:
+    dispatcher = Dispatcher(
+        max_pending_requests=max_pending, worker_timeout_s=TIMEOUT_S, retry_after_s=2.0
+    )
+    for worker_id in workers:
+        dispatcher.on_heartbeat(_beat(worker_id), now=0.0)
+    return dispatcher
+
+
+def _routed_to(decision: object) -> str:
+    assert isinstance(decision, Routed), decision
+    return decision.routed.worker_id
+
+
+def _rejected(decision: object) -> RequestError:
+    assert isinstance(decision, Rejected), decision
+    return decision.error
+
+
+def test_least_loaded_worker_wins_counting_what_was_routed_since_its_stats() -> None:
+    d = _dispatcher(100, "w0", "w1")
+    d.on_stats(_stats("w0", running=2, queued=1), now=0.0)  # load 3
+    d.on_stats(_stats("w1", running=1), now=0.0)  # load 1
+    first = d.admit(_request("r1"), now=0.1, wall_time=1000.0)
+    assert _routed_to(first) == "w1"
+    assert isinstance(first, Routed)
+    assert first.routed.request == _request("r1")
+    assert first.routed.routed_at == 1000.0
+    assert _routed_to(d.admit(_request("r2"), 0.1, 0.0)) == "w1"  # w1: 1 + 1 routed = 2 < 3
+    # Now both have load 3; the tie goes to the fewest in flight (w0: 0, w1: 2).
+    assert _routed_to(d.admit(_request("r3"), 0.1, 0.0)) == "w0"
+    # A fresh report replaces the estimate: w1 says it is idle again.
+    d.on_stats(_stats("w1", running=0, at=1.0), now=0.2)
+    assert _routed_to(d.admit(_request("r4"), 0.2, 0.0)) == "w1"
+    # A report older than the one held is ignored.
+    d.on_stats(_stats("w1", running=50, at=0.5), now=0.3)
+    w1 = d.workers.get("w1")
+    assert w1 is not None and w1.load == 1
+
+
+def test_ties_on_load_and_in_flight_go_to_the_lowest_id() -> None:
+    router = LeastLoadRouter()
+    loads = [WorkerLoad("w2", 1, 0), WorkerLoad("w1", 1, 0), WorkerLoad("w3", 1, 1)]
+    route = router.pick(_request("r"), loads)
+    assert route is not None and route.worker_id == "w1"
+    assert router.pick(_request("r"), []) is None
+
+
+@pytest.mark.parametrize(
+    "status", [WorkerStatus.STARTING, WorkerStatus.DRAINING, WorkerStatus.STOPPING]
+)
+def test_a_worker_that_is_not_ready_gets_no_new_work(status: WorkerStatus) -> None:
+    d = _dispatcher(100, "w0", "w1")
+    d.on_stats(_stats("w1", running=9), now=0.0)
+    d.on_heartbeat(_beat("w0", status), now=0.5)
+    assert _routed_to(d.admit(_request("r1"), 0.5, 0.0)) == "w1"
+    assert d.ready_workers() == ["w1"]
+
+
+def test_stats_before_the_first_heartbeat_are_kept_but_not_routable() -> None:
+    d = _dispatcher(100)
+    d.on_stats(_stats("w0", running=4), now=0.0)
+    assert _rejected(d.admit(_request("r0"), 0.0, 0.0)).code == NO_WORKER
+    d.on_heartbeat(_beat("w0"), now=0.1)
+    d.on_heartbeat(_beat("w1"), now=0.1)
+    assert _routed_to(d.admit(_request("r1"), 0.1, 0.0)) == "w1"  # w0 still has load 4
+
+
+def test_no_ready_worker_is_a_503_with_retry_after() -> None:
+    d = _dispatcher(100)
+    error = _rejected(d.admit(_request("r1", gateway_id="gw-9"), 0.0, 0.0))
+    assert (error.rid, error.http_status, error.code, error.retry_after_s) == (
+        "r1",
+        503,
+        NO_WORKER,
+        2.0,
+    )
+    assert len(d.inflight) == 0
+
+
+def test_a_silent_worker_expires_and_its_requests_are_lost() -> None:
+    d = _dispatcher(100, "w0", "w1")
+    d.on_stats(_stats("w1", running=5), now=0.0)
+    assert _routed_to(d.admit(_request("r1", gateway_id="gw-a"), 0.0, 0.0)) == "w0"
+    assert _routed_to(d.admit(_request("r2", gateway_id="gw-b"), 0.0, 0.0)) == "w0"
+    assert _routed_to(d.admit(_request("r3"), 0.0, 0.0)) == "w0"
+    d.on_finished("r3", 0, "stop")
+    d.on_heartbeat(_beat("w1"), now=4.0)  # w1 stays alive, w0 goes silent after t=0
+    assert d.expire(now=TIMEOUT_S) == []  # exactly the timeout: not yet
+    lost = d.expire(now=TIMEOUT_S + 0.01)
+    assert sorted((r.gateway_id, r.error.rid) for r in lost) == [("gw-a", "r1"), ("gw-b", "r2")]
+    for rejected in lost:
+        error = rejected.error
+        assert (error.http_status, error.code, error.retry_after_s) == (503, WORKER_LOST, 2.0)
+        assert "w0" in error.message
+    assert "w0" not in d.workers and len(d.inflight) == 0
+    assert _routed_to(d.admit(_request("r4"), TIMEOUT_S + 0.1, 0.0)) == "w1"
+    later = d.expire(now=4.0 + TIMEOUT_S + 0.01)  # now w1 went silent too
+    assert [(r.gateway_id, r.error.rid, r.error.code) for r in later] == [
+        ("gw-1", "r4", WORKER_LOST)
+    ]
+    assert _rejected(d.admit(_request("r5"), 10.0, 0.0)).code == NO_WORKER
+
+
+def test_a_restarted_worker_loses_what_it_held() -> None:
+    d = _dispatcher(100, "w0")
+    assert _routed_to(d.admit(_request("r1"), 0.0, 0.0)) == "w0"
+    assert d.on_heartbeat(_beat("w0", epoch=1), now=1.0) == []  # same process
+    lost = d.on_heartbeat(_beat("w0", epoch=2), now=2.0)
+    assert [(r.error.rid, r.error.code) for r in lost] == [("r1", WORKER_LOST)]
+    assert "restarted" in lost[0].error.message
+    assert _routed_to(d.admit(_request("r2"), 2.0, 0.0)) == "w0"
+
+
+def test_more_than_the_bound_is_a_429_until_one_finishes() -> None:
+    d = _dispatcher(2, "w0")
+    assert _routed_to(d.admit(_request("r1"), 0.0, 0.0)) == "w0"
+    assert _routed_to(d.admit(_request("r2"), 0.0, 0.0)) == "w0"
+    error = _rejected(d.admit(_request("r3"), 0.0, 0.0))
+    assert (error.rid, error.http_status, error.code, error.retry_after_s) == (
+        "r3",
+        429,
+        QUEUE_FULL,
+        2.0,
+    )
+    assert d.on_finished("r1", 0, "length")
+    assert _routed_to(d.admit(_request("r3"), 0.0, 0.0)) == "w0"
+    # A request the worker refused ends with an error to its gateway: that frees it too.
+    assert d.on_error("r2")
+    assert not d.on_error("r2")
+    assert _routed_to(d.admit(_request("r4"), 0.0, 0.0)) == "w0"
+
+
+def test_an_abort_is_forwarded_to_the_worker_holding_the_request() -> None:
+    d = _dispatcher(100, "w0", "w1")
+    d.on_stats(_stats("w0", running=3), now=0.0)
+    assert _routed_to(d.admit(_request("r1"), 0.0, 0.0)) == "w1"
+    assert d.abort("r1", now=0.1) == "w1"
+    assert "r1" in d.inflight  # until the worker's final (abort) output arrives
+    assert d.on_finished("r1", 0, "abort")
+    assert d.abort("r1", now=0.2) is None  # finished: nothing to forward
+
+
+def test_an_abort_that_overtakes_its_request_drops_it() -> None:
+    d = _dispatcher(100, "w0")
+    assert d.abort("r1", now=0.0) is None
+    dropped = d.admit(_request("r1"), now=1.0, wall_time=0.0)
+    assert isinstance(dropped, Dropped)
+    assert len(d.inflight) == 0
+    # Remembered once: a later request with another rid is routed as usual.
+    assert _routed_to(d.admit(_request("r2"), 1.0, 0.0)) == "w0"
+
+
+def test_early_aborts_are_forgotten_after_their_ttl_and_bounded_in_number() -> None:
+    aborts = RecentAborts(ttl_s=10.0, max_entries=3)
+    aborts.add("a", now=0.0)
+    assert not aborts.consume("a", now=10.5)  # expired
+    for i, rid in enumerate(["b", "c", "d", "e"]):
+        aborts.add(rid, now=float(i))
+    assert len(aborts) == 3 and "b" not in aborts  # the oldest made room
+    aborts.prune(now=12.5)  # c (expires 11) and d (12) are gone, e (13) stays
+    assert "c" not in aborts and "d" not in aborts and "e" in aborts
+
+
+def test_n_choices_finish_the_request_only_when_all_have_finished() -> None:
+    d = _dispatcher(1, "w0")
+    assert _routed_to(d.admit(_request("r1", n=3), 0.0, 0.0)) == "w0"
+    assert not d.on_finished("r1", 0, "stop")
+    assert not d.on_finished("r1", 0, "stop")  # a repeated finish of one choice counts once
+    assert not d.on_finished("r1", 2, "length")
+    assert _rejected(d.admit(_request("r2"), 0.0, 0.0)).code == QUEUE_FULL
+    assert d.on_finished("r1", 1, "stop")
+    assert _routed_to(d.admit(_request("r2", n=4), 0.0, 0.0)) == "w0"
+    assert d.on_finished("r2", 1, "abort")  # an abort ends every choice
+
+
+def test_a_duplicate_rid_is_not_routed_twice() -> None:
+    d = _dispatcher(100, "w0")
+    assert _routed_to(d.admit(_request("r1"), 0.0, 0.0)) == "w0"
+    assert isinstance(d.admit(_request("r1"), 0.0, 0.0), Dropped)
+    assert len(d.inflight) == 1
+
+
+def test_finished_choices_reads_an_encoded_step_batch() -> None:
+    batch = StepOutputBatch(
+        worker_id="w0",
+        step=7,
+        outputs=[
+            StepOutput(rid="a", gateway_id="g", new_token_ids=pack_tokens([5, 6])),
+            StepOutput(
+                rid="b",
+                gateway_id="g",
+                index=1,
+                new_token_ids=pack_tokens([9]),
+                token_logprobs=[-0.5],
+                finish_reason=FinishReason(kind="stop", matched=2),
+            ),
+            StepOutput(rid="c", gateway_id="g", finish_reason=FinishReason(kind="abort")),
+        ],
+    )
+    finished = finished_choices(encode(batch))
+    assert [(f.rid, f.index, f.kind) for f in finished] == [("b", 1, "stop"), ("c", 0, "abort")]
+
+
+def test_flush_is_ok_only_when_every_worker_said_ok() -> None:
+    ok = FlushCacheReply(rid="f", ok=True, worker_id="w0")
+    refused = FlushCacheReply(rid="f", ok=False, worker_id="w1", message="requests running")
+    assert merge_flush_replies("f", {"w0": ok, "w1": ok}).ok
+    mixed = merge_flush_replies("f", {"w0": ok, "w1": refused, "w2": "no reply within 5s"})
+    assert not mixed.ok and mixed.rid == "f"
+    assert mixed.message == "w1: requests running; w2: no reply within 5s"
+    assert not merge_flush_replies("f", {}).ok
+
+
+def test_bad_settings_are_refused() -> None:
+    with pytest.raises(ValueError):
+        Dispatcher(max_pending_requests=0, worker_timeout_s=1.0, retry_after_s=1.0)
+    with pytest.raises(ValueError):
+        Dispatcher(max_pending_requests=1, worker_timeout_s=0.0, retry_after_s=1.0)
