@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: run test lint format unit integration gpu bench-engine-cpu clean venv
+.PHONY: run test lint format unit integration gpu bench-engine-cpu bench-overhead clean venv
 
 venv: $(STAMP)
 
@@ -48,6 +48,9 @@ gpu: $(STAMP)
 
 bench-engine-cpu: $(STAMP)
 	$(PY) bench/engine_cpu.py $(ARGS)
+
+bench-overhead: $(STAMP)
+	$(PY) bench/overhead.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +21,7 @@ import pytest
 
 from radixserve import Engine, protocol
 from radixserve.bus import Bus, BusMsg
-from tests.helpers.tiny_models import make_tiny_llama
+from tests.helpers.tiny_models import embedded_model_dir, make_tiny_llama
 from tests.integration.stack_fixture import RunningStack, running_stack
 from tests.unit.engine_helpers import make_prompts
 
@@ -29,8 +31,11 @@ CONTEXT = 100_000  # longer than the model was built for: long requests for the 
 WORKER_ARGS = ["--device", "cpu", "--max-total-tokens", "16384"]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+@pytest.fixture(scope="module", params=["tiny", pytest.param("smollm2", marks=pytest.mark.slow)])
+def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random-weight Llama, and (slow) the embedded SmolLM2-135M-Instruct."""
+    if request.param == "smollm2":
+        return embedded_model_dir()
     return make_tiny_llama(tmp_path_factory.mktemp("stack_model"), seed=0)
 
 
@@ -68,6 +73,29 @@ GREEDY = {"temperature": 0.0, "max_tokens": 12}
 
 def test_models_lists_the_served_name(client: openai.OpenAI, stack: RunningStack) -> None:
     assert [m.id for m in client.models.list().data] == [stack.model]
+
+
+def test_health_cli_sees_every_service(stack: RunningStack) -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "radixserve.cli",
+            "health",
+            "--nats-url",
+            stack.nats_url,
+            "--subject-prefix",
+            stack.subject_prefix,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for service in ("gateway", "tokenizer", "scheduler", "worker", "grammar", "detokenizer"):
+        assert f"{service:<12} ready" in proc.stdout, proc.stdout
+    health = httpx.get(f"{stack.url}/health", timeout=10).json()
+    assert health["workers_ready"] == 1
 
 
 def test_chat_equals_the_engine_streaming_or_not(
@@ -228,30 +256,35 @@ def test_errors(stack: RunningStack) -> None:
 
 
 def test_queue_bound_gives_429(stack: RunningStack) -> None:
-    body = {
-        "model": stack.model,
-        "prompt": "x",
-        "max_tokens": 60_000,
-        "ignore_eos": True,
-        "stream": True,
-    }
+    """24 requests in flight (the scheduler's bound here): the next ones get 429."""
+    url = f"{stack.url}/v1/completions"
+    body = {"model": stack.model, "prompt": "x", "max_tokens": 60_000, "ignore_eos": True}
 
-    async def flood() -> list[httpx.Response]:
-        async with httpx.AsyncClient(timeout=30) as http:
-            # Streams stay open; more than the scheduler's bound of 24 are in flight.
-            responses = []
-            streams = [
-                http.stream("POST", f"{stack.url}/v1/completions", json=body) for _ in range(30)
-            ]
-            for s in streams:
-                responses.append(await s.__aenter__())
-            for s in streams:
-                await s.__aexit__(None, None, None)
-            return responses
+    async def scenario() -> list[httpx.Response]:
+        bus = await Bus.connect(stack.nats_url)
+        routed: list[str] = []
 
-    responses = asyncio.run(flood())
-    limited = [r for r in responses if r.status_code == 429]
-    assert limited and all("retry-after" in r.headers for r in limited)
+        async def on_run(msg: BusMsg) -> None:
+            routed.append(protocol.decode(msg.data, protocol.RoutedRequest).rid)
+
+        await bus.subscribe(protocol.Subjects(stack.subject_prefix).worker_run_all, on_run)
+        async with httpx.AsyncClient(timeout=60) as http:
+            holders = [asyncio.create_task(http.post(url, json=body)) for _ in range(24)]
+            deadline = time.monotonic() + 30
+            while len(routed) < 24 and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            extra = await asyncio.gather(*(http.post(url, json=body) for _ in range(3)))
+            for task in holders:  # the client goes away: the gateway aborts them
+                task.cancel()
+            await asyncio.gather(*holders, return_exceptions=True)
+        await bus.close()
+        assert len(routed) >= 24, f"only {len(routed)} requests were routed"
+        return list(extra)
+
+    for response in asyncio.run(scenario()):
+        assert response.status_code == 429, response.text
+        assert int(response.headers["retry-after"]) >= 1
+        assert _error(response)["code"] == "queue_full"
 
 
 def test_client_disconnect_frees_kv_within_a_second(stack: RunningStack) -> None:
@@ -272,6 +305,11 @@ def test_client_disconnect_frees_kv_within_a_second(stack: RunningStack) -> None
 
         await bus.subscribe(subjects.detok, on_detok)
         await bus.subscribe(subjects.stats_all, on_stats)
+        # Start from an idle worker (earlier tests' aborted requests are gone).
+        deadline = time.monotonic() + 30
+        while not (stats and stats[-1].num_running_reqs == 0 and stats[-1].num_queue_reqs == 0):
+            assert time.monotonic() < deadline, "the worker never went idle"
+            await asyncio.sleep(0.05)
         body = {
             "model": stack.model,
             "prompt": "x",
@@ -281,10 +319,14 @@ def test_client_disconnect_frees_kv_within_a_second(stack: RunningStack) -> None
         }
         async with httpx.AsyncClient(timeout=30) as http:
             async with http.stream("POST", f"{stack.url}/v1/completions", json=body) as response:
+                assert response.status_code == 200
                 rid = response.headers["x-request-id"]
-                lines = response.aiter_lines()
-                for _ in range(5):
-                    await lines.__anext__()
+                events = 0
+                async for line in response.aiter_lines():
+                    events += line.startswith("data: ")
+                    if events == 3:
+                        break
+                assert events == 3, "the stream ended early"
             closed_at = time.monotonic()
         while rid not in aborted:
             await asyncio.sleep(0.01)
