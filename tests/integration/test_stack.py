@@ -227,6 +227,9 @@ def test_request_record_is_kept(client: openai.OpenAI, stack: RunningStack) -> N
             break
         time.sleep(0.1)
     assert record["state"] == "finished" and int(str(record["completion_tokens"])) == 3
+    assert record["worker"] == "worker-0"
+    for stamp in ("received_at", "queued_at", "first_token_at", "finished_at"):
+        assert isinstance(record[stamp], float), stamp
     assert httpx.get(f"{stack.url}/v1/requests/nope", timeout=10).status_code == 404
 
 

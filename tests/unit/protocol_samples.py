@@ -174,6 +174,7 @@ SAMPLES: list[Message] = [
         completion_tokens=3,
         cached_tokens=1,
         logprobs=[LogprobEntry(token_id=1, token="x", logprob=-0.2)],
+        worker_id="w-0",
     ),
     TextDeltaBatch(gateway_id="g"),
     TextDeltaBatch(gateway_id="g", deltas=[TextDelta(rid="a", text="x"), TextDelta(rid="b")]),

@@ -335,3 +335,14 @@ def test_spaces_between_special_tokens_streams_like_the_whole(tokenizer: Any) ->
     deltas = stream(IncrementalDetokenizer(tokenizer), one_at_a_time(ids), params)
     # A space where the text has none; no doubled space where it has one.
     assert "".join(deltas) == "<|im_start|> user <|im_end|> done <|im_start|> <|im_end|>"
+
+
+def test_a_choice_first_delta_names_its_worker(tokenizer: Any) -> None:
+    detok = IncrementalDetokenizer(tokenizer)
+    ids = tokenizer.encode("hello world")
+    first = step_output(ids[:1], detok=DetokParams())
+    (delta,) = detok.process(StepOutputBatch(worker_id="w7", step=1, outputs=[first]))["gw0"]
+    assert delta.worker_id == "w7"
+    later = step_output(ids[1:], LENGTH)
+    (delta,) = detok.process(StepOutputBatch(worker_id="w7", step=2, outputs=[later]))["gw0"]
+    assert delta.worker_id == ""

@@ -272,7 +272,8 @@ class IncrementalDetokenizer:
         deltas: dict[str, list[TextDelta]] = {}
         for outputs in _rounds(batch.outputs):
             for out, text in zip(outputs, self._decode(outputs), strict=True):
-                deltas.setdefault(out.gateway_id, []).append(self._delta(out, text))
+                delta = self._delta(out, text, batch.worker_id if out.detok else "")
+                deltas.setdefault(out.gateway_id, []).append(delta)
         return deltas
 
     # -- internals --------------------------------------------------------------
@@ -342,8 +343,9 @@ class IncrementalDetokenizer:
             )
         return valid
 
-    def _delta(self, out: StepOutput, text: str) -> TextDelta:
+    def _delta(self, out: StepOutput, text: str, worker_id: str) -> TextDelta:
         return TextDelta(
+            worker_id=worker_id,
             rid=out.rid,
             text=text,
             token_ids=out.new_token_ids,

@@ -7,9 +7,11 @@ from dataclasses import dataclass
 from typing import Any
 
 SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight")
-# The backends built so far; "triton" and "flashinfer" arrive with the GPU work.
-ATTENTION_BACKENDS = ("torch",)
-PLANNED_ATTENTION_BACKENDS = ("triton", "flashinfer")
+# The backends built so far. "auto" picks the fastest one the device runs (see
+# runner.make_attention_backend); "flashinfer" is named so that asking for it says
+# it is not built yet rather than that it does not exist.
+ATTENTION_BACKENDS = ("torch", "triton", "auto")
+PLANNED_ATTENTION_BACKENDS = ("flashinfer",)
 
 
 @dataclass

@@ -5,6 +5,7 @@ Knows nothing about scheduling; one `forward` per step.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 
 import torch
@@ -30,8 +31,21 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def make_attention_backend(name: str) -> AttentionBackend:
-    # EngineConfig.validate admits only the backends built so far.
+def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """The backend called `name` (one EngineConfig admits) for `device`.
+
+    "auto": triton on CUDA when it is installed (CUDA builds of torch bring it), the
+    torch reference elsewhere (on the CPU triton runs only under its interpreter).
+    FlashInfer will come first once it is built.
+    """
+    if name == "auto":
+        has_triton = importlib.util.find_spec("triton") is not None
+        name = "triton" if device.type == "cuda" and has_triton else "torch"
+    if name == "triton":
+        # Imported only when chosen: it imports triton, which CPU installs may lack.
+        from radixserve.engine.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend(device)
     assert name == "torch", name
     from radixserve.engine.attention.torch_backend import TorchAttentionBackend
 
@@ -78,7 +92,7 @@ class ModelRunner:
         self.req_pool = ReqToTokenPool(
             config.max_running_requests + 1, self.context_len, self.device
         )
-        self.attn = make_attention_backend(config.attention_backend)
+        self.attn = make_attention_backend(config.attention_backend, self.device)
         log.info(
             "model %s on %s (%s), KV pool %d tokens",
             self.model_path,

@@ -135,6 +135,7 @@ class TextDelta(Message, frozen=True):
     completion_tokens: int = 0
     cached_tokens: int = 0
     logprobs: list[LogprobEntry] | None = None
+    worker_id: str = ""  # on a choice's first delta: the worker that runs it
 
     def __post_init__(self) -> None:
         num_tokens(self.token_ids)

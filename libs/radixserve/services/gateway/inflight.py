@@ -96,6 +96,8 @@ class Inflight:
                 raise ApiError.from_request_error(event)
             if isinstance(event, ClientGone):
                 raise ClientDisconnected()
+            if event.worker_id:
+                self.state.records.update(self.rid, {"worker": event.worker_id})
             update = self.assembly.apply(event)
             if update is None:
                 continue

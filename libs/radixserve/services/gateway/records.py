@@ -16,7 +16,7 @@ Record fields (all strings in Redis; `get` turns the numeric ones back into numb
 `state` (received/queued/running/finished/failed), `endpoint`, `model`, `stream`,
 `n`, `num_prompts`, `received_at` / `queued_at` / `first_token_at` / `finished_at`
 (wall clock), `prompt_tokens`, `completion_tokens`, `cached_tokens`,
-`finish_reason`, and for failures `http_status` and `error_code`.
+`finish_reason`, `worker` (the worker that ran it), and for failures `http_status` and `error_code`.
 """
 
 from __future__ import annotations

@@ -1,0 +1,73 @@
+"""What the decode and extend kernels share: the online-softmax step and launch choices."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton import knobs
+
+# Scores are kept in base 2 (exp2 is one instruction; exp is exp2 plus a multiply), so
+# the softmax scale is folded with log2(e) once on the host.
+LOG2E = 1.4426950408889634
+
+# triton.jit picks the interpreter or the compiler when a kernel is defined, from
+# TRITON_INTERPRET as it stands then; the backend reads this to refuse CPU tensors
+# handed to compiled kernels (and the tests to pick their device).
+INTERPRETED: bool = bool(knobs.runtime.interpret)
+
+
+def _let_interpreter_loop_to_loaded_bounds() -> None:
+    """Work around triton-lang/triton#9171 in the interpreter (Triton <= 3.6).
+
+    The interpreter holds a loaded scalar as a 1-element array and turns it into a
+    Python int with int(array), which NumPy >= 2.4 refuses; so `range(0, seq_len, B)`
+    with seq_len read from memory (what every kernel here loops over) fails on the CPU.
+    The fix upstream takes the single element explicitly; this does the same when the
+    interpreter patches its tensor class. Compiled kernels never run this code.
+    """
+    from triton.runtime import interpreter
+
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "radixserve_fixed", False):
+        return
+
+    def patch_lang_tensor(tensor: object, scope: interpreter._LangPatchScope) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patch_lang_tensor.radixserve_fixed = True  # type: ignore[attr-defined]
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+if INTERPRETED:
+    _let_interpreter_loop_to_loaded_bounds()
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot's input precision: full float32 for float32 inputs.
+
+    Triton's default rounds float32 operands to tf32 on tensor cores (~1e-3 relative
+    error), which would make a float32 engine disagree with the torch reference; for
+    16-bit inputs the option is ignored.
+    """
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def online_softmax_step(qk, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
+    """Fold one block of scores into a running softmax (flash-attention style).
+
+    qk: [rows, BLOCK_N] scores in base 2, -inf where a key is not visible; every row
+    must see at least one key over the whole loop (its first block included), so
+    m_i is finite after the first block and no row computes -inf - -inf.
+    v: [BLOCK_N, D] values of the block. m_i/l_i: running max and denominator per
+    row; acc: [rows, D] unnormalised output.
+    """
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)  # rescales what was summed under the old max
+    p = tl.exp2(qk - m_new[:, None])
+    l_new = l_i * alpha + tl.sum(p, 1)
+    # p goes to the value dtype so 16-bit inputs use the tensor cores; acc stays fp32.
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_new, acc

@@ -1,0 +1,245 @@
+"""Decode attention with split-KV (flash-decoding): one new query token per request.
+
+One query row per request is too little work for a GPU when the batch is small, so
+each request's KV is cut into `num_splits` ranges attended in parallel:
+
+- stage 1, one program per (request, KV head, split): the query heads that share the
+  KV head are stacked as the rows of one tile, so each K/V block is loaded once for
+  the whole group (GQA) and the scores are a tensor-core dot; it writes the split's
+  normalised partial output and its log-sum-exp.
+- stage 2, one program per (request, query head): merges the splits' partial outputs,
+  weighting each by exp(lse_split - lse_total).
+
+KV slots come from the flat `kv_indices` table (request r's slots are
+kv_indices[kv_indptr[r]:kv_indptr[r + 1]]), so paging is invisible here. The requests
+may be the decoding subset of a mixed batch, so each one's token row is given.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from radixserve.engine.attention.triton_ops.common import (
+    LOG2E,
+    dot_precision,
+    online_softmax_step,
+)
+
+# tl.dot needs at least 16 rows; a GQA group smaller than this leaves rows masked.
+_BLOCK_H = 16
+_BLOCK_N = 64
+# A split shorter than this costs more in its reduction than it saves in parallelism.
+_MIN_TOKENS_PER_SPLIT = 256
+MAX_SPLITS = 16
+
+
+def num_kv_splits(max_seq_len: int) -> int:
+    """Splits for a decode batch: enough that long sequences fill the GPU, and a power
+    of two so the few possible values each compile (and cache) once."""
+    wanted = triton.cdiv(max_seq_len, _MIN_TOKENS_PER_SPLIT)
+    return min(MAX_SPLITS, triton.next_power_of_2(wanted))
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q,  # [num_tokens, num_heads, head_dim]
+    q_rows,  # [bs] int64: the row of Q holding request r's one new token
+    K_Buffer,  # [pool slots, num_kv_heads, head_dim]
+    V_Buffer,
+    kv_indptr,  # [bs + 1] int32
+    kv_indices,  # [sum(seq_lens)] int32 slots
+    Mid_O,  # [bs, num_heads, num_splits, head_dim] fp32, normalised per split
+    Mid_Lse,  # [bs, num_heads, num_splits] fp32, log2-sum-exp2 per split
+    sm_scale_log2,
+    num_splits,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_mid_t,
+    stride_mid_h,
+    stride_mid_s,
+    stride_lse_t,
+    stride_lse_h,
+    GROUP_SIZE: tl.constexpr,  # query heads per KV head
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # HEAD_DIM rounded up to a power of two (>= 16)
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    req = tl.program_id(0)
+    head_block = tl.program_id(1)
+    split = tl.program_id(2)
+
+    # A group larger than BLOCK_H is covered by several programs per KV head.
+    BLOCKS_PER_GROUP: tl.constexpr = (GROUP_SIZE + BLOCK_H - 1) // BLOCK_H
+    kv_head = head_block // BLOCKS_PER_GROUP
+    in_group = (head_block % BLOCKS_PER_GROUP) * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_mask = in_group < GROUP_SIZE
+    heads = kv_head * GROUP_SIZE + in_group
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+
+    kv_start = tl.load(kv_indptr + req)
+    seq_len = tl.load(kv_indptr + req + 1) - kv_start
+    # Every split but the last covers split_len keys; trailing splits may be empty
+    # when seq_len < num_splits, and stage 2 skips them by the same arithmetic.
+    split_len = tl.cdiv(seq_len, num_splits)
+    lo = split * split_len
+    hi = tl.minimum(lo + split_len, seq_len)
+
+    q_row = tl.load(q_rows + req)
+    q_mask = head_mask[:, None] & d_mask[None, :]
+    q = tl.load(Q + q_row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :], mask=q_mask)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < hi
+        # int64 before scaling by the row stride: slot * stride overflows int32 in
+        # large pools.
+        slots = tl.load(kv_indices + kv_start + offs_n, mask=n_mask, other=0).to(tl.int64)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(
+            K_Buffer + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        ).to(q.dtype)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2
+        qk = tl.where(n_mask[None, :], qk, float("-inf"))
+        v = tl.load(
+            V_Buffer + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        ).to(q.dtype)
+        m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, DOT_PRECISION)
+
+    if hi > lo:
+        mid = req * stride_mid_t + heads * stride_mid_h + split * stride_mid_s
+        tl.store(Mid_O + mid[:, None] + offs_d[None, :], acc / l_i[:, None], mask=q_mask)
+        lse = req * stride_lse_t + heads * stride_lse_h + split
+        tl.store(Mid_Lse + lse, m_i + tl.log2(l_i), mask=head_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    Mid_O,
+    Mid_Lse,
+    Out,  # [num_tokens, num_heads, head_dim]
+    q_rows,
+    kv_indptr,
+    num_splits,
+    stride_mid_t,
+    stride_mid_h,
+    stride_mid_s,
+    stride_lse_t,
+    stride_lse_h,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+
+    seq_len = tl.load(kv_indptr + req + 1) - tl.load(kv_indptr + req)
+    split_len = tl.cdiv(seq_len, num_splits)
+    used_splits = tl.cdiv(seq_len, split_len)  # the non-empty ones, all in front
+
+    m = tl.full([], float("-inf"), dtype=tl.float32)
+    total = tl.zeros([], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for split in range(0, used_splits):
+        mid = req * stride_mid_t + head * stride_mid_h + split * stride_mid_s
+        lse = tl.load(Mid_Lse + req * stride_lse_t + head * stride_lse_h + split)
+        part = tl.load(Mid_O + mid + offs_d, mask=d_mask, other=0.0)
+        m_new = tl.maximum(m, lse)
+        alpha = tl.exp2(m - m_new)
+        weight = tl.exp2(lse - m_new)
+        acc = acc * alpha + weight * part
+        total = total * alpha + weight
+        m = m_new
+    out = (acc / total).to(Out.dtype.element_ty)
+    tl.store(Out + tl.load(q_rows + req) * stride_ot + head * stride_oh + offs_d, out, mask=d_mask)
+
+
+def decode_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    out: torch.Tensor,  # [num_tokens, num_heads, head_dim]; the q_rows rows are written
+    q_rows: torch.Tensor,  # [bs] int64, the token row of each decoding request
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    mid_out: torch.Tensor,  # [bs, num_heads, num_splits, head_dim] fp32 scratch
+    mid_lse: torch.Tensor,  # [bs, num_heads, num_splits] fp32 scratch, contiguous splits
+    scale: float,
+) -> None:
+    bs = q_rows.shape[0]
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_buffer.shape[1]
+    group_size = num_heads // num_kv_heads
+    num_splits = mid_out.shape[2]
+    assert mid_out.stride(3) == 1 and mid_lse.stride(2) == 1
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    precision = dot_precision(q.dtype)
+
+    grid = (bs, num_kv_heads * triton.cdiv(group_size, _BLOCK_H), num_splits)
+    _decode_split_kernel[grid](
+        q,
+        q_rows,
+        k_buffer,
+        v_buffer,
+        kv_indptr,
+        kv_indices,
+        mid_out,
+        mid_lse,
+        scale * LOG2E,
+        num_splits,
+        q.stride(0),
+        q.stride(1),
+        k_buffer.stride(0),
+        k_buffer.stride(1),
+        v_buffer.stride(0),
+        v_buffer.stride(1),
+        mid_out.stride(0),
+        mid_out.stride(1),
+        mid_out.stride(2),
+        mid_lse.stride(0),
+        mid_lse.stride(1),
+        GROUP_SIZE=group_size,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_H=_BLOCK_H,
+        BLOCK_N=_BLOCK_N,
+        DOT_PRECISION=precision,
+        num_warps=4,
+        num_stages=2,
+    )
+    _decode_reduce_kernel[(bs, num_heads)](
+        mid_out,
+        mid_lse,
+        out,
+        q_rows,
+        kv_indptr,
+        num_splits,
+        mid_out.stride(0),
+        mid_out.stride(1),
+        mid_out.stride(2),
+        mid_lse.stride(0),
+        mid_lse.stride(1),
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        num_warps=4 if head_dim > 64 else 2,
+    )

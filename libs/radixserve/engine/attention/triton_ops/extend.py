@@ -1,0 +1,198 @@
+"""Extend attention: several new query tokens per request over a cached prefix.
+
+One program per (request, query head, block of BLOCK_M new tokens) runs two loops:
+
+1. over the cached prefix, whose K/V sit in the pool at the slots listed in
+   kv_indices[kv_indptr[r]:kv_indptr[r + 1]]; every new token sees every prefix key,
+   so only the prefix length masks;
+2. over the request's new tokens, whose K/V are read straight from the (contiguous)
+   k/v inputs of this pass, with the causal mask; keys past the block's last query
+   are never visible, so the loop stops there.
+
+The requests may be a subset of the batch (a mixed batch's decodes go to the decode
+kernel), so each request's rows are given by a start and a length.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from radixserve.engine.attention.triton_ops.common import (
+    LOG2E,
+    dot_precision,
+    online_softmax_step,
+)
+
+
+def _blocks(dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages): float32 tiles take twice the shared
+    memory of 16-bit ones, so they are halved to fit."""
+    if dtype == torch.float32:
+        return 32, 32, 4, 1
+    return 64, 64, 4, 2
+
+
+@triton.jit
+def _extend_kernel(
+    Q,  # [num_tokens, num_heads, head_dim], new tokens of all requests in order
+    K_New,  # [num_tokens, num_kv_heads, head_dim]
+    V_New,
+    Out,  # [num_tokens, num_heads, head_dim]
+    K_Buffer,  # [pool slots, num_kv_heads, head_dim]
+    V_Buffer,
+    q_starts,  # [bs] int64: request r's new tokens are rows q_starts[r] + [0, q_lens[r])
+    q_lens,  # [bs] int64
+    kv_indptr,  # [bs + 1] int32 over the cached prefixes only
+    kv_indices,  # [sum(prefix_lens)] int32 slots
+    sm_scale_log2,
+    stride_qt,
+    stride_qh,
+    stride_knt,
+    stride_knh,
+    stride_vnt,
+    stride_vnh,
+    stride_ot,
+    stride_oh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    GROUP_SIZE: tl.constexpr,  # query heads per KV head
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # HEAD_DIM rounded up to a power of two (>= 16)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    block_m = tl.program_id(2)
+    kv_head = head // GROUP_SIZE
+
+    q_start = tl.load(q_starts + req)
+    extend_len = tl.load(q_lens + req)
+    # The grid is sized for the longest request; shorter ones have no rows here.
+    if block_m * BLOCK_M >= extend_len:
+        return
+    kv_start = tl.load(kv_indptr + req)
+    prefix_len = tl.load(kv_indptr + req + 1) - kv_start
+
+    offs_m = block_m * BLOCK_M + tl.arange(0, BLOCK_M)  # query index within the request
+    m_mask = offs_m < extend_len
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    q_rows = (q_start + offs_m).to(tl.int64)
+    q_mask = m_mask[:, None] & d_mask[None, :]
+    q = tl.load(Q + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :], mask=q_mask)
+
+    # Padding query rows (m_mask False) still see key 0, so no row is ever all -inf.
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    # 1) the cached prefix, through the slot table.
+    for start in range(0, prefix_len, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < prefix_len
+        # int64 before scaling by the row stride: slot * stride overflows int32 in
+        # large pools.
+        slots = tl.load(kv_indices + kv_start + offs_n, mask=n_mask, other=0).to(tl.int64)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(
+            K_Buffer + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        ).to(q.dtype)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2
+        qk = tl.where(n_mask[None, :], qk, float("-inf"))
+        v = tl.load(
+            V_Buffer + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        ).to(q.dtype)
+        m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, DOT_PRECISION)
+
+    # 2) the new tokens, causal: query i sees new keys j <= i.
+    new_hi = tl.minimum(extend_len, (block_m + 1) * BLOCK_M)
+    for start in range(0, new_hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < extend_len
+        kv_rows = (q_start + offs_n).to(tl.int64)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(
+            K_New + kv_rows[:, None] * stride_knt + kv_head * stride_knh + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        ).to(q.dtype)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2
+        visible = (offs_n[None, :] <= offs_m[:, None]) & n_mask[None, :]
+        qk = tl.where(visible, qk, float("-inf"))
+        v = tl.load(
+            V_New + kv_rows[:, None] * stride_vnt + kv_head * stride_vnh + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        ).to(q.dtype)
+        m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, DOT_PRECISION)
+
+    out = acc / l_i[:, None]
+    tl.store(
+        Out + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=q_mask,
+    )
+
+
+def extend_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim], this pass's new K
+    v: torch.Tensor,
+    out: torch.Tensor,  # [num_tokens, num_heads, head_dim], written
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    q_starts: torch.Tensor,
+    q_lens: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    max_extend_len: int,
+    scale: float,
+) -> None:
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    group_size = num_heads // k.shape[1]
+    bs = q_starts.shape[0]
+    block_m, block_n, num_warps, num_stages = _blocks(q.dtype)
+    grid = (bs, num_heads, triton.cdiv(max_extend_len, block_m))
+    _extend_kernel[grid](
+        q,
+        k,
+        v,
+        out,
+        k_buffer,
+        v_buffer,
+        q_starts,
+        q_lens,
+        kv_indptr,
+        kv_indices,
+        scale * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_buffer.stride(0),
+        k_buffer.stride(1),
+        v_buffer.stride(0),
+        v_buffer.stride(1),
+        GROUP_SIZE=group_size,
+        HEAD_DIM=head_dim,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )

@@ -1,0 +1,280 @@
+"""The triton attention backend against the torch backend: same pool, same batch, same
+outputs and the same KV writes. On the CPU the kernels run under the Triton interpreter.
+
+Triton picks the interpreter when a kernel is defined, from TRITON_INTERPRET as it
+stands then, so the variable is set before anything imports the kernels. Where another
+module imported them compiled first (the GPU tests, on a CUDA machine), these tests
+run compiled on CUDA instead.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed (the dev extra brings it on Linux)")
+
+from radixserve.engine.attention.torch_backend import TorchAttentionBackend
+from radixserve.engine.attention.triton_backend import TritonAttentionBackend
+from radixserve.engine.attention.triton_ops.common import INTERPRETED
+from radixserve.engine.attention.triton_ops.decode import num_kv_splits
+from radixserve.engine.config import EngineConfig
+from radixserve.engine.forward_batch import ForwardBatch, ForwardMode
+from radixserve.engine.kvcache.pool import KVPool, ReqToTokenPool
+from radixserve.engine.runner import make_attention_backend
+
+if not INTERPRETED and not torch.cuda.is_available():
+    pytest.skip(
+        "the triton kernels were compiled in this process but there is no GPU",
+        allow_module_level=True,
+    )
+
+DEVICE = torch.device("cpu" if INTERPRETED else "cuda")
+LAYER = 1  # not layer 0, so a backend that ignores layer_id reads the wrong buffers
+FP32_MAX_REL_ERROR = 1e-4
+
+
+@dataclass
+class Pass:
+    """One forward pass's batch over a noise-filled pool, and this pass's q/k/v."""
+
+    batch: ForwardBatch
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    scale: float
+
+
+def make_pass(
+    prefix_lens: list[int],
+    extend_lens: list[int],
+    *,
+    heads: int = 8,
+    kv_heads: int = 2,
+    head_dim: int = 16,
+    page_size: int = 1,
+    dtype: torch.dtype = torch.float32,
+    mode: ForwardMode = ForwardMode.EXTEND,
+    seed: int = 0,
+) -> Pass:
+    """Requests lay their KV page by page over a shuffled free list, as the scheduler's
+    would after churn; every slot of every layer holds noise, so reading the wrong
+    slot, layer or padding shows up, and the cached prefixes are the noise at their
+    slots."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
+    pages_needed = sum(-(-n // page_size) for n in seq_lens)
+    pool = KVPool(
+        (pages_needed + 8) * page_size, 2, kv_heads, head_dim, dtype, DEVICE, page_size=page_size
+    )
+    for buffer in pool.k_buffers + pool.v_buffers:
+        buffer.copy_(torch.randn(buffer.shape, generator=gen).to(DEVICE))
+    held = pool.alloc(pool.available())
+    assert held is not None
+    pages = held.view(-1, page_size)
+    pool.free(pages[torch.randperm(pages.shape[0], generator=gen).to(DEVICE)].reshape(-1))
+
+    req_pool = ReqToTokenPool(len(seq_lens) + 2, max(seq_lens) + 8, DEVICE)
+    rows, new_slots = [], []
+    for prefix, seq in zip(prefix_lens, seq_lens, strict=True):
+        row = req_pool.alloc()
+        slots = pool.alloc(-(-seq // page_size) * page_size)
+        assert row is not None and slots is not None
+        req_pool.req_to_token[row, :seq] = slots[:seq].to(torch.int32)
+        rows.append(row)
+        new_slots.append(slots[prefix:seq])
+
+    def ints(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=DEVICE)
+
+    num_tokens = sum(extend_lens)
+    positions = [p + i for p, e in zip(prefix_lens, extend_lens, strict=True) for i in range(e)]
+    batch = ForwardBatch(
+        mode=mode,
+        input_ids=torch.zeros(num_tokens, dtype=torch.int64, device=DEVICE),
+        positions=ints(positions),
+        out_cache_loc=torch.cat(new_slots),
+        req_pool_indices=ints(rows),
+        seq_lens=ints(seq_lens),
+        extend_prefix_lens=ints(prefix_lens),
+        extend_seq_lens=ints(extend_lens),
+        extend_start_loc=ints([sum(extend_lens[:i]) for i in range(len(extend_lens))]),
+        req_to_token=req_pool.req_to_token,
+        kv_pool=pool,
+        seq_lens_cpu=seq_lens,
+        extend_prefix_lens_cpu=prefix_lens,
+        extend_seq_lens_cpu=extend_lens,
+    )
+    # q/k/v as the model hands them over: strided views of one fused projection.
+    width = (heads + 2 * kv_heads) * head_dim
+    fused = torch.randn(num_tokens, width, generator=gen).to(DEVICE, dtype)
+    q, k, v = fused.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    return Pass(
+        batch,
+        q.reshape(num_tokens, heads, head_dim),
+        k.reshape(num_tokens, kv_heads, head_dim),
+        v.reshape(num_tokens, kv_heads, head_dim),
+        scale=1.3 / head_dim**0.5,  # not the default, so a backend ignoring `scale` fails
+    )
+
+
+def max_rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).abs().max() / ref.float().abs().max())
+
+
+def compare_with_torch(p: Pass, layers: tuple[int, ...] = (LAYER,)) -> float:
+    """Both backends on the same batch; asserts equal pool writes, returns the worst
+    output error. The new tokens' slots are re-noised before triton runs, so it must
+    write them itself, and every other slot must come out untouched."""
+    pool = p.batch.kv_pool
+    torch_backend = TorchAttentionBackend()
+    torch_backend.init_forward_metadata(p.batch)
+    refs = [torch_backend.forward(p.q, p.k, p.v, layer, p.batch, p.scale) for layer in layers]
+    expected = [(pool.k_buffers[i].clone(), pool.v_buffers[i].clone()) for i in range(2)]
+    for layer in layers:
+        noise = torch.randn(p.k.shape, generator=torch.Generator().manual_seed(99)).to(DEVICE)
+        pool.set_kv(layer, p.batch.out_cache_loc, noise, -noise)
+
+    triton_backend = TritonAttentionBackend(DEVICE)
+    triton_backend.init_forward_metadata(p.batch)  # once, shared by the layers
+    worst = 0.0
+    for layer, ref in zip(layers, refs, strict=True):
+        out = triton_backend.forward(p.q, p.k, p.v, layer, p.batch, p.scale)
+        assert out.shape == ref.shape and out.dtype == ref.dtype
+        assert torch.isfinite(out).all()
+        worst = max(worst, max_rel_error(out, ref))
+    for i, (k_expected, v_expected) in enumerate(expected):
+        assert torch.equal(pool.k_buffers[i], k_expected), f"layer {i} K differs"
+        assert torch.equal(pool.v_buffers[i], v_expected), f"layer {i} V differs"
+    return worst
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.EXTEND])
+def test_decode_matches_torch(mode: ForwardMode, page_size: int) -> None:
+    # 600 keys -> 4 splits; the 1- and 2-key requests leave trailing splits empty.
+    prefix_lens = [0, 1, 36, 299, 599]
+    assert num_kv_splits(600) == 4
+    p = make_pass(
+        prefix_lens, [1] * 5, mode=mode, page_size=page_size, seed=1 + page_size + mode.value
+    )
+    assert compare_with_torch(p) < FP32_MAX_REL_ERROR
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize(
+    "prefix_lens,extend_lens",
+    [([0, 0, 0], [5, 40, 70]), ([3, 33, 130], [9, 70, 2])],
+    ids=["no_prefix", "cached_prefix"],
+)
+def test_extend_matches_torch(
+    prefix_lens: list[int], extend_lens: list[int], page_size: int
+) -> None:
+    # 70 new tokens span several query and key blocks; 130 prefix keys several blocks.
+    p = make_pass(prefix_lens, extend_lens, page_size=page_size, seed=sum(prefix_lens) + page_size)
+    assert compare_with_torch(p) < FP32_MAX_REL_ERROR
+
+
+def test_mixed_batch_matches_torch_on_every_layer() -> None:
+    # Decodes (1 new token after a prefix) beside prefills and a chunk continuation.
+    p = make_pass([50, 0, 7, 20, 0], [1, 45, 1, 3, 1], seed=5)
+    assert compare_with_torch(p, layers=(0, 1)) < FP32_MAX_REL_ERROR
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads",
+    [(4, 4), (6, 2), (32, 1)],
+    ids=["mha", "group_of_3", "group_wider_than_a_tile"],
+)
+@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.EXTEND])
+def test_head_layouts(heads: int, kv_heads: int, mode: ForwardMode) -> None:
+    extend_lens = [1, 1, 1] if mode == ForwardMode.DECODE else [6, 1, 20]
+    p = make_pass([4, 30, 0], extend_lens, heads=heads, kv_heads=kv_heads, mode=mode, seed=heads)
+    assert compare_with_torch(p) < FP32_MAX_REL_ERROR
+
+
+@pytest.mark.parametrize("head_dim", [64, 48])
+def test_head_dims(head_dim: int) -> None:
+    # 48 is not a power of two: the kernels pad it to 64 and mask.
+    p = make_pass([0, 12], [10, 1], heads=4, kv_heads=2, head_dim=head_dim, seed=head_dim)
+    assert compare_with_torch(p) < FP32_MAX_REL_ERROR
+    decode = make_pass([9, 40], [1, 1], heads=4, kv_heads=2, head_dim=head_dim, seed=7)
+    assert compare_with_torch(decode) < FP32_MAX_REL_ERROR
+
+
+def test_float16_close_to_torch() -> None:
+    # Both sides round q/k/v the same way; they differ in where they round the
+    # probabilities (triton feeds them to the PV product in float16).
+    for mode, extend_lens in [(ForwardMode.EXTEND, [12, 1, 30]), (ForwardMode.DECODE, [1, 1, 1])]:
+        p = make_pass([0, 20, 64], extend_lens, dtype=torch.float16, mode=mode, seed=3)
+        assert compare_with_torch(p) < 5e-3
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="compiled kernels multiply bfloat16")
+def test_bfloat16_is_refused_under_the_interpreter() -> None:
+    # The interpreter's dot has no bfloat16 (the GPU tests cover it compiled).
+    p = make_pass([0], [3], dtype=torch.bfloat16, seed=0)
+    backend = TritonAttentionBackend(DEVICE)
+    backend.init_forward_metadata(p.batch)
+    with pytest.raises(ValueError, match="bfloat16"):
+        backend.forward(p.q, p.k, p.v, LAYER, p.batch, p.scale)
+
+
+def test_inconsistent_batches_are_rejected() -> None:
+    p = make_pass([2, 0], [3, 1], seed=0)
+    p.batch.seq_lens_cpu = [4, 1]  # prefix 2 + 3 new would be 5
+    with pytest.raises(ValueError, match="seq_len"):
+        TritonAttentionBackend(DEVICE).init_forward_metadata(p.batch)
+    p = make_pass([2, 0], [3, 1], mode=ForwardMode.DECODE, seed=0)
+    with pytest.raises(ValueError, match="DECODE"):
+        TritonAttentionBackend(DEVICE).init_forward_metadata(p.batch)
+
+
+def test_forward_before_metadata_is_an_error() -> None:
+    p = make_pass([0], [3], seed=0)
+    with pytest.raises(RuntimeError, match="init_forward_metadata"):
+        TritonAttentionBackend(DEVICE).forward(p.q, p.k, p.v, LAYER, p.batch, p.scale)
+
+
+def test_config_and_factory_pick_the_backend() -> None:
+    assert EngineConfig(attention_backend="triton").attention_backend == "triton"
+    assert EngineConfig(attention_backend="auto").attention_backend == "auto"
+    with pytest.raises(ValueError, match="attention_backend"):
+        EngineConfig(attention_backend="cudnn")
+    assert isinstance(make_attention_backend("triton", DEVICE), TritonAttentionBackend)
+    assert isinstance(make_attention_backend("torch", DEVICE), TorchAttentionBackend)
+    # On the CPU "auto" means the torch reference: the interpreter is for tests only.
+    cpu = torch.device("cpu")
+    assert isinstance(make_attention_backend("auto", cpu), TorchAttentionBackend)
+
+
+def test_engine_greedy_outputs_equal_the_torch_backend(tiny_llama_dir: Path) -> None:
+    # Chunks of 16 put chunk continuations (cached prefix + new tokens) and mixed
+    # decode + prefill batches through both kernels; then decode steps. (The engine's
+    # imports stay in here, so the kernel tests need only torch and triton.)
+    from radixserve import Engine
+    from tests.unit.engine_helpers import engine_outputs, make_prompts
+
+    def outputs(backend: str) -> list[list[int]]:
+        engine = Engine(
+            model_path=str(tiny_llama_dir),
+            device=DEVICE.type,
+            dtype="float32",
+            attention_backend=backend,
+            chunked_prefill_size=16,
+            max_total_tokens=512,
+        )
+        try:
+            return engine_outputs(engine, prompts, 6)
+        finally:
+            engine.shutdown()
+
+    prompts = make_prompts(1000, [5, 23, 40], seed=4)
+    assert outputs("triton") == outputs("torch")
