@@ -360,3 +360,22 @@ def test_config_defaults_and_flags() -> None:
 def test_config_refuses_what_it_cannot_run(override: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_dict({**BASE, **override})
+
+
+def test_dummy_load_format_needs_only_the_config(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from radixserve import Engine
+
+    folder = tmp_path / "config_only"
+    folder.mkdir()
+    for item in tiny_llama_dir.iterdir():
+        if not item.name.endswith(".safetensors"):
+            shutil.copy(item, folder / item.name)
+    engine = Engine(model_path=str(folder), load_format="dummy", device="cpu")
+    weight = engine.runner.model.model.layers[0].mlp.down_proj.weight
+    assert weight.abs().sum() > 0 and weight.std() < 1.0
+    out = engine.generate(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 4})
+    assert isinstance(out, dict) and len(out["output_ids"]) == 4
+    with pytest.raises(ValueError, match="load_format"):
+        Engine(model_path=str(folder), load_format="bogus")

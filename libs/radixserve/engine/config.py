@@ -19,6 +19,7 @@ class EngineConfig:
     # Model: None means the embedded SmolLM2-135M-Instruct GGUF.
     model_path: str | None = None
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    load_format: str = "auto"  # auto (the checkpoint) | dummy (random weights: benchmarks)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     attention_backend: str = "torch"
     # KV memory. On a GPU the pool takes what mem_fraction_static leaves after the
@@ -61,6 +62,8 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
             )
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(
                 f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"

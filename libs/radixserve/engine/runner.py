@@ -76,6 +76,7 @@ class ModelRunner:
             self.device,
             max_positions=max(self.context_len, trained_len),
             config=model_config,
+            load_format=config.load_format,
         )
         self.vocab_size = self.model_config.vocab_size
         self.kv_pool = KVPool(

@@ -60,11 +60,14 @@ def load_model(
     device: str | torch.device = "cpu",
     max_positions: int | None = None,
     config: ModelConfig | None = None,
+    load_format: str = "auto",
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Load a Hugging Face folder (see resolve_model_path) onto `device` in eval mode.
 
     `max_positions` sizes the rotary table (default: the model's max_position_embeddings);
     `config` saves parsing config.json again when the caller already has it.
+    `load_format="dummy"` draws random weights on the device instead of reading any
+    (benchmarks of a model's shape: the folder needs only config.json).
     """
     folder = Path(path)
     config = config or ModelConfig.from_pretrained(folder)
@@ -83,7 +86,25 @@ def load_model(
         model = LlamaForCausalLM(config)
     model = model.to(torch_dtype).to_empty(device=device)
     model.tie_weights()
-    model.load_weights(folder)
+    if load_format == "dummy":
+        init_dummy_weights(model)
+    else:
+        model.load_weights(folder)
     model.init_rotary(max_positions)
     model.eval().requires_grad_(False)
     return model, config
+
+
+@torch.no_grad()
+def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
+    """Random weights with sane scales (norms near 1, matrices ~ 1/sqrt(fan_in)), drawn on
+    the weights' device: speed depends on shapes, not values."""
+    gen_device = next(model.parameters()).device
+    generator = torch.Generator(device=gen_device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        elif param.dim() == 1:
+            param.zero_()
+        else:
+            param.normal_(0.0, param.shape[-1] ** -0.5, generator=generator)
