@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 StepCallback = Callable[[int, list[protocol.StepOutput]], None]  # (step number, outputs)
 RejectCallback = Callable[[protocol.RequestError, str], None]  # (error, gateway id)
 
+LOAD_REFRESH_S = 0.1  # stats go out every second; a fresher load is never read
 _PARAM_RE = re.compile(r"sampling parameter '(\w+)'")
 
 
@@ -61,6 +62,7 @@ class EngineDriver:
         self.error: BaseException | None = None
         self.steps = 0
         self.load: EngineLoad = engine.load()
+        self._load_at = time.monotonic()
         self.generated_tokens = 0  # for throughput in stats
         self._inbox: queue.SimpleQueue[_Submit | _Abort | _Flush] = queue.SimpleQueue()
         self._stop = threading.Event()
@@ -101,7 +103,10 @@ class EngineDriver:
                 self._apply_commands(wait_s=0.0 if busy else self.idle_wait_s)
                 if self.engine.has_work():
                     self._step()
-                self.load = self.engine.load()
+                now = time.monotonic()
+                if now - self._load_at >= LOAD_REFRESH_S:  # a tree walk: not every step
+                    self.load = self.engine.load()
+                    self._load_at = now
         except BaseException as exc:  # reported by the service, which then exits non-zero
             log.exception("the engine thread failed")
             self.error = exc
