@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: run test lint format unit integration gpu bench-engine-cpu bench-overhead clean venv
+.PHONY: run test lint format unit integration gpu check-packaging bench-engine-cpu bench-overhead clean venv
 
 venv: $(STAMP)
 
@@ -34,8 +34,13 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-test: lint
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+test: lint check-packaging
+	$(PY) -m pytest -q --ignore=tests/packaging $(PYTEST_ARGS)
+
+# The compose file, the Helm chart and the Dockerfiles, checked with no Docker engine and
+# no cluster (compose-spec, helm-python-sdk, kubernetes-validate --strict, hadolint).
+check-packaging: $(STAMP)
+	$(PY) -m pytest -q tests/packaging
 
 unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)

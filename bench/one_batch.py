@@ -11,16 +11,27 @@ its roofline:
 - decode step: (weight bytes + KV bytes read in the step) / bandwidth;
 - prefill: matmul FLOPs (2 x params x tokens, plus attention) / matmul rate.
 
+Decode runs with and without CUDA graphs (`--cuda-graph both`, the default; `on` or
+`off` for one of them). `--breakdown` adds, per decode step, the host time of each
+scheduler phase (plan: slots and retraction; build: the ForwardBatch; launch: the
+forward call until it returns; process: sampling and bookkeeping, which waits for the
+device) and the device time of the forward (CUDA events around it). `--profile-bs N`
+writes the device kernels of a few decode steps at batch size N (torch.profiler) to
+`--profile-dir`. Against a tree without CUDA graphs (an older commit on PYTHONPATH)
+the decode rows say graphs "n/a".
+
     python bench/one_batch.py --tokenizer DIR [--batch-sizes 1 8 32 64 --backends torch triton]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -102,12 +113,117 @@ def param_count(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def graph_modes(requested: str) -> list[bool | None]:
+    """disable_cuda_graph values to run: None where the engine has no such option."""
+    from radixserve.engine.config import EngineConfig
+
+    if "disable_cuda_graph" not in {f.name for f in dataclasses.fields(EngineConfig)}:
+        return [None]
+    modes: dict[str, list[bool | None]] = {"both": [False, True], "on": [False], "off": [True]}
+    return modes[requested]
+
+
+class PhaseTimer:
+    """Host time of the scheduler's phases per step, and device time of the forward."""
+
+    def __init__(self, engine: Any) -> None:
+        from radixserve.engine.sched import scheduler as sched_module
+
+        self.samples: dict[str, list[float]] = {}
+        sched = engine.scheduler
+        self._restore: list[Callable[[], None]] = []
+        for name in ("_plan_decode", "_process"):
+            self._wrap_attr(sched, name, name.strip("_").split("_")[0])
+        self._wrap_attr(sched_module, "build_forward_batch", "build")
+        self._wrap_forward(engine.runner)
+
+    def _wrap_attr(self, owner: Any, name: str, label: str) -> None:
+        original = getattr(owner, name)
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.samples.setdefault(label, []).append(time.perf_counter() - t0)
+
+        setattr(owner, name, timed)
+        self._restore.append(lambda: setattr(owner, name, original))
+
+    def _wrap_forward(self, runner: Any) -> None:
+        original = runner.forward
+        self.events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+        def timed(batch: Any) -> Any:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
+            start.record()
+            out = original(batch)
+            end.record()
+            self.samples.setdefault("launch", []).append(time.perf_counter() - t0)
+            self.events.append((start, end))
+            return out
+
+        runner.forward = timed
+        self._restore.append(lambda: setattr(runner, "forward", original))
+
+    def reset(self) -> None:
+        self.samples = {}
+        self.events = []
+
+    def medians(self) -> dict[str, float]:
+        sync()
+        out = {f"{k}_us": statistics.median(v) * 1e6 for k, v in self.samples.items() if v}
+        if self.events:
+            out["gpu_forward_ms"] = statistics.median(s.elapsed_time(e) for s, e in self.events)
+        return out
+
+    def close(self) -> None:
+        for restore in self._restore:
+            restore()
+
+
+def profile_decode(engine: Any, bs: int, input_len: int, label: str, out_dir: Path) -> None:
+    """Device kernels of a few decode steps at batch size `bs`, by total time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prompts = [[11 + i] * input_len for i in range(bs)]
+    params = {"max_new_tokens": 12, "ignore_eos": True, "temperature": 0}
+    for p in prompts:
+        engine.submit(p, params)
+    engine.step()  # prefill
+    for _ in range(3):
+        engine.step()
+    sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            engine.step()
+        sync()
+    while engine.has_work():
+        engine.step()
+    table = prof.key_averages().table(
+        sort_by="cuda_time_total", row_limit=40, max_name_column_width=60
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"profile_{label}_bs{bs}.txt"
+    path.write_text(table)
+    print(f"profile written to {path}\n{table[:3000]}", flush=True)
+
+
 def run_backend(
-    folder: Path, backend: str, args: argparse.Namespace, bandwidth: float, matmul: float
+    folder: Path,
+    backend: str,
+    args: argparse.Namespace,
+    bandwidth: float,
+    matmul: float,
+    disable_cuda_graph: bool | None,
 ) -> list[dict[str, Any]]:
     from radixserve import Engine
 
     max_bs = max(args.batch_sizes)
+    graph_option = {} if disable_cuda_graph is None else {"disable_cuda_graph": disable_cuda_graph}
+    graphs_label = "n/a" if disable_cuda_graph is None else ("off" if disable_cuda_graph else "on")
+    started = time.perf_counter()
     engine = Engine(
         model_path=str(folder),
         load_format="dummy",
@@ -120,7 +236,10 @@ def run_backend(
         max_prefill_tokens=max_bs * args.input_len + 1,
         disable_radix_cache=True,
         mem_fraction_static=0.88,
+        **graph_option,
     )
+    print(f"{backend} graphs {graphs_label}: engine up in {time.perf_counter() - started:.1f} s")
+    timer = PhaseTimer(engine) if args.breakdown else None
     model = engine.runner.model
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     params = param_count(model)
@@ -137,16 +256,21 @@ def run_backend(
         for warm in (True, False):
             rids = [engine.submit(p, params_d) for p in prompts]
             sync()
+            if timer is not None:
+                timer.reset()
             t0 = time.perf_counter()
             engine.step()  # the whole batch's prefill (one chunk: no chunking here)
             sync()
             prefill_s = time.perf_counter() - t0
             steps = []
+            if timer is not None:
+                timer.reset()  # decode steps only
             for _ in range(args.output_len - 1):
                 t0 = time.perf_counter()
                 engine.step()
                 sync()
                 steps.append(time.perf_counter() - t0)
+            breakdown = timer.medians() if timer is not None else {}
             while engine.has_work():
                 engine.step()
             assert engine.num_tracked() == 0, rids
@@ -170,6 +294,7 @@ def run_backend(
         rows.append(
             {
                 "backend": backend,
+                "graphs": graphs_label,
                 "batch_size": bs,
                 "input_len": args.input_len,
                 "prefill_ms": prefill_s * 1e3,
@@ -178,9 +303,15 @@ def run_backend(
                 "decode_roofline_ms": decode_roofline * 1e3,
                 "decode_x_roofline": decode_s / decode_roofline,
                 "decode_tok_s": bs / decode_s,
+                **breakdown,
             }
         )
         print(json.dumps(rows[-1]), flush=True)
+    if timer is not None:
+        timer.close()
+    for profile_bs in args.profile_bs:
+        label = f"{backend}_graphs_{graphs_label}"
+        profile_decode(engine, profile_bs, args.input_len, label, args.profile_dir)
     engine.shutdown()
     return rows
 
@@ -194,6 +325,12 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--layers", type=int, default=None, help="fewer layers for a quick look")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--cuda-graph", choices=["both", "on", "off"], default="both")
+    ap.add_argument("--breakdown", action="store_true", help="host/device time per phase")
+    ap.add_argument(
+        "--profile-bs", type=int, nargs="*", default=[], help="profile decode at these sizes"
+    )
+    ap.add_argument("--profile-dir", type=Path, default=Path("."))
     args = ap.parse_args()
     shape = dict(LLAMA_31_8B)
     if args.layers:
@@ -208,8 +345,9 @@ def main() -> int:
     folder = write_model_folder(args.tokenizer, shape)
     rows = []
     for backend in args.backends:
-        rows += run_backend(folder, backend, args, bandwidth, matmul)
-        torch.cuda.empty_cache()
+        for disable in graph_modes(args.cuda_graph):
+            rows += run_backend(folder, backend, args, bandwidth, matmul, disable)
+            torch.cuda.empty_cache()
     result = {
         "device": device,
         "torch": torch.__version__,
@@ -220,15 +358,24 @@ def main() -> int:
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     print(
-        f"\n{'backend':<8} {'bs':>4} {'prefill ms':>10} {'vs matmul':>9} "
+        f"\n{'backend':<8} {'graphs':>6} {'bs':>4} {'prefill ms':>10} {'vs matmul':>9} "
         f"{'decode ms':>9} {'roofline':>8} {'x roof':>6}"
     )
     for r in rows:
         print(
-            f"{r['backend']:<8} {r['batch_size']:>4} {r['prefill_ms']:>10.1f} "
+            f"{r['backend']:<8} {r['graphs']:>6} {r['batch_size']:>4} {r['prefill_ms']:>10.1f} "
             f"{r['prefill_vs_matmul_rate']:>9.2f} {r['decode_step_ms']:>9.2f} "
             f"{r['decode_roofline_ms']:>8.2f} {r['decode_x_roofline']:>6.2f}"
         )
+    if args.breakdown:
+        print(f"\n{'backend':<8} {'graphs':>6} {'bs':>4}  decode step phases (median)")
+        for r in rows:
+            phases = "  ".join(
+                f"{k}={r[k]:.0f}" if k.endswith("_us") else f"{k}={r[k]:.2f}"
+                for k in ("plan_us", "build_us", "launch_us", "process_us", "gpu_forward_ms")
+                if k in r
+            )
+            print(f"{r['backend']:<8} {r['graphs']:>6} {r['batch_size']:>4}  {phases}")
     return 0
 
 

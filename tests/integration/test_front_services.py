@@ -418,17 +418,29 @@ async def test_refusals_reach_the_gateway_with_code_and_param(
     assert "exactly one of text, input_ids, messages" in error.message
 
 
-async def test_a_grammar_request_is_refused_as_not_supported_yet(front: Services, bus: Bus) -> None:
+async def test_grammars_are_compiled_and_routed_by_key_or_refused_with_the_reason(
+    front: Services, bus: Bus, model_dir: Path
+) -> None:
+    from radixserve.prep.prompt import tokenizer_id
+    from radixserve.protocol import grammar_key
+
     gateway = await _gateway(bus, front.subjects)
-    rid = await gateway.submit(text="Pick a digit:", sampling=SamplingParams(regex="[0-9]"))
+    async with _workers(bus, front.subjects, {_id("w"): 0}) as workers:
+        rid = await gateway.submit(text="Pick a digit:", sampling=SamplingParams(regex="[0-9]"))
+        routed = decode((await workers.runs.next_msg(timeout_s=30)).data, RoutedRequest)
+    assert routed.rid == rid
+    assert routed.request.grammar_key == grammar_key("regex", "[0-9]", tokenizer_id(model_dir))
+    assert routed.request.sampling.regex == "[0-9]"  # the worker can compile it itself
+
+    rid = await gateway.submit(text="Pick:", sampling=SamplingParams(regex="[0-"))
     error = await gateway.error()
     assert (error.rid, error.http_status, error.code, error.param) == (
         rid,
         400,
-        "grammar_not_supported",
+        "invalid_grammar",
         "regex",
     )
-    assert error.message == "structured outputs (regex/json_schema/ebnf) are not supported yet"
+    assert "Unclosed '['" in error.message
 
 
 async def test_aborts_reach_the_worker_or_drop_a_request_not_routed_yet(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import subprocess
 import sys
 import time
@@ -250,8 +251,15 @@ def test_errors(stack: RunningStack) -> None:
     assert too_long.status_code == 400 and _error(too_long)["code"] == "context_length_exceeded"
     unknown = httpx.post(url, json={**ok, "model": "no-such-model"}, timeout=30)
     assert unknown.status_code == 404
-    grammar = httpx.post(url, json={**ok, "regex": "[ab]+"}, timeout=30)
-    assert grammar.status_code == 400
+    bad_grammar = httpx.post(url, json={**ok, "regex": "[ab"}, timeout=30)
+    assert bad_grammar.status_code == 400
+    assert (_error(bad_grammar)["code"], _error(bad_grammar)["param"]) == (
+        "invalid_grammar",
+        "regex",
+    )
+    grammar = httpx.post(url, json={**ok, "regex": "[ab]{3}", "max_tokens": 8}, timeout=30)
+    assert grammar.status_code == 200
+    assert re.fullmatch("[ab]{3}", grammar.json()["choices"][0]["message"]["content"])
     # A request past the gateway's deadline (8 s here) is a 504, and it is aborted.
     slow = {**ok, "max_tokens": 90_000, "ignore_eos": True}
     timed_out = httpx.post(url, json=slow, timeout=60)

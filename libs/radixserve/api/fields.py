@@ -77,3 +77,4 @@ class SGLangSamplingFields(Body):
     regex: str | None = None
     json_schema: str | None = None
     ebnf: str | None = None
+    structural_tag: str | None = None  # SGLang's structural tag as JSON text

@@ -45,7 +45,7 @@ GENERATE_DEFAULT_MAX_NEW_TOKENS = SamplingParams().max_new_tokens  # SGLang's 12
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
 
 _ID_PREFIX: dict[Endpoint, str] = {"chat": "chatcmpl-", "completion": "cmpl-", "generate": ""}
-_GRAMMAR_FIELDS = ("regex", "json_schema", "ebnf")
+_GRAMMAR_FIELDS = ("regex", "json_schema", "ebnf", "structural_tag")
 
 
 def new_response_id(endpoint: Endpoint) -> str:
@@ -364,19 +364,36 @@ def _openai_sampling(
         "regex": req.regex,
         "json_schema": req.json_schema,
         "ebnf": req.ebnf,
+        "structural_tag": req.structural_tag,
     }
-    grammar = response_format_schema(response_format)
+    grammar = response_format_grammar(response_format)
     if grammar is not None:
-        values["response_format"] = grammar
+        values["response_format"] = grammar[1]
     _check_one_grammar(values, "")
     if grammar is not None:
-        values["json_schema"] = values.pop("response_format")
+        values[grammar[0]] = values.pop("response_format")
     return SamplingParams(**{k: v for k, v in values.items() if v is not None})
 
 
-def response_format_schema(fmt: ResponseFormat | None) -> str | None:
-    """`response_format` -> the JSON schema source the grammar hop compiles (or None)."""
+def response_format_grammar(fmt: ResponseFormat | None) -> tuple[str, str] | None:
+    """`response_format` -> (sampling field, source) the grammar hop compiles, or None."""
     if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "structural_tag":
+        if not fmt.structures:
+            raise ApiError.invalid(
+                "response_format of type structural_tag needs structures",
+                "response_format.structures",
+            )
+        tag = {"structures": fmt.structures, "triggers": fmt.triggers or []}
+        return "structural_tag", json.dumps(tag)
+    schema = response_format_schema(fmt)
+    return None if schema is None else ("json_schema", schema)
+
+
+def response_format_schema(fmt: ResponseFormat | None) -> str | None:
+    """`response_format` json_object / json_schema -> the JSON schema source (or None)."""
+    if fmt is None or fmt.type in ("text", "structural_tag"):
         return None
     if fmt.type == "json_object":
         return JSON_OBJECT_SCHEMA
@@ -392,7 +409,8 @@ def _check_one_grammar(values: dict[str, Any], prefix: str) -> None:
     names = [n for n in (*_GRAMMAR_FIELDS, "response_format") if values.get(n) is not None]
     if len(names) > 1:
         raise ApiError.invalid(
-            f"at most one of regex, json_schema, ebnf, response_format may be set, got {names}",
+            "at most one of regex, json_schema, ebnf, structural_tag, response_format may be "
+            f"set, got {names}",
             prefix + names[-1],
         )
 

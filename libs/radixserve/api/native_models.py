@@ -48,6 +48,7 @@ class GenerateSamplingParams(Body):
     regex: str | None = None
     json_schema: str | None = None
     ebnf: str | None = None
+    structural_tag: str | None = None
 
 
 class GenerateRequest(Body):

@@ -55,8 +55,12 @@ class JsonSchemaFormat(Body):
 
 
 class ResponseFormat(Body):
-    type: Literal["text", "json_object", "json_schema"]
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
     json_schema: JsonSchemaFormat | None = None
+    # type "structural_tag", SGLang's form: free text until a trigger, then a tagged
+    # JSON object per structure ({"begin", "schema", "end"}).
+    structures: list[dict[str, Any]] | None = None
+    triggers: list[str] | None = None
 
 
 class OpenAISamplingFields(SGLangSamplingFields):

@@ -21,7 +21,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     load_format: str = "auto"  # auto (the checkpoint) | dummy (random weights: benchmarks)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"  # triton on CUDA (with CUDA graphs), torch on the CPU
     # KV memory. On a GPU the pool takes what mem_fraction_static leaves after the
     # weights; on the CPU it holds cpu_kv_tokens. max_total_tokens overrides both.
     mem_fraction_static: float = 0.85
@@ -30,6 +30,10 @@ class EngineConfig:
     page_size: int = 1
     max_running_requests: int = 256
     context_length: int | None = None  # default: the model's max_position_embeddings
+    # CUDA graphs for decode batches (CUDA and a backend that supports them only): captured
+    # at start-up for batch sizes up to cuda_graph_max_bs (capped by max_running_requests).
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int = 256
     # Scheduling.
     schedule_policy: str = "lpm"
     chunked_prefill_size: int = 2048  # <= 0: no chunking
@@ -72,7 +76,12 @@ class EngineConfig:
             raise ValueError("mem_fraction_static must be in (0, 1)")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
-        for name in ("max_running_requests", "max_prefill_tokens", "cpu_kv_tokens"):
+        for name in (
+            "max_running_requests",
+            "max_prefill_tokens",
+            "cpu_kv_tokens",
+            "cuda_graph_max_bs",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.max_total_tokens is not None and self.max_total_tokens < 2:

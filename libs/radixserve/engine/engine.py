@@ -20,11 +20,12 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from radixserve.engine.config import EngineConfig
+from radixserve.engine.constrained import GrammarBackend
 from radixserve.engine.groups import ChoiceOutput, RequestGroup
 from radixserve.engine.kvcache.base import PrefixCache
 from radixserve.engine.kvcache.naive_cache import NaiveCache
@@ -36,6 +37,10 @@ from radixserve.engine.runner import ModelRunner
 from radixserve.engine.sampling.params import SamplingParams, resolve_seed
 from radixserve.engine.sched.kv_manager import KVUsage
 from radixserve.engine.sched.scheduler import Scheduler
+from radixserve.grammar import InvalidGrammar, grammar_source_of
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,8 @@ class Engine:
             detokenize=lambda ids: self._decode(ids, False),
         )
         self.eos_token_ids = frozenset(self.runner.model_config.eos_token_ids)
+        # Structured outputs: grammars for this tokenizer and the model's logits width.
+        self.grammars = GrammarBackend(self.tokenizer, self.runner.vocab_size)
         self._lock = threading.RLock()
         self._groups: dict[str, RequestGroup] = {}
         # Req.rid -> (its group, choice index; -1 for the hidden shared prefill)
@@ -82,10 +89,15 @@ class Engine:
         input_ids: list[int],
         sampling_params: dict[str, Any] | SamplingParams | None = None,
         rid: str | None = None,
+        grammar: xgr.CompiledGrammar | None = None,
     ) -> str:
-        """Queue one prompt (token ids); returns its rid. Raises ValueError for bad input."""
+        """Queue one prompt (token ids); returns its rid. Raises ValueError for bad input.
+
+        `grammar`: the request's grammar compiled already (the worker loads the grammar
+        service's); without it a regex/json_schema/ebnf/structural_tag in the parameters
+        is compiled here, blocking the caller."""
         (params,) = self._normalize_params(sampling_params, 1)
-        return self._submit([int(t) for t in input_ids], params, rid).rid
+        return self._submit([int(t) for t in input_ids], params, rid, grammar).rid
 
     def step(self) -> list[ChoiceOutput]:
         """One iteration of continuous batching: the choices that produced tokens or finished."""
@@ -321,18 +333,29 @@ class Engine:
         for item in items:
             params = item if isinstance(item, SamplingParams) else SamplingParams.from_dict(item)
             params.validate(self.runner.vocab_size)
-            if (
-                params.regex is not None
-                or params.json_schema is not None
-                or params.ebnf is not None
-            ):
-                raise ValueError(
-                    "constrained decoding (regex/json_schema/ebnf) is not available yet"
-                )
             out.append(params)
         return out
 
-    def _make_req(self, rid: str, ids: list[int], params: SamplingParams, seed: int) -> Req:
+    def _compile_grammar(self, params: SamplingParams) -> xgr.CompiledGrammar | None:
+        """The request's grammar compiled in-process (cached), None when unconstrained."""
+        source = grammar_source_of(lambda name: getattr(params, name, None))
+        if source is None:
+            return None
+        try:
+            return self.grammars.compile(source)
+        except InvalidGrammar as exc:
+            raise ValueError(
+                f"sampling parameter {source.param!r} is not a valid grammar: {exc.message}"
+            ) from exc
+
+    def _make_req(
+        self,
+        rid: str,
+        ids: list[int],
+        params: SamplingParams,
+        seed: int,
+        grammar: xgr.CompiledGrammar | None = None,
+    ) -> Req:
         if not ids:
             raise ValueError("the prompt is empty")
         if min(ids) < 0 or max(ids) >= self.runner.vocab_size:
@@ -348,18 +371,27 @@ class Engine:
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
-        return Req(
+        req = Req(
             rid=rid,
             origin_input_ids=list(ids),
             params=params,
             seed=seed,
             stop_token_ids=frozenset(stop_ids),
         )
+        if grammar is not None:  # each choice its own matcher over the shared grammar
+            req.grammar = self.grammars.new_state(grammar, req.stop_token_ids, params)
+        return req
 
     def _submit(
-        self, ids: list[int], params: SamplingParams, rid: str | None = None
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        rid: str | None = None,
+        grammar: xgr.CompiledGrammar | None = None,
     ) -> RequestGroup:
         """Queue one prompt; n > 1 runs the prompt's prefill once, then n samples share it."""
+        if grammar is None:
+            grammar = self._compile_grammar(params)  # outside the lock: steps go on meanwhile
         with self._lock:
             self._check_open()
             rid = rid or uuid.uuid4().hex
@@ -367,11 +399,12 @@ class Engine:
                 raise ValueError(f"request id {rid!r} is already in use")
             seed = resolve_seed(params)
             if params.n == 1:
-                group = RequestGroup(rid, [self._make_req(rid, ids, params, seed)])
+                group = RequestGroup(rid, [self._make_req(rid, ids, params, seed, grammar)])
             else:
                 # Every choice is built (and so validated) before anything is queued.
                 choices = [
-                    self._make_req(f"{rid}-{i}", ids, params, seed + i) for i in range(params.n)
+                    self._make_req(f"{rid}-{i}", ids, params, seed + i, grammar)
+                    for i in range(params.n)
                 ]
                 group = RequestGroup(rid, choices)
                 if self.scheduler.kv.cache.reuses_prefixes:

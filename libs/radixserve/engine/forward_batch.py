@@ -12,6 +12,11 @@ if TYPE_CHECKING:
     from radixserve.engine.kvcache.pool import KVPool
 
 
+# The rows of `ForwardBatch.decode_inputs`, in the order the CUDA graph runner keeps its
+# static inputs, so a replay takes a decode batch's inputs in one copy.
+DECODE_INPUT_FIELDS = ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens")
+
+
 class ForwardMode(enum.Enum):
     # Every request adds one or more tokens after an optional cached prefix. Mixed
     # prefill+decode batches are EXTEND batches in which decode requests extend by 1.
@@ -39,12 +44,16 @@ class ForwardBatch:
     extend_prefix_lens: torch.Tensor  # [bs] int64, tokens already in KV before this pass
     extend_seq_lens: torch.Tensor  # [bs] int64, new tokens (1 for a decode request)
     extend_start_loc: torch.Tensor  # [bs] int64, offset of the request's first new token
-    req_to_token: torch.Tensor  # [max_reqs, max_context_len] int32, shared with ReqToTokenPool
+    # [max_reqs + 1, max_context_len] int32, shared with ReqToTokenPool (the last row: padding)
+    req_to_token: torch.Tensor
     kv_pool: KVPool
     # Host copies, so backends can size buffers without a device sync.
     seq_lens_cpu: list[int]
     extend_prefix_lens_cpu: list[int]
     extend_seq_lens_cpu: list[int]
+    # Decode batches from the batch builder: [5, bs] int64 whose rows are the fields named
+    # in DECODE_INPUT_FIELDS (those fields are views of its rows). None otherwise.
+    decode_inputs: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
+    from radixserve.engine.constrained.state import GrammarState
     from radixserve.engine.sampling.params import SamplingParams
 
 
@@ -66,6 +67,9 @@ class Req:
     stop_text_tail: str = ""
     num_retractions: int = 0
     arrival_order: int = 0
+    # Structured outputs: this request's own grammar matcher (engine/constrained); None
+    # when unconstrained. Never shared, not even between the n choices of one prompt.
+    grammar: GrammarState | None = None
 
     @property
     def fill_ids(self) -> list[int]:

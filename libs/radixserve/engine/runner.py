@@ -13,6 +13,7 @@ import torch
 from radixserve.engine.attention.base import AttentionBackend
 from radixserve.engine.config import EngineConfig
 from radixserve.engine.forward_batch import ForwardBatch
+from radixserve.engine.graphs.cuda_graph_runner import CudaGraphRunner
 from radixserve.engine.kvcache.pool import KVPool, ReqToTokenPool
 from radixserve.engine.model.config import ModelConfig
 from radixserve.engine.model.loader import load_model, resolve_dtype, resolve_model_path
@@ -101,6 +102,17 @@ class ModelRunner:
             self.dtype,
             self.kv_pool.size,
         )
+        self.graphs = self._capture_graphs()
+
+    def _capture_graphs(self) -> CudaGraphRunner | None:
+        """Decode graphs, on CUDA with a backend that supports them, unless disabled."""
+        if self.config.disable_cuda_graph or self.device.type != "cuda":
+            return None
+        if not self.attn.supports_cuda_graph:
+            log.info("the %s attention backend runs without CUDA graphs", self.attn.name)
+            return None
+        max_bs = min(self.config.cuda_graph_max_bs, self.config.max_running_requests)
+        return CudaGraphRunner(self.model, self.attn, self.kv_pool, self.req_pool, max_bs)
 
     def _kv_budget_tokens(self) -> int:
         if self.config.max_total_tokens is not None:
@@ -128,12 +140,16 @@ class ModelRunner:
 
     def close(self) -> None:
         """Drop the weights, the KV memory and the backend; free cached CUDA memory."""
-        for name in ("model", "kv_pool", "req_pool", "attn"):
+        for name in ("graphs", "model", "kv_pool", "req_pool", "attn"):
             self.__dict__.pop(name, None)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """float32 logits [batch_size, vocab]; a decode batch that fits a captured graph
+        replays it (the logits are then valid until the next forward)."""
+        if self.graphs is not None and self.graphs.can_run(batch):
+            return self.graphs.replay(batch)
         self.attn.init_forward_metadata(batch)
         return self.model(batch, self.attn)

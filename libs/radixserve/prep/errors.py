@@ -9,6 +9,7 @@ INVALID_REQUEST = "invalid_request_error"
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 GRAMMAR_NOT_SUPPORTED = "grammar_not_supported"
 GRAMMAR_UNAVAILABLE = "grammar_unavailable"
+INVALID_GRAMMAR = "invalid_grammar"
 
 
 class PrepError(ValueError):

@@ -8,13 +8,15 @@ from dataclasses import dataclass
 from radixserve.prep.errors import (
     GRAMMAR_NOT_SUPPORTED,
     GRAMMAR_UNAVAILABLE,
+    INVALID_GRAMMAR,
     INVALID_REQUEST,
     PrepError,
 )
 from radixserve.protocol import GrammarCompileReply, GrammarCompileRequest, SamplingParams
+from radixserve.protocol import grammar as wire
 from radixserve.protocol.grammar import GrammarKind
 
-_GRAMMAR_FIELDS: tuple[GrammarKind, ...] = ("regex", "json_schema", "ebnf")
+_GRAMMAR_FIELDS: tuple[GrammarKind, ...] = ("regex", "json_schema", "ebnf", "structural_tag")
 GRAMMAR_RETRY_AFTER_S = 1.0
 
 
@@ -40,7 +42,7 @@ def grammar_spec(sampling: SamplingParams) -> GrammarSpec | None:
     if len(given) > 1:
         names = ", ".join(spec.kind for spec in given)
         raise PrepError(
-            f"at most one of regex, json_schema, ebnf may be set, got {names}",
+            f"at most one of regex, json_schema, ebnf, structural_tag may be set, got {names}",
             code=INVALID_REQUEST,
             param=given[1].param,
         )
@@ -57,17 +59,23 @@ def key_from_reply(reply: GrammarCompileReply, spec: GrammarSpec) -> str:
     """The grammar key of a successful compile; PrepError (400) carrying the service's reason."""
     if reply.ok and reply.key:
         return reply.key
-    # NOTE: GrammarCompileReply has no error code yet, so every refusal is reported as
-    # `grammar_not_supported` (all the grammar service says today); `invalid_grammar`
-    # needs a `code` field on the reply when xgrammar arrives.
     reason = reply.error or "the grammar service refused the grammar without a reason"
+    if reply.code == wire.GRAMMAR_UNAVAILABLE:  # a compile past its timeout, a wrong tokenizer
+        raise _retry_later(spec, reason)
+    if reply.code == wire.GRAMMAR_INVALID:
+        raise PrepError(reason, code=INVALID_GRAMMAR, param=spec.param)
+    # No code (a grammar service one release behind) or `grammar_not_supported`.
     raise PrepError(reason, code=GRAMMAR_NOT_SUPPORTED, param=spec.param)
 
 
 def unavailable_error(spec: GrammarSpec, why: str) -> PrepError:
     """No answer from the grammar service (timeout, none running): a 503 to retry later."""
+    return _retry_later(spec, f"the grammar service did not answer ({why}); retry later")
+
+
+def _retry_later(spec: GrammarSpec, message: str) -> PrepError:
     return PrepError(
-        f"the grammar service did not answer ({why}); retry later",
+        message,
         code=GRAMMAR_UNAVAILABLE,
         param=spec.param,
         http_status=503,

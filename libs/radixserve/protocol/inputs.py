@@ -41,6 +41,7 @@ class SamplingParams(Message, frozen=True):
     regex: str | None = None
     json_schema: str | None = None
     ebnf: str | None = None
+    structural_tag: str | None = None  # SGLang's structural tag (JSON text); a grammar too
 
 
 class ChatMessage(Message, frozen=True):

@@ -12,18 +12,28 @@ import argparse
 import asyncio
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from radixserve.bus import BusMsg
 from radixserve.detok import DEFAULT_MAX_REQUESTS, IncrementalDetokenizer, StepGaps
-from radixserve.protocol import ProtocolError, StepOutputBatch, TextDeltaBatch, decode, encode
+from radixserve.protocol import (
+    ProtocolError,
+    StepOutputBatch,
+    TextDeltaBatch,
+    decode,
+    encode,
+    num_tokens,
+)
 from radixserve.services.runtime import (
     ServiceContext,
     ServiceSettings,
     run_service,
     settings_from_args,
 )
+from radixserve.telemetry.detok_trace import DetokenizeSpans
+from radixserve.telemetry.pipeline_metrics import DetokenizerMetrics
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -96,6 +106,8 @@ async def main(ctx: ServiceContext, settings: DetokenizerSettings) -> None:
     detok = IncrementalDetokenizer(tokenizer, settings.max_requests)
     gaps = StepGaps()
     subjects = ctx.subjects
+    metrics = DetokenizerMetrics(ctx.metrics)
+    spans = DetokenizeSpans(max_open=settings.max_requests)
     log.info(
         "tokenizer loaded (%d ids); keeping up to %d streams", len(tokenizer), detok.max_requests
     )
@@ -114,7 +126,17 @@ async def main(ctx: ServiceContext, settings: DetokenizerSettings) -> None:
                 missed,
                 batch.step,
             )
-        for gateway_id, deltas in detok.process(batch).items():
+        started = time.perf_counter()
+        by_gateway = detok.process(batch)
+        metrics.observe_batch(
+            batch.worker_id,
+            tokens=sum(num_tokens(out.new_token_ids) for out in batch.outputs),
+            missed=missed,
+            seconds=time.perf_counter() - started,
+            live_streams=len(detok),
+        )
+        spans.observe(msg.headers, batch)
+        for gateway_id, deltas in by_gateway.items():
             try:
                 subject = subjects.gateway_deltas(gateway_id)
             except ValueError as exc:
@@ -130,5 +152,6 @@ async def main(ctx: ServiceContext, settings: DetokenizerSettings) -> None:
         await subscription.drain()  # the batches already queued are still decoded and sent
         await ctx.bus.nats_client.flush(timeout=FLUSH_TIMEOUT_S)  # type: ignore[arg-type]
         log.info("drained with %d unfinished streams", len(detok))
+        spans.end_all()
 
     ctx.on_drain(drain)

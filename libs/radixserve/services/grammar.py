@@ -1,19 +1,26 @@
-"""grammar service: compiles regex / json_schema / ebnf grammars and serves them by key.
+"""grammar service: compiles regex / json_schema / ebnf / structural_tag grammars with
+xgrammar for the served tokenizer and serves them by key (docs/request-path.md).
 
-Until structured outputs arrive it refuses every compile (the tokenizer turns that
-into a 400 `grammar_not_supported`) and knows no key. It starts, answers and
-heartbeats like every service, so the request path is whole. The answers come from a
-`GrammarBackend`; the xgrammar one replaces `UnsupportedGrammars` without touching
-the loop below.
+`{p}.grammar.compile` (from the tokenizer) answers the grammar's key, or the
+compiler's reason (400 `invalid_grammar`), or "retry later" (503: a compile past
+`--compile-timeout-s`, a tokenizer this replica does not serve). `{p}.grammar.fetch`
+(from a worker) answers the serialized compiled grammar with its source. The logic
+(memory LRU, Redis, one compile per key, the timeout) is `radixserve.grammar.registry`;
+this file only moves messages. Replicas share compiled grammars through Redis.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from radixserve.bus import BusMsg
+from radixserve.bus.client import Handler
 from radixserve.protocol import (
     GrammarCompileReply,
     GrammarCompileRequest,
@@ -25,42 +32,92 @@ from radixserve.protocol import (
     encode,
 )
 from radixserve.services.runtime import ServiceContext, run_service, settings_from_args
+from radixserve.telemetry import genai
+from radixserve.telemetry.pipeline_metrics import GrammarMetrics
+from radixserve.telemetry.tracing import get_tracer
 
 log = logging.getLogger(__name__)
 
 SERVICE = "grammar"
-NOT_SUPPORTED = "structured outputs (regex/json_schema/ebnf) are not supported yet"
-UNKNOWN_KEY = "unknown grammar key"
+_tracer = get_tracer(SERVICE)
+ENV_MODEL = "RADIXSERVE_MODEL"
 
 
 class GrammarBackend(Protocol):
-    """What the service asks for each request; pure, so it is tested without NATS."""
+    """What the service asks for each request (`GrammarRegistry`); tested without NATS."""
 
-    def compile(self, req: GrammarCompileRequest) -> GrammarCompileReply: ...
+    async def compile(self, req: GrammarCompileRequest) -> GrammarCompileReply: ...
 
-    def fetch(self, req: GrammarFetchRequest) -> GrammarFetchReply: ...
+    async def fetch(self, req: GrammarFetchRequest) -> GrammarFetchReply: ...
 
-
-class UnsupportedGrammars:
-    """No grammar engine yet: refuse every compile, know no key."""
-
-    def compile(self, req: GrammarCompileRequest) -> GrammarCompileReply:
-        return GrammarCompileReply(rid=req.rid, key="", ok=False, error=NOT_SUPPORTED)
-
-    def fetch(self, req: GrammarFetchRequest) -> GrammarFetchReply:
-        return GrammarFetchReply(rid=req.rid, key=req.key, ok=False, error=UNKNOWN_KEY)
+    async def close(self) -> None: ...
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    del parser  # no flags of its own yet
+    parser.add_argument(
+        "--model",
+        default=None,
+        help=f"HF folder or .gguf whose tokenizer grammars are compiled for; the same as "
+        f"the tokenizer's and workers' (default ${ENV_MODEL}, else the embedded SmolLM2)",
+    )
+    parser.add_argument(
+        "--compile-timeout-s",
+        type=float,
+        default=4.0,
+        help="answer 'retry later' past this (the compile goes on and is cached); keep it "
+        "below the tokenizer's --grammar-timeout-s",
+    )
+    parser.add_argument("--compile-threads", type=int, default=2)
+    parser.add_argument(
+        "--cache-ttl-s", type=float, default=7 * 24 * 3600.0, help="compiled grammars in Redis"
+    )
+    parser.add_argument("--no-redis-cache", action="store_true", help="memory cache only")
 
 
 def run(ns: argparse.Namespace) -> int:
-    return run_service(settings_from_args(SERVICE, ns), start)
+    settings = settings_from_args(SERVICE, ns)
+    model = getattr(ns, "model", None) or os.environ.get(ENV_MODEL, "").strip() or None
+
+    async def main(ctx: ServiceContext) -> None:
+        await start(ctx, await _registry(ctx, ns, model))
+
+    return run_service(settings, main)
 
 
-async def start(ctx: ServiceContext, backend: GrammarBackend | None = None) -> None:
-    grammars: GrammarBackend = backend or UnsupportedGrammars()
+async def _registry(
+    ctx: ServiceContext, ns: argparse.Namespace, model: str | None
+) -> GrammarBackend:
+    # Heavy imports (transformers, xgrammar) only once the service really starts.
+    from radixserve.grammar.setup import registry_for_model
+    from radixserve.store.grammar_cache import RedisGrammarCache
+    from radixserve.store.settings import StoreSettings
+
+    remote = None
+    if not ns.no_redis_cache:
+        store = StoreSettings.from_env()
+        remote = RedisGrammarCache(
+            StoreSettings(url=ctx.settings.redis_url, key_prefix=store.key_prefix),
+            ttl_s=ns.cache_ttl_s,
+        )
+    registry = await asyncio.to_thread(
+        registry_for_model,
+        model,
+        remote=remote,
+        compile_timeout_s=ns.compile_timeout_s,
+        compile_threads=ns.compile_threads,
+        spawn=ctx.spawn,
+    )
+    log.info(
+        "compiling grammars for tokenizer %s (vocabulary %d), Redis cache %s",
+        registry.tokenizer_id,
+        registry.vocab_size,
+        "off" if remote is None else "on",
+    )
+    return registry
+
+
+async def start(ctx: ServiceContext, grammars: GrammarBackend) -> None:
+    metrics = GrammarMetrics(ctx.metrics)
 
     async def on_compile(msg: BusMsg) -> None:
         try:
@@ -69,8 +126,20 @@ async def start(ctx: ServiceContext, backend: GrammarBackend | None = None) -> N
             # No rid to answer with: the requester's timeout reports it as unavailable.
             log.warning("malformed GrammarCompileRequest: %s", exc)
             return
-        reply = grammars.compile(req)
-        log.debug("compile %s: ok=%s", req.kind, reply.ok, extra={"rid": req.rid})
+        # Parent: the tokenizer's span (the handler runs in the sender's context).
+        with _tracer.start_as_current_span(
+            genai.SPAN_GRAMMAR_COMPILE,
+            attributes={genai.REQUEST_ID: req.rid, "radixserve.grammar.kind": req.kind},
+        ) as span:
+            started = time.perf_counter()
+            reply = await grammars.compile(req)
+            metrics.observe_compile(req.kind, reply.ok, time.perf_counter() - started, reply.cached)
+            span.set_attribute("radixserve.grammar.cached", reply.cached)
+            if not reply.ok:
+                span.set_attribute(genai.ERROR_CODE, reply.code or "grammar_not_supported")
+        log.debug(
+            "compile %s: ok=%s cached=%s", req.kind, reply.ok, reply.cached, extra={"rid": req.rid}
+        )
         if msg.reply:
             await ctx.bus.respond(msg, encode(reply))
 
@@ -80,19 +149,51 @@ async def start(ctx: ServiceContext, backend: GrammarBackend | None = None) -> N
         except ProtocolError as exc:
             log.warning("malformed GrammarFetchRequest: %s", exc)
             return
-        reply = grammars.fetch(req)
+        with _tracer.start_as_current_span(
+            genai.SPAN_GRAMMAR_FETCH, attributes={genai.REQUEST_ID: req.rid}
+        ):
+            reply = await grammars.fetch(req)
+        metrics.observe_fetch(reply.ok)
         if msg.reply:
             await ctx.bus.respond(msg, encode(reply))
 
+    # One task per message: a request waiting on a compile holds no other back.
     subscriptions = [
         await ctx.bus.subscribe(
-            ctx.subjects.grammar_compile, on_compile, queue=QueueGroups.GRAMMAR
+            ctx.subjects.grammar_compile, _each_in_task(ctx, on_compile), queue=QueueGroups.GRAMMAR
         ),
-        await ctx.bus.subscribe(ctx.subjects.grammar_fetch, on_fetch, queue=QueueGroups.GRAMMAR),
+        await ctx.bus.subscribe(
+            ctx.subjects.grammar_fetch, _each_in_task(ctx, on_fetch), queue=QueueGroups.GRAMMAR
+        ),
     ]
 
     async def drain() -> None:
         for subscription in subscriptions:
             await subscription.drain()
+        await grammars.close()
 
     ctx.on_drain(drain)
+
+
+MAX_CONCURRENT_MESSAGES = 256
+
+
+def _each_in_task(ctx: ServiceContext, handler: Callable[[BusMsg], Awaitable[None]]) -> Handler:
+    """Handle each message in its own supervised task (bounded; past the bound the
+    subscription waits and NATS buffers): NATS calls a subscription's handler one
+    message at a time, and a compile must not hold up a fetch or a cached answer."""
+    slots = asyncio.Semaphore(MAX_CONCURRENT_MESSAGES)
+
+    async def guarded(msg: BusMsg) -> None:
+        try:
+            await handler(msg)
+        except Exception:  # one bad message must not stop the replica
+            log.exception("handling %s failed", msg.subject)
+        finally:
+            slots.release()
+
+    async def dispatch(msg: BusMsg) -> None:
+        await slots.acquire()
+        ctx.spawn(guarded(msg), "grammar-message")
+
+    return dispatch

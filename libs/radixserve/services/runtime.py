@@ -29,6 +29,9 @@ from radixserve.bus.settings import DEFAULT_NATS_URL, ENV_NATS_URL
 from radixserve.protocol import ServiceHeartbeat, Subjects, encode
 from radixserve.protocol.subjects import DEFAULT_PREFIX, check_token
 from radixserve.store.settings import DEFAULT_REDIS_URL, ENV_REDIS_URL
+from radixserve.telemetry.common import ServiceMetrics
+from radixserve.telemetry.exposition import MetricsServer
+from radixserve.telemetry.tracing import ENV_OTLP_ENDPOINT, TracingSettings, setup_tracing
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +39,9 @@ ENV_PREFIX = "RADIXSERVE_SUBJECT_PREFIX"
 ENV_INSTANCE_ID = "RADIXSERVE_INSTANCE_ID"
 ENV_LOG_FORMAT = "RADIXSERVE_LOG_FORMAT"  # "text" (default) or "json"
 ENV_LOG_PROMPTS = "RADIXSERVE_LOG_PROMPTS"  # "1": prompt/output text may appear in debug logs
+ENV_METRICS_PORT = "RADIXSERVE_METRICS_PORT"  # the /metrics port; 0 (default): none
+ENV_METRICS_HOST = "RADIXSERVE_METRICS_HOST"
+DEFAULT_METRICS_HOST = "127.0.0.1"
 
 DrainCallback = Callable[[], Awaitable[None]]
 
@@ -59,6 +65,11 @@ class ServiceSettings:
     drain_timeout_s: float = 10.0
     # The first NATS connection: attempts with doubling backoff, each logged.
     connect_attempts: int = 30
+    # A /metrics HTTP port of its own (0: none; the gateway serves /metrics on its API port).
+    metrics_port: int = 0
+    metrics_host: str = DEFAULT_METRICS_HOST
+    # OTLP endpoint for traces ("" : the OTEL_* variables decide; tracing is off by default).
+    otlp_endpoint: str = ""
 
     def __post_init__(self) -> None:
         if not self.instance_id:
@@ -66,6 +77,8 @@ class ServiceSettings:
         check_token(self.instance_id, "instance id")
         if self.heartbeat_interval_s <= 0 or self.drain_timeout_s <= 0:
             raise ValueError("heartbeat_interval_s and drain_timeout_s must be > 0")
+        if not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"--metrics-port must be in [0, 65535], got {self.metrics_port}")
 
     @classmethod
     def from_env(
@@ -78,6 +91,9 @@ class ServiceSettings:
             "nats_url": env.get(ENV_NATS_URL, "").strip() or DEFAULT_NATS_URL,
             "redis_url": env.get(ENV_REDIS_URL, "").strip() or DEFAULT_REDIS_URL,
             "subject_prefix": env.get(ENV_PREFIX, "").strip() or DEFAULT_PREFIX,
+            "metrics_port": _port_from_env(env, ENV_METRICS_PORT),
+            "metrics_host": env.get(ENV_METRICS_HOST, "").strip() or DEFAULT_METRICS_HOST,
+            "otlp_endpoint": env.get(ENV_OTLP_ENDPOINT, "").strip(),
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
@@ -85,6 +101,9 @@ class ServiceSettings:
     @property
     def subjects(self) -> Subjects:
         return Subjects(self.subject_prefix)
+
+    def tracing_settings(self, environ: Mapping[str, str] | None = None) -> TracingSettings:
+        return TracingSettings.from_env(environ, endpoint=self.otlp_endpoint)
 
     def bus_settings(self) -> BusSettings:
         return BusSettings(
@@ -107,6 +126,24 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
         "--subject-prefix", default=None, help=f"default ${ENV_PREFIX} or {DEFAULT_PREFIX}"
     )
     parser.add_argument("--instance-id", default=None, help="default <service>-<host>-<random>")
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help=f"serve Prometheus /metrics on this port (default ${ENV_METRICS_PORT} or 0: off)",
+    )
+    parser.add_argument(
+        "--metrics-host",
+        default=None,
+        help=f"interface of the metrics port (default ${ENV_METRICS_HOST} or "
+        f"{DEFAULT_METRICS_HOST})",
+    )
+    parser.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        help=f"send traces over OTLP/HTTP to this base URL (default ${ENV_OTLP_ENDPOINT}, "
+        "else the OTEL_EXPORTER_OTLP_* variables; off when none is set)",
+    )
 
 
 def settings_from_args(service: str, ns: argparse.Namespace) -> ServiceSettings:
@@ -116,7 +153,18 @@ def settings_from_args(service: str, ns: argparse.Namespace) -> ServiceSettings:
         redis_url=getattr(ns, "redis_url", None),
         subject_prefix=getattr(ns, "subject_prefix", None),
         instance_id=getattr(ns, "instance_id", None),
+        metrics_port=getattr(ns, "metrics_port", None),
+        metrics_host=getattr(ns, "metrics_host", None),
+        otlp_endpoint=getattr(ns, "otlp_endpoint", None),
     )
+
+
+def _port_from_env(env: Mapping[str, str], name: str) -> int:
+    raw = env.get(name, "").strip()
+    try:
+        return int(raw) if raw else 0
+    except ValueError:
+        raise ValueError(f"${name} must be a port number, got {raw!r}") from None
 
 
 @dataclass
@@ -125,11 +173,18 @@ class ServiceContext:
 
     settings: ServiceSettings
     bus: Bus
+    # The process's metrics registry (with what every service shares); a service adds its
+    # own metrics to `metrics.registry`.
+    metrics: ServiceMetrics = None  # type: ignore[assignment]  # set in __post_init__
     stopping: asyncio.Event = field(default_factory=asyncio.Event)
     status: str = "ready"
     _drain_callbacks: list[DrainCallback] = field(default_factory=list)
     _tasks: set[asyncio.Task[Any]] = field(default_factory=set)
     _crashed: BaseException | None = None
+
+    def __post_init__(self) -> None:
+        if self.metrics is None:
+            self.metrics = ServiceMetrics(self.settings.service, self.settings.instance_id)
 
     @property
     def subjects(self) -> Subjects:
@@ -206,7 +261,13 @@ async def serve_async(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, ctx.stopping.set)
+    metrics_server: MetricsServer | None = None
     try:
+        if settings.metrics_port:
+            metrics_server = MetricsServer.start(
+                ctx.metrics.registry, settings.metrics_host, settings.metrics_port
+            )
+            log.info("metrics on %s", metrics_server.url)
         await main(ctx)
         ctx.spawn(_heartbeat_loop(ctx), "heartbeat")
         log.info("%s ready", settings.service)
@@ -225,6 +286,8 @@ async def serve_async(
         except Exception as exc:
             log.warning("NATS drain failed: %r", exc)
             await bus.close()
+        if metrics_server is not None:
+            metrics_server.close()
     if ctx._crashed is not None:
         log.error("%s stopped after a crash", settings.service)
         return 1
@@ -237,11 +300,14 @@ def run_service(
 ) -> int:
     """Blocking entry point used by `radixserve serve <name>`."""
     setup_logging(settings.service)
+    tracing = setup_tracing(settings.tracing_settings(), settings.service, settings.instance_id)
     try:
         return asyncio.run(serve_async(settings, main))
     except Exception as exc:
         log.error("%s failed: %s", settings.service, exc, exc_info=True)
         return 1
+    finally:
+        tracing.shutdown()  # the spans still buffered go out before the process ends
 
 
 class _LogfmtFormatter(logging.Formatter):

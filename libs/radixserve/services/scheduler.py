@@ -43,10 +43,14 @@ from radixserve.services.runtime import (
     run_service,
     settings_from_args,
 )
+from radixserve.telemetry import genai
+from radixserve.telemetry.pipeline_metrics import SchedulerMetrics
+from radixserve.telemetry.tracing import get_tracer
 
 log = logging.getLogger(__name__)
 
 SERVICE = "scheduler"
+_tracer = get_tracer(SERVICE)
 
 
 @dataclass(frozen=True)
@@ -109,9 +113,14 @@ async def start(ctx: ServiceContext, settings: SchedulerSettings) -> None:
         retry_after_s=settings.retry_after_s,
     )
     bus, subjects = ctx.bus, ctx.subjects
+    metrics = SchedulerMetrics(ctx.metrics)
+
+    def update_load() -> None:
+        metrics.set_load(len(dispatcher.inflight), len(dispatcher.ready_workers()))
 
     async def send_errors(rejected: list[Rejected]) -> None:
         for item in rejected:
+            metrics.observe_rejected(item.error.code)
             await bus.publish(subjects.gateway_errors(item.gateway_id), encode(item.error))
 
     async def on_schedule(msg: BusMsg) -> None:
@@ -120,16 +129,24 @@ async def start(ctx: ServiceContext, settings: SchedulerSettings) -> None:
         except ProtocolError as exc:
             log.error("malformed TokenizedRequest dropped: %s", exc)
             return
-        decision = dispatcher.admit(request, time.monotonic(), time.time())
-        if isinstance(decision, Routed):
-            routed = decision.routed
-            log.debug("routed to %s", routed.worker_id, extra={"rid": request.rid})
-            await bus.publish(subjects.worker_run(routed.worker_id), encode(routed))
-        elif isinstance(decision, Rejected):
-            log.info("rejected: %s", decision.error.code, extra={"rid": request.rid})
-            await send_errors([decision])
-        elif isinstance(decision, Dropped):
-            log.info("dropped: %s", decision.reason, extra={"rid": request.rid})
+        # Parent: the tokenizer's span; the worker's span continues from this one.
+        with _tracer.start_as_current_span(
+            genai.SPAN_SCHEDULE, attributes={genai.REQUEST_ID: request.rid}
+        ) as span:
+            decision = dispatcher.admit(request, time.monotonic(), time.time())
+            if isinstance(decision, Routed):
+                routed = decision.routed
+                log.debug("routed to %s", routed.worker_id, extra={"rid": request.rid})
+                metrics.observe_routed(routed.worker_id)
+                span.set_attribute(genai.WORKER_ID, routed.worker_id)
+                await bus.publish(subjects.worker_run(routed.worker_id), encode(routed))
+            elif isinstance(decision, Rejected):
+                log.info("rejected: %s", decision.error.code, extra={"rid": request.rid})
+                span.set_attribute(genai.ERROR_CODE, decision.error.code)
+                await send_errors([decision])
+            elif isinstance(decision, Dropped):
+                log.info("dropped: %s", decision.reason, extra={"rid": request.rid})
+        update_load()
 
     async def on_abort(msg: BusMsg) -> None:
         try:
@@ -143,9 +160,10 @@ async def start(ctx: ServiceContext, settings: SchedulerSettings) -> None:
 
     async def flush_one(worker_id: str, data: bytes) -> FlushCacheReply | str:
         try:
-            raw = await bus.request(
-                subjects.worker_flush_cache(worker_id), data, timeout_s=settings.flush_timeout_s
-            )
+            with ctx.metrics.time_nats("worker.flush_cache"):
+                raw = await bus.request(
+                    subjects.worker_flush_cache(worker_id), data, timeout_s=settings.flush_timeout_s
+                )
             return decode(raw.data, FlushCacheReply)
         except BusTimeout:
             return f"no reply within {settings.flush_timeout_s:g}s"
@@ -207,6 +225,7 @@ async def start(ctx: ServiceContext, settings: SchedulerSettings) -> None:
         while True:
             await asyncio.sleep(interval_s)
             await send_errors(dispatcher.expire(time.monotonic()))
+            update_load()
 
     # Worker state first, so the first requests already see the workers.
     await bus.subscribe(subjects.heartbeat_all, on_heartbeat)

@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import logging
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -34,13 +35,19 @@ from radixserve.services.runtime import (
     run_service,
     settings_from_args,
 )
+from radixserve.telemetry import genai
+from radixserve.telemetry.pipeline_metrics import TokenizerMetrics
+from radixserve.telemetry.tracing import get_tracer
 
 if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
     from radixserve.prep import GrammarSpec, PromptTokenizer
 
 log = logging.getLogger(__name__)
 
 SERVICE = "tokenizer"
+_tracer = get_tracer(SERVICE)
 ENV_MODEL = "RADIXSERVE_MODEL"
 
 
@@ -109,7 +116,7 @@ async def start(ctx: ServiceContext, settings: TokenizerSettings) -> None:
         prompter.context_len,
         prompter.tokenizer_id,
     )
-    handler = _Tokenizer(ctx, settings, prompter)
+    handler = _Tokenizer(ctx, settings, prompter, TokenizerMetrics(ctx.metrics))
     subscription = await ctx.bus.subscribe(
         ctx.subjects.tokenize, handler.on_message, queue=QueueGroups.TOKENIZER
     )
@@ -126,11 +133,16 @@ class _Tokenizer:
     long prompt being tokenized does not hold up the ones behind it."""
 
     def __init__(
-        self, ctx: ServiceContext, settings: TokenizerSettings, prompter: PromptTokenizer
+        self,
+        ctx: ServiceContext,
+        settings: TokenizerSettings,
+        prompter: PromptTokenizer,
+        metrics: TokenizerMetrics,
     ) -> None:
         self.ctx = ctx
         self.settings = settings
         self.prompter = prompter
+        self.metrics = metrics
         self._slots = asyncio.Semaphore(settings.max_concurrent_requests)
         self._active: set[asyncio.Task[Any]] = set()
         # NOTE: one thread, because a Hugging Face fast tokenizer shared between threads
@@ -164,16 +176,30 @@ class _Tokenizer:
             log.warning("malformed SubmitRequest: %s", exc, extra={"rid": address and address[0]})
             if address is not None:
                 rid, gateway_id = address
+                self.metrics.observe_refused("invalid_request_error")
                 await self._send_error(gateway_id, PrepError(str(exc)).to_request_error(rid))
             return
+        # Parent: the gateway's span (the handler runs in the sender's context); what is
+        # published below (grammar compile, schedule) continues from this span.
+        with _tracer.start_as_current_span(
+            genai.SPAN_TOKENIZE, attributes={genai.REQUEST_ID: req.rid}
+        ) as span:
+            await self._process_request(req, span)
+
+    async def _process_request(self, req: SubmitRequest, span: Span) -> None:
+        from radixserve.prep import PrepError
+
         try:
             tokenized = await self._tokenize(req)
         except PrepError as err:
             log.info("request refused: %s (%s)", err.code, err.param, extra={"rid": req.rid})
+            self.metrics.observe_refused(err.code)
+            span.set_attribute(genai.ERROR_CODE, err.code)
             await self._send_error(req.gateway_id, err.to_request_error(req.rid, SERVICE))
             return
         except Exception as exc:  # one request's bug must not stop the replica or hang the client
             log.exception("tokenizing failed", extra={"rid": req.rid})
+            self.metrics.observe_refused("internal_error")
             error = RequestError(
                 rid=req.rid,
                 code="internal_error",
@@ -185,6 +211,7 @@ class _Tokenizer:
             await self._send_error(req.gateway_id, error)
             return
         log.debug("tokenized: %d prompt tokens", tokenized.prompt_tokens, extra={"rid": req.rid})
+        span.set_attribute(genai.USAGE_INPUT_TOKENS, tokenized.prompt_tokens)
         await self.ctx.bus.publish(self.ctx.subjects.schedule, encode(tokenized))
 
     async def _tokenize(self, req: SubmitRequest) -> TokenizedRequest:
@@ -192,9 +219,13 @@ class _Tokenizer:
 
         spec = grammar_spec(req.sampling)
         loop = asyncio.get_running_loop()
+        started = time.perf_counter()
         prompt = await loop.run_in_executor(self._executor, self.prompter.prepare, req)
+        seconds = time.perf_counter() - started
         key = None if spec is None else await self._compile_grammar(req.rid, spec)
-        return tokenized_request(req, prompt, key)
+        tokenized = tokenized_request(req, prompt, key)
+        self.metrics.observe_tokenized(tokenized.prompt_tokens, seconds)
+        return tokenized
 
     async def _compile_grammar(self, rid: str, spec: GrammarSpec) -> str:
         from radixserve.prep import compile_request, key_from_reply, unavailable_error
@@ -202,9 +233,10 @@ class _Tokenizer:
         request = compile_request(rid, spec, self.prompter.tokenizer_id)
         timeout_s = self.settings.grammar_timeout_s
         try:
-            raw = await self.ctx.bus.request(
-                self.ctx.subjects.grammar_compile, encode(request), timeout_s=timeout_s
-            )
+            with self.ctx.metrics.time_nats("grammar.compile"):
+                raw = await self.ctx.bus.request(
+                    self.ctx.subjects.grammar_compile, encode(request), timeout_s=timeout_s
+                )
         except BusTimeout as exc:
             raise unavailable_error(spec, f"no reply within {timeout_s:g}s") from exc
         except BusNoResponders as exc:

@@ -20,11 +20,14 @@ from radixserve import protocol
 from radixserve.bus import BusMsg
 from radixserve.engine.flags import add_engine_arguments, engine_kwargs
 from radixserve.services.runtime import ServiceContext, run_service, settings_from_args
+from radixserve.telemetry.tracing import get_tracer
+from radixserve.telemetry.worker_metrics import WorkerMetrics, WorkerTelemetry
 
 log = logging.getLogger("radixserve.worker")
 
 SERVICE = "worker"
 STATS_INTERVAL_S = 1.0
+GRAMMAR_FETCH_TIMEOUT_S = 5.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,8 +58,15 @@ class WorkerService:
         self.model_name = ""
         self.outbox: asyncio.Queue[tuple[int, list[protocol.StepOutput]]] = asyncio.Queue()
         self.driver: Any = None
+        self.telemetry = WorkerTelemetry(
+            WorkerMetrics(ctx.metrics, self.worker_id), get_tracer(SERVICE)
+        )
         self._last_tokens = 0
         self._last_stats = time.monotonic()
+        # Constrained requests waiting for their compiled grammar (rid -> task); they
+        # reach the engine only once it is loaded.
+        self.grammars: Any = None
+        self._grammar_waits: dict[str, asyncio.Task[None]] = {}
 
     async def start(self) -> None:
         self.ctx.spawn(self._heartbeats(), "heartbeats")  # "starting" while the model loads
@@ -64,6 +74,10 @@ class WorkerService:
         from radixserve.worker.driver import EngineDriver
 
         engine = await asyncio.to_thread(Engine, **self.engine_options)
+        from radixserve.worker.grammars import GrammarLoader
+
+        await asyncio.to_thread(engine.grammars.warm_up)  # before the engine thread runs
+        self.grammars = GrammarLoader(engine.grammars, self._fetch_grammar)
         loop = asyncio.get_running_loop()
         self.driver = EngineDriver(
             engine,
@@ -73,8 +87,10 @@ class WorkerService:
             on_reject=lambda error, gateway: self._from_thread(
                 loop, self._spawn_reject, error, gateway
             ),
+            telemetry=self.telemetry,
         )
         config = engine.config
+        self.telemetry.metrics.set_cache_config(config.page_size, engine.runner.kv_pool.num_pages)
         self.capacity = protocol.WorkerCapacity(
             max_running_requests=config.max_running_requests,
             max_total_num_tokens=engine.runner.kv_pool.size,
@@ -118,11 +134,21 @@ class WorkerService:
                 )
                 return
             log.debug("run", extra={"rid": routed.rid})
-            self.driver.submit(routed)
+            self.telemetry.received(routed)  # in the scheduler's trace context
+            if routed.request.grammar_key is not None:
+                with self.telemetry.active(routed.rid):  # the grammar fetch: a child span
+                    task = self.ctx.spawn(self._submit_constrained(routed), f"grammar-{routed.rid}")
+                self._grammar_waits[routed.rid] = task
+            else:
+                self.driver.submit(routed)
         elif kind == "abort":
             abort = protocol.decode(msg.data, protocol.AbortRequest)
             log.info("abort: %s", abort.reason or "requested", extra={"rid": abort.rid})
-            self.driver.abort(abort.rid)
+            waiting = self._grammar_waits.get(abort.rid)
+            if waiting is not None:
+                waiting.cancel()  # it answers the abort itself
+            else:
+                self.driver.abort(abort.rid)
         elif kind == "flush_cache":
             request = protocol.decode(msg.data, protocol.FlushCacheRequest)
             try:
@@ -136,6 +162,43 @@ class WorkerService:
             if msg.reply:
                 await self.ctx.bus.respond(msg, protocol.encode(reply))
 
+    # -- structured outputs: the grammar first, then the engine ---------------------------
+    async def _submit_constrained(self, routed: protocol.RoutedRequest) -> None:
+        from radixserve.worker.grammars import GrammarLoadError
+
+        request = routed.request
+        try:
+            grammar = await self.grammars.load(request)
+        except GrammarLoadError as exc:
+            self.telemetry.forget(request.rid)
+            await self._reject(exc.to_request_error(request), request.gateway_id)
+            return
+        except asyncio.CancelledError:  # an abort (or the drain): answered like the engine's
+            self.telemetry.forget(request.rid)
+            self.driver.abort_unsubmitted(routed)
+            raise
+        finally:
+            self._grammar_waits.pop(request.rid, None)
+        self.driver.submit(routed, grammar)
+
+    async def _fetch_grammar(
+        self, request: protocol.GrammarFetchRequest
+    ) -> protocol.GrammarFetchReply | None:
+        """The grammar service's answer, or None without one (the loader then compiles)."""
+        from radixserve.bus import BusNoResponders, BusTimeout
+
+        try:
+            with self.ctx.metrics.time_nats("grammar.fetch"):
+                raw = await self.ctx.bus.request(
+                    self.subjects.grammar_fetch,
+                    protocol.encode(request),
+                    timeout_s=GRAMMAR_FETCH_TIMEOUT_S,
+                )
+            return protocol.decode(raw.data, protocol.GrammarFetchReply)
+        except (BusTimeout, BusNoResponders, protocol.ProtocolError) as exc:
+            log.warning("grammar fetch failed: %r", exc, extra={"rid": request.rid})
+            return None
+
     @staticmethod
     def _from_thread(loop: asyncio.AbstractEventLoop, callback: Any, *args: Any) -> None:
         """Run `callback(*args)` on the event loop (called from the engine thread)."""
@@ -143,6 +206,7 @@ class WorkerService:
             loop.call_soon_threadsafe(callback, *args)
 
     def _spawn_reject(self, error: protocol.RequestError, gateway_id: str) -> None:
+        self.telemetry.forget(error.rid)
         self.ctx.spawn(self._reject(error, gateway_id), f"reject-{error.rid}")
 
     async def _reject(self, error: protocol.RequestError, gateway_id: str) -> None:
@@ -154,7 +218,11 @@ class WorkerService:
         while True:
             step, outputs = await self.outbox.get()
             batch = protocol.StepOutputBatch(worker_id=self.worker_id, step=step, outputs=outputs)
-            await self.ctx.bus.publish(self.subjects.detok, protocol.encode(batch))
+            # Each request's own span context for the detokenizer (the batch mixes requests).
+            headers = self.telemetry.batch_headers(outputs)
+            await self.ctx.bus.publish(
+                self.subjects.detok, protocol.encode(batch), headers=headers or None
+            )
 
     async def _watch_engine(self) -> None:
         while True:
@@ -204,6 +272,7 @@ class WorkerService:
             evictable_kv_tokens=kv.evictable_tokens,
             total_kv_tokens=kv.pool_size,
             token_usage=kv.used_tokens / kv.pool_size if kv.pool_size else 0.0,
+            cache_hit_rate=self.telemetry.observe_load(load),
             gen_throughput=throughput,
         )
         if self.ctx.bus.is_connected:
@@ -213,6 +282,8 @@ class WorkerService:
     async def _drain(self) -> None:
         self.status = protocol.WorkerStatus.DRAINING
         await self._heartbeat()
+        for waiting in list(self._grammar_waits.values()):
+            waiting.cancel()  # not started yet: answered as aborted
         deadline = time.monotonic() + self.ctx.settings.drain_timeout_s * 0.8
         while self.driver.num_tracked and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -228,3 +299,4 @@ class WorkerService:
         self.status = protocol.WorkerStatus.STOPPING
         await self._heartbeat()
         self.driver.stop()
+        self.telemetry.end_all()

@@ -1,4 +1,17 @@
-"""Prometheus metrics (prefix `radixserve:`); OpenTelemetry tracing lives in `radixserve.bus.tracing`."""
+"""Prometheus metrics (prefix `radixserve:`) and OpenTelemetry tracing (docs/operations.md).
+
+common.py            the process's registry + what every service exports (NATS / Redis round trips)
+metrics.py           the gateway's metrics      pipeline_metrics.py  tokenizer, scheduler, grammar, detokenizer
+worker_metrics.py    the worker's metrics and request spans, fed from the engine thread
+buckets.py           histogram buckets (OpenTelemetry GenAI conventions)
+exposition.py        the /metrics port of services without an HTTP server
+tracing.py           tracing setup (OTLP, off by default), per-request contexts on batch messages
+otlp_json.py         the OTLP/HTTP JSON span exporter     genai.py  GenAI attribute names and helpers
+gateway_trace.py     the gateway's root span               detok_trace.py  the detokenizer's spans
+latency.py           TTFT and inter-token latency at the gateway
+
+W3C trace context in NATS headers is `radixserve.bus.tracing`'s.
+"""
 
 from __future__ import annotations
 

@@ -1,43 +1,44 @@
 """Prometheus metrics of the gateway (prefix `radixserve:`), one registry per instance.
 
-    metrics = GatewayMetrics()
+    metrics = GatewayMetrics(common=ctx.metrics)  # joins the process's registry
     metrics.observe_worker_stats(stats)           # WorkerStats from `{p}.stats.*`
     metrics.observe_request(status=200, prompt_tokens=12, ...)
     body = metrics.render()                       # the /metrics answer
 
 Names and histogram buckets follow SGLang's / vLLM's metrics and the OpenTelemetry
-GenAI conventions (what Kubernetes inference gateways and KEDA recipes read). Each
-instance owns a `CollectorRegistry`, so two apps in one process (tests) never clash.
+GenAI conventions (what Kubernetes inference gateways and KEDA recipes read). Series
+here describe what clients got and carry no `worker` label, except the load gauges,
+which mirror the workers' own (`WorkerStats`). docs/operations.md lists every name.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 from radixserve.protocol import WorkerStats
+from radixserve.telemetry.buckets import E2E_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS
+from radixserve.telemetry.common import CONTENT_TYPE, PREFIX, ServiceMetrics
 
-PREFIX = "radixserve:"
-CONTENT_TYPE = CONTENT_TYPE_LATEST
-
-# OpenTelemetry GenAI semantic conventions: gen_ai.server.time_to_first_token,
-# gen_ai.server.request.duration, gen_ai.server.time_per_output_token.
-TTFT_BUCKETS = (
-    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-)  # fmt: skip
-E2E_BUCKETS = (
-    0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92,
-)  # fmt: skip
-TPOT_BUCKETS = (
-    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
-)  # fmt: skip
+__all__ = [
+    "CONTENT_TYPE",
+    "E2E_BUCKETS",
+    "PREFIX",
+    "TPOT_BUCKETS",
+    "TTFT_BUCKETS",
+    "GatewayMetrics",
+]
 
 
 class GatewayMetrics:
-    """Every metric the gateway exports, registered on its own registry."""
+    """Every metric the gateway exports, registered on its process's registry."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry or CollectorRegistry()
+    def __init__(
+        self, registry: CollectorRegistry | None = None, common: ServiceMetrics | None = None
+    ) -> None:
+        self.common = common or ServiceMetrics("gateway", "gateway", registry)
+        self.registry = self.common.registry
         r = self.registry
         # Worker load, as the workers report it on `{p}.stats.*`.
         self.num_running_reqs = Gauge(
@@ -62,8 +63,25 @@ class GatewayMetrics:
         self.generation_tokens = Counter(
             PREFIX + "generation_tokens", "Generated tokens of finished requests", registry=r
         )
+        self.cached_tokens = Counter(
+            PREFIX + "cached_tokens",
+            "Prompt tokens of finished requests that the radix cache served",
+            registry=r,
+        )
         self.requests = Counter(
             PREFIX + "requests", "Generation requests by HTTP status", ["status"], registry=r
+        )
+        self.finished_requests = Counter(
+            PREFIX + "finished_requests",
+            "Finished choices by finish reason (stop, length, abort)",
+            ["finish_reason"],
+            registry=r,
+        )
+        self.request_errors = Counter(
+            PREFIX + "request_errors",
+            "Failed generation requests by OpenAI error type and code",
+            ["error_type", "code"],
+            registry=r,
         )
         self.time_to_first_token = Histogram(
             PREFIX + "time_to_first_token_seconds",
@@ -80,6 +98,12 @@ class GatewayMetrics:
         self.time_per_output_token = Histogram(
             PREFIX + "time_per_output_token_seconds",
             "Decode time per output token after the first",
+            buckets=TPOT_BUCKETS,
+            registry=r,
+        )
+        self.inter_token_latency = Histogram(
+            PREFIX + "inter_token_latency_seconds",
+            "Gap between a choice's token deliveries, per token",
             buckets=TPOT_BUCKETS,
             registry=r,
         )
@@ -117,9 +141,13 @@ class GatewayMetrics:
         status: int,
         prompt_tokens: int = 0,
         completion_tokens: int = 0,
+        cached_tokens: int = 0,
         e2e_s: float | None = None,
         ttft_s: float | None = None,
         max_choice_tokens: int = 0,
+        finish_reasons: Iterable[str] = (),
+        error_type: str | None = None,
+        error_code: str | None = None,
     ) -> None:
         """One finished generation request (any status). Latencies only for successes."""
         self.requests.labels(status=str(status)).inc()
@@ -127,6 +155,12 @@ class GatewayMetrics:
             self.prompt_tokens.inc(prompt_tokens)
         if completion_tokens:
             self.generation_tokens.inc(completion_tokens)
+        if cached_tokens:
+            self.cached_tokens.inc(cached_tokens)
+        for reason in finish_reasons:
+            self.finished_requests.labels(finish_reason=reason).inc()
+        if error_type is not None:
+            self.request_errors.labels(error_type=error_type, code=error_code or error_type).inc()
         if e2e_s is not None:
             self.e2e_request_latency.observe(e2e_s)
             if ttft_s is not None and max_choice_tokens > 1:
@@ -135,5 +169,10 @@ class GatewayMetrics:
     def observe_first_token(self, ttft_s: float) -> None:
         self.time_to_first_token.observe(ttft_s)
 
+    def observe_inter_token(self, per_token_s: float, count: int) -> None:
+        """`count` tokens arrived `per_token_s * count` after the choice's previous ones."""
+        for _ in range(count):
+            self.inter_token_latency.observe(per_token_s)
+
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return self.common.render()

@@ -17,9 +17,11 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from radixserve import protocol
 from radixserve.engine.engine import Engine, EngineLoad
+from radixserve.telemetry.worker_metrics import WorkerTelemetry
 from radixserve.worker.convert import OutputBuilder, engine_params
 
 log = logging.getLogger(__name__)
@@ -33,6 +35,14 @@ _PARAM_RE = re.compile(r"sampling parameter '(\w+)'")
 
 @dataclass(frozen=True)
 class _Submit:
+    routed: protocol.RoutedRequest
+    grammar: Any = None  # the request's compiled grammar (xgrammar), loaded off the loop
+
+
+@dataclass(frozen=True)
+class _Gone:
+    """A request that never reached the engine (aborted while its grammar was fetched)."""
+
     routed: protocol.RoutedRequest
 
 
@@ -53,18 +63,22 @@ class EngineDriver:
         on_step: StepCallback,
         on_reject: RejectCallback,
         idle_wait_s: float = 0.05,
+        telemetry: WorkerTelemetry | None = None,
     ) -> None:
         self.engine = engine
         self.on_step = on_step
         self.on_reject = on_reject
         self.idle_wait_s = idle_wait_s
+        # Step time, batch size and the per-request counters/spans, measured here in the
+        # engine thread (prometheus_client and OTel spans are thread-safe).
+        self.telemetry = telemetry
         self.builder = OutputBuilder()
         self.error: BaseException | None = None
         self.steps = 0
         self.load: EngineLoad = engine.load()
         self._load_at = time.monotonic()
         self.generated_tokens = 0  # for throughput in stats
-        self._inbox: queue.SimpleQueue[_Submit | _Abort | _Flush] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Submit | _Gone | _Abort | _Flush] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
@@ -72,8 +86,15 @@ class EngineDriver:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, routed: protocol.RoutedRequest) -> None:
-        self._inbox.put(_Submit(routed))
+    def submit(self, routed: protocol.RoutedRequest, grammar: Any = None) -> None:
+        """`grammar`: the compiled grammar of a request with a `grammar_key` (see
+        `worker.grammars`); without it the engine would compile it on its own thread."""
+        self._inbox.put(_Submit(routed, grammar))
+
+    def abort_unsubmitted(self, routed: protocol.RoutedRequest) -> None:
+        """Answer an abort of a request the engine never got: its final outputs (finish
+        kind `abort`) go out in step order like every other output."""
+        self._inbox.put(_Gone(routed))
 
     def abort(self, rid: str) -> None:
         self._inbox.put(_Abort(rid))
@@ -122,22 +143,23 @@ class EngineDriver:
             except queue.Empty:
                 return
             if isinstance(command, _Submit):
-                self._submit(command.routed)
+                self._submit(command.routed, command.grammar)
+            elif isinstance(command, _Gone):
+                aborted = self._aborted_outputs(command.routed)
+                if self.telemetry is not None:  # counted like the engine's own aborts
+                    self.telemetry.observe_outputs(time.perf_counter(), aborted)
+                self._publish(aborted)
             elif isinstance(command, _Abort):
                 self.engine.abort(command.rid)
             else:
                 command.done.set_result(self.engine.flush_cache())
             deadline = 0.0  # after the first command, only drain what is already there
 
-    def _submit(self, routed: protocol.RoutedRequest) -> None:
+    def _submit(self, routed: protocol.RoutedRequest, grammar: Any = None) -> None:
         request = routed.request
         try:
-            if request.grammar_key is not None:
-                raise ValueError(
-                    "structured outputs (regex/json_schema/ebnf) are not supported yet"
-                )
             params = engine_params(request.sampling)
-            self.engine.submit(request.input_ids_list, params, rid=request.rid)
+            self.engine.submit(request.input_ids_list, params, rid=request.rid, grammar=grammar)
         except ValueError as exc:
             match = _PARAM_RE.search(str(exc))
             error = protocol.RequestError(
@@ -148,18 +170,52 @@ class EngineDriver:
                 param=match.group(1) if match else None,
                 service="worker",
             )
+            if self.telemetry is not None:
+                self.telemetry.rejected(request.rid, error.code, error.message)
             self.on_reject(error, request.gateway_id)
             return
         self.builder.track(request.rid, request.gateway_id, params.n)
 
     def _step(self) -> None:
         outputs = []
-        for choice in self.engine.step():
+        started = time.perf_counter()
+        choices = self.engine.step()
+        seconds = time.perf_counter() - started
+        for choice in choices:
             self.generated_tokens += len(choice.new_token_ids)
             message = self.builder.build(choice)
             if message is not None:
                 outputs.append(message)
+        if self.telemetry is not None:
+            batch_size = sum(1 for choice in choices if choice.new_token_ids)
+            self.telemetry.observe_step(started, seconds, batch_size, outputs)
+        self._publish(outputs)
+
+    def _publish(self, outputs: list[protocol.StepOutput]) -> None:
         if outputs:
             # Numbered per published batch, so the detokenizer can tell a lost one.
             self.steps += 1
             self.on_step(self.steps, outputs)
+
+    @staticmethod
+    def _aborted_outputs(routed: protocol.RoutedRequest) -> list[protocol.StepOutput]:
+        request = routed.request
+        wire = request.sampling
+        detok = protocol.DetokParams(
+            skip_special_tokens=wire.skip_special_tokens,
+            spaces_between_special_tokens=wire.spaces_between_special_tokens,
+            stop=list(wire.stop),
+            no_stop_trim=wire.no_stop_trim,
+        )
+        return [
+            protocol.StepOutput(
+                rid=request.rid,
+                gateway_id=request.gateway_id,
+                new_token_ids=protocol.pack_tokens([]),
+                index=index,
+                finish_reason=protocol.FinishReason(kind="abort", message="aborted"),
+                prompt_tokens=request.prompt_tokens,
+                detok=detok,
+            )
+            for index in range(request.sampling.n)
+        ]

@@ -4,6 +4,20 @@ The model calls `forward` once per layer; the backend stores the new K/V into th
 pool and attends over each request's whole KV (cached prefix + new tokens, causal
 within the new tokens). Backends own their per-batch metadata: `init_forward_metadata`
 runs once per pass, before the first layer, so per-layer calls stay cheap.
+
+CUDA graphs (engine/graphs) replay decode passes over fixed buffers, so a backend that
+supports them keeps its metadata in buffers of fixed size as well (SGLang's backends
+have the same three methods):
+
+- `init_cuda_graph_state(max_bs, max_context_len)` once, before any capture: allocate
+  those buffers for batches of up to `max_bs` requests.
+- `init_forward_metadata_capture(batch)` in place of `init_forward_metadata` while a
+  graph is captured (and in its warm-up runs), with the graph runner's static batch
+  padded to the graph's size. Device work it queues is recorded in the graph, so it
+  re-runs on every replay over the inputs then in the static buffers.
+- `init_forward_metadata_replay(batch, num_real)` before each replay, once the static
+  inputs hold the new batch: metadata that must be computed outside the graph (a
+  host-side plan) is written into the fixed buffers here.
 """
 
 from __future__ import annotations
@@ -19,6 +33,8 @@ if TYPE_CHECKING:
 
 class AttentionBackend(ABC):
     name: str = "base"
+    # Whether decode passes can be captured in CUDA graphs (the methods below work).
+    supports_cuda_graph: bool = False
 
     @abstractmethod
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
@@ -35,3 +51,20 @@ class AttentionBackend(ABC):
         scale: float,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Write k/v to batch.kv_pool at batch.out_cache_loc, then attend."""
+
+    # -- CUDA graphs (decode only) -------------------------------------------------
+    def init_cuda_graph_state(self, max_bs: int, max_context_len: int) -> None:
+        """Allocate the fixed metadata buffers for decode graphs of up to `max_bs` requests
+        of up to `max_context_len` tokens each."""
+        raise NotImplementedError(f"the {self.name} attention backend has no CUDA graph support")
+
+    def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
+        """Metadata for a decode pass over the graph runner's static, padded batch, from
+        the fixed buffers; device work queued here is part of the captured graph."""
+        raise NotImplementedError(f"the {self.name} attention backend has no CUDA graph support")
+
+    def init_forward_metadata_replay(self, batch: ForwardBatch, num_real: int) -> None:
+        """Before a replay of `batch`'s graph, whose first `num_real` requests are real
+        (the rest padding). Nothing by default: for backends whose metadata is rebuilt
+        inside the graph."""
+        return None

@@ -8,7 +8,20 @@ With page_size 1 a page is a slot and the free list is the list of free slots.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
+
+
+def upload_int64(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    """`values` as an int64 tensor on `device`, in one host-to-device copy that does not
+    wait for the device: on CUDA from pinned memory (the caching host allocator keeps
+    the buffer until the copy has run), so the host goes on while queued work runs.
+    A plain `torch.tensor(values, device=...)` would synchronise the stream."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=torch.int64, device=device)
+    host = torch.tensor(values, dtype=torch.int64, pin_memory=True)
+    return host.to(device, non_blocking=True)
 
 
 class KVPool:
@@ -78,7 +91,20 @@ class KVPool:
             raise ValueError(
                 f"alloc needs a whole number of pages: {num_tokens} slots with page_size {page}"
             )
-        num_pages = num_tokens // page
+        taken = self.alloc_pages(num_tokens // page)
+        if taken is None:
+            return None
+        pages = upload_int64(taken, self.device)
+        if page == 1:
+            return pages
+        return (pages[:, None] * page + self._page_offsets).reshape(-1)
+
+    def alloc_pages(self, num_pages: int) -> list[int] | None:
+        """Hand out `num_pages` whole pages as page ids on the host (page p holds slots
+        [p * page_size, (p + 1) * page_size)), or None if too few are free. For callers
+        that upload the ids together with other per-step values."""
+        if num_pages < 0:
+            raise ValueError(f"cannot allocate {num_pages} pages")
         if num_pages > len(self._free_pages):
             return None
         taken = self._free_pages[:num_pages]
@@ -86,10 +112,7 @@ class KVPool:
         if self.track_free_flags:
             for p in taken:
                 self._page_is_free[p] = 0
-        if page == 1:
-            return torch.tensor(taken, dtype=torch.int64, device=self.device)
-        pages = torch.tensor(taken, dtype=torch.int64, device=self.device)
-        return (pages[:, None] * page + self._page_offsets).reshape(-1)
+        return taken
 
     def free(self, slots: torch.Tensor) -> None:
         """Give back the pages the given slots lie in. The caller must own every slot of
@@ -138,13 +161,19 @@ class KVPool:
 
 
 class ReqToTokenPool:
-    """Maps a running request's row to the KV slots of its tokens, position by position."""
+    """Maps a running request's row to the KV slots of its tokens, position by position.
+
+    Rows 0..max_reqs-1 are handed out; one more row, `padding_row`, is never handed out
+    and stays all zeros (the reserved slot 0): padded batches (CUDA graph replays) point
+    their padding requests at it, so those read and write only slot 0.
+    """
 
     def __init__(self, max_reqs: int, max_context_len: int, device: torch.device | str) -> None:
         self.max_reqs = max_reqs
         self.max_context_len = max_context_len
+        self.padding_row = max_reqs
         self.req_to_token = torch.zeros(
-            (max_reqs, max_context_len), dtype=torch.int32, device=device
+            (max_reqs + 1, max_context_len), dtype=torch.int32, device=device
         )
         self._free_rows = list(range(max_reqs))
 

@@ -18,7 +18,7 @@ import torch
 # Below this temperature dividing the logits can overflow float32; SGLang treats it as greedy too.
 GREEDY_TEMPERATURE = 1e-6
 MAX_TOP_LOGPROBS = 20
-_GRAMMAR_FIELDS = ("regex", "json_schema", "ebnf")
+_GRAMMAR_FIELDS = ("regex", "json_schema", "ebnf", "structural_tag")
 
 
 @dataclass(frozen=True)
@@ -42,10 +42,12 @@ class SamplingParams:
     no_stop_trim: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = 0
-    # Carried for the grammar service; the engine rejects them until grammars exist.
+    # Structured outputs (at most one): compiled by the grammar service or, in-process,
+    # by the engine itself. `structural_tag` is SGLang's (a JSON object as text).
     regex: str | None = None
     json_schema: str | None = None
     ebnf: str | None = None
+    structural_tag: str | None = None
 
     def __post_init__(self) -> None:
         # `stop` may be a bare string (OpenAI and SGLang accept both); store a list.
@@ -115,7 +117,7 @@ class SamplingParams:
         _check(
             len(grammars) <= 1,
             grammars[-1] if grammars else "regex",
-            "at most one of regex / json_schema / ebnf may be set",
+            "at most one of regex / json_schema / ebnf / structural_tag may be set",
             grammars,
         )
 
@@ -179,6 +181,7 @@ _EXPECTED_TYPES: dict[str, str] = {
     "regex": "str?",
     "json_schema": "str?",
     "ebnf": "str?",
+    "structural_tag": "str?",
 }
 
 

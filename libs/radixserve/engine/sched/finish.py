@@ -1,4 +1,4 @@
-"""When a request is done: stop tokens, length limits, stop strings."""
+"""When a request is done: stop tokens, length limits, stop strings, a finished grammar."""
 
 from __future__ import annotations
 
@@ -22,6 +22,10 @@ def check_finished(
         matched = _match_stop_string(req, detokenize)
         if matched is not None:
             return FinishReason("stop", matched=matched)
+    if req.grammar is not None and req.grammar.terminated:
+        # Structured outputs: the grammar is complete and admits nothing more (a request
+        # without stop tokens ends here; with them, the stop token above ended it).
+        return FinishReason("stop")
     if num_out >= params.max_new_tokens:
         return FinishReason("length")
     if req.seq_len >= context_len:

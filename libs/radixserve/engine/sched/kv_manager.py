@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.engine.kvcache.base import PrefixCache
-from radixserve.engine.kvcache.pool import KVPool, ReqToTokenPool
+from radixserve.engine.kvcache.pool import KVPool, ReqToTokenPool, upload_int64
 from radixserve.engine.request import Req
 
 
@@ -88,6 +88,18 @@ class KVManager:
             )
         return slots
 
+    def alloc_pages(self, num_pages: int) -> list[int]:
+        """`num_pages` fresh page ids (on the host), evicting cached pages if needed."""
+        short = num_pages * self.page_size - self.kv_pool.available()
+        if short > 0:
+            self.cache.evict(short)
+        pages = self.kv_pool.alloc_pages(num_pages)
+        if pages is None:
+            raise OutOfKVMemory(
+                f"need {num_pages} KV pages, {self.kv_pool.available_pages()} free after eviction"
+            )
+        return pages
+
     # -- admission --------------------------------------------------------------
     def match(self, req: Req) -> int:
         """Look up the cached prefix of the request's tokens (not locked yet). Returns its length
@@ -124,6 +136,46 @@ class KVManager:
             torch.int32
         )
         return slots
+
+    def assign_decode_slots(self, reqs: list[Req]) -> None:
+        """`assign_new_slots(req, 1)` for every request of a decode step at once.
+
+        The slots are the ones the per-request calls would give, in the same order: a
+        request whose last page is full takes the next fresh page (all of them in one
+        allocation, in request order), the others the slot after their last one. One
+        upload (rows, lengths, pages) and one scatter into req_to_token, whatever the
+        batch size, and no device-to-host read.
+        """
+        if not reqs:
+            return
+        page = self.page_size
+        bs = len(reqs)
+        rows: list[int] = []
+        kv_lens: list[int] = []
+        for req in reqs:
+            assert req.req_pool_idx is not None
+            rows.append(req.req_pool_idx)
+            kv_lens.append(req.kv_len)
+        table = self.req_pool.req_to_token
+        if page == 1:
+            pages = self.alloc_pages(bs)
+            rows_t, lens_t, slots = upload_int64(rows + kv_lens + pages, table.device).view(3, bs)
+            table[rows_t, lens_t] = slots.to(table.dtype)
+            return
+        # Requests whose last page is full (kv_len % page == 0) start a new page.
+        needy = [i for i, n in enumerate(kv_lens) if n % page == 0]
+        pages = self.alloc_pages(len(needy))
+        packed = upload_int64(rows + kv_lens + needy + pages, table.device)
+        rows_t, lens_t = packed[: 2 * bs].view(2, bs)
+        needy_t, pages_t = packed[2 * bs :].view(2, len(needy))
+        if len(needy) == bs:
+            slots = pages_t * page
+        else:
+            # The slot after the last token's, on the same page (read on the device).
+            slots = table[rows_t, lens_t - 1].to(torch.int64) + 1
+            if needy:
+                slots[needy_t] = pages_t * page
+        table[rows_t, lens_t] = slots.to(table.dtype)
 
     def _paged_slots(self, req: Req, num_tokens: int) -> torch.Tensor:
         table = self.req_pool.req_to_token

@@ -17,14 +17,15 @@ from typing import Protocol
 import torch
 
 from radixserve.engine.config import EngineConfig
+from radixserve.engine.constrained import jump_forward, sample_with_grammar
 from radixserve.engine.forward_batch import ForwardBatch
 from radixserve.engine.kvcache.base import PrefixCache
 from radixserve.engine.kvcache.pool import KVPool, ReqToTokenPool
 from radixserve.engine.request import FinishReason, Req, ReqStatus, TokenLogprob
 from radixserve.engine.sampling.batch import SamplingBatch
-from radixserve.engine.sampling.sampler import SampleResult, sample
+from radixserve.engine.sampling.sampler import SampleResult
 from radixserve.engine.sched.batch_builder import build_forward_batch
-from radixserve.engine.sched.decode import ensure_decode_memory
+from radixserve.engine.sched.decode import ensure_decode_memory, retract
 from radixserve.engine.sched.finish import Detokenize, check_finished
 from radixserve.engine.sched.kv_manager import KVManager, KVUsage
 from radixserve.engine.sched.policy import order_waiting
@@ -180,7 +181,7 @@ class Scheduler:
         self.running = memory.keep
         for req in self.running:
             req.extend_len = 1
-            self.kv.assign_new_slots(req, 1)
+        self.kv.assign_decode_slots(self.running)  # one allocation and upload for all
         return list(self.running)
 
     def _unassign_one(self, req: Req) -> None:
@@ -232,7 +233,8 @@ class Scheduler:
             return outputs
         ready_reqs = [reqs[i] for i in ready]
         sampling = SamplingBatch.build(ready_reqs, self.runner.vocab_size, logits.device)
-        result = sample(logits[ready], sampling)
+        # Constrained rows get their grammar's token mask first (engine/constrained).
+        result = sample_with_grammar(logits[ready], sampling, ready_reqs)
         next_ids = result.next_token_ids.tolist()
         for row, (req, token) in enumerate(zip(ready_reqs, next_ids, strict=True)):
             if not req.prefill_done:
@@ -243,6 +245,11 @@ class Scheduler:
             if req.remaining_new_tokens == 0:  # prefill-only (n > 1 parents)
                 outputs.append(self._finish_running(req, FinishReason("length")))
                 continue
+            if req.grammar is not None and not req.grammar.accept(token):
+                # Only when the mask admitted nothing (a complete grammar whose stop token
+                # min_new_tokens forbids): end the request rather than emit a bad token.
+                outputs.append(self._finish_running(req, FinishReason("stop")))
+                continue
             req.output_ids.append(token)
             new_logprobs = self._logprobs(req, result, row, token)
             reason = check_finished(req, self.context_len, self.detokenize)
@@ -252,7 +259,30 @@ class Scheduler:
                 outputs.append(out)
             else:
                 outputs.append(StepOutput(req, [token], new_logprobs))
+        self._jump_forward(outputs)
         return outputs
+
+    def _jump_forward(self, outputs: list[StepOutput]) -> None:
+        """Structured outputs: append the text a grammar forces (engine/constrained). The
+        request gives its KV to the cache and re-enters through prefill, where one extend
+        computes the forced tokens instead of a decode step each. Needs a cache that
+        keeps prefixes (without one the whole sequence would be recomputed)."""
+        if not self.kv.cache.reuses_prefixes:
+            return
+        for out in outputs:
+            req = out.req
+            if req.grammar is None or req.finished:
+                continue
+            forced, reason = jump_forward(req, self.context_len, self.detokenize)
+            if not forced:
+                continue
+            out.new_token_ids.extend(forced)
+            if reason is not None:
+                self._finish_running(req, reason)
+            else:
+                self.running.remove(req)
+                retract(self.kv, req)
+                self.waiting.appendleft(req)
 
     def _logprobs(self, req: Req, result: SampleResult, row: int, token: int) -> list[TokenLogprob]:
         if not req.params.return_logprob or result.logprobs is None:

@@ -112,11 +112,12 @@ def create_app(state: GatewayState) -> FastAPI:
         headers = {REQUEST_ID_HEADER: rid}
         try:
             state.check_accepting()
-            msg = await state.bus.request(
-                state.subjects.flush_cache,
-                encode(FlushCacheRequest(rid=rid)),
-                timeout_s=settings.flush_timeout_s,
-            )
+            with state.metrics.common.time_nats("flush_cache"):
+                msg = await state.bus.request(
+                    state.subjects.flush_cache,
+                    encode(FlushCacheRequest(rid=rid)),
+                    timeout_s=settings.flush_timeout_s,
+                )
             reply = decode(msg.data, FlushCacheReply)
         except ApiError as exc:
             return error_response(exc, rid)

@@ -38,6 +38,7 @@ from radixserve.api import (
     plan_generate,
     sse,
 )
+from radixserve.bus.tracing import extract_trace
 from radixserve.services.gateway.inflight import ClientDisconnected, Inflight
 from radixserve.services.gateway.state import GatewayState
 
@@ -82,10 +83,11 @@ async def handle_generation(state: GatewayState, request: Request, endpoint: End
         state.check_accepting()
         plan = _plan(state, endpoint, response_id, await request.body())
     except ApiError as exc:
-        state.metrics.observe_request(status=exc.status)
+        state.metrics.observe_request(status=exc.status, error_type=exc.type, error_code=exc.code)
         return error_response(exc, response_id)
 
-    run = Inflight(state, plan)
+    # A client's `traceparent` makes the request's spans part of the client's trace.
+    run = Inflight(state, plan, trace_parent=extract_trace(request.headers))
     streaming = False
     try:
         run.watch_disconnect(request.receive)

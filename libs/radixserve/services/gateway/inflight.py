@@ -18,12 +18,16 @@ import logging
 import time
 from typing import Any
 
+from opentelemetry.context import Context
+
 from radixserve.api import ApiError, Assembly, ChoiceUpdate, GenerationPlan
 from radixserve.bus import BusError
-from radixserve.protocol import RequestError, encode
+from radixserve.protocol import RequestError, TextDelta, encode, num_tokens
 from radixserve.services.gateway.hub import ClientGone, HubEvent
 from radixserve.services.gateway.state import GatewayState
 from radixserve.store import FieldValue
+from radixserve.telemetry.gateway_trace import RequestTrace
+from radixserve.telemetry.latency import TokenTimes
 
 log = logging.getLogger(__name__)
 
@@ -36,13 +40,17 @@ class ClientDisconnected(Exception):
 
 
 class Inflight:
-    def __init__(self, state: GatewayState, plan: GenerationPlan) -> None:
+    def __init__(
+        self, state: GatewayState, plan: GenerationPlan, trace_parent: Context | None = None
+    ) -> None:
         self.state = state
         self.plan = plan
         self.assembly = Assembly(plan)
         self.started = time.monotonic()
         self.deadline = self.started + state.settings.request_timeout_s
         self.first_token_at: float | None = None
+        self.token_times = TokenTimes(self.started)
+        self.trace = RequestTrace(plan, trace_parent)  # the request's root span
         self._queue: asyncio.Queue[HubEvent] = state.hub.register(plan.rids)
         self._watcher: asyncio.Task[None] | None = None
         self._closed = False
@@ -73,8 +81,9 @@ class Inflight:
             },
         )
         try:
-            for submit in plan.submits:
-                await state.bus.publish(state.subjects.tokenize, encode(submit))
+            with self.trace.active():  # the tokenizer's span continues this trace
+                for submit in plan.submits:
+                    await state.bus.publish(state.subjects.tokenize, encode(submit))
         except BusError as exc:
             raise ApiError.unavailable(f"cannot reach the tokenizer: {exc}", "no_bus") from exc
         state.records.update(self.rid, {"state": "queued", "queued_at": time.time()})
@@ -101,17 +110,28 @@ class Inflight:
             update = self.assembly.apply(event)
             if update is None:
                 continue
-            if self.first_token_at is None and (event.text or event.token_ids):
-                self._first_token()
+            self._tokens_arrived(event)
             return update
 
     async def run_to_end(self) -> None:
         while not self.assembly.done:
             await self.next_update()
 
-    def _first_token(self) -> None:
-        self.first_token_at = time.monotonic()
+    def _tokens_arrived(self, delta: TextDelta) -> None:
+        count = num_tokens(delta.token_ids)
+        if not (count or delta.text):
+            return
+        now = time.monotonic()
+        ttft_s, per_token_s = self.token_times.on_tokens((delta.rid, delta.index), count, now)
+        if ttft_s is not None:
+            self._first_token(now)
+        if per_token_s is not None:
+            self.state.metrics.observe_inter_token(per_token_s, count)
+
+    def _first_token(self, now: float) -> None:
+        self.first_token_at = now
         self.state.metrics.observe_first_token(self.first_token_at - self.started)
+        self.trace.first_token()
         self.state.records.update(self.rid, {"state": "running", "first_token_at": time.time()})
 
     # -- the client -------------------------------------------------------------------------
@@ -155,13 +175,28 @@ class Inflight:
         usage = self.assembly.usage()
         ok = error is None and not client_gone
         e2e_s = self.elapsed()
+        finish = [c.finish.kind for c in self.assembly.choices if c.finish is not None]
         state.metrics.observe_request(
             status=status,
             prompt_tokens=usage.prompt_tokens,
             completion_tokens=usage.completion_tokens,
+            cached_tokens=usage.cached_tokens,
             e2e_s=e2e_s if ok else None,
             ttft_s=None if self.first_token_at is None else self.first_token_at - self.started,
             max_choice_tokens=max((c.completion_tokens for c in self.assembly.choices), default=0),
+            finish_reasons=finish,
+            error_type=None if error is None or client_gone else error.type,
+            error_code=None if error is None or client_gone else error.code,
+        )
+        self.trace.finish(
+            status=status,
+            prompt_tokens=usage.prompt_tokens,
+            completion_tokens=usage.completion_tokens,
+            cached_tokens=usage.cached_tokens,
+            finish_reasons=finish,
+            error_type="client_closed" if client_gone else (error.type if error else None),
+            error_message=reason,
+            outputs=[c.text for c in self.assembly.choices],
         )
         fields: dict[str, FieldValue] = {
             "state": "finished" if ok else "failed",
@@ -170,7 +205,6 @@ class Inflight:
             "completion_tokens": usage.completion_tokens,
             "cached_tokens": usage.cached_tokens,
         }
-        finish = [c.finish.kind for c in self.assembly.choices if c.finish is not None]
         if finish:
             fields["finish_reason"] = ",".join(dict.fromkeys(finish))
         if not ok:

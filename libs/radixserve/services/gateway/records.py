@@ -102,10 +102,11 @@ class RecordWriter:
         return self._queue.qsize() == 0
 
     async def _write(self, write: _Write) -> None:
-        if write.create:
-            await self.store.put_request(write.rid, write.fields, self.ttl_s)
-        else:
-            await self.store.update_request(write.rid, write.fields)
+        with self.metrics.common.time_redis("put_request" if write.create else "update_request"):
+            if write.create:
+                await self.store.put_request(write.rid, write.fields, self.ttl_s)
+            else:
+                await self.store.update_request(write.rid, write.fields)
 
     def _failed(self, rid: str, why: str) -> None:
         self.metrics.store_write_failures.inc()

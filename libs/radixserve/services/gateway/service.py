@@ -56,7 +56,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 async def main(ctx: ServiceContext, settings: GatewaySettings) -> None:
     bus, subjects = ctx.bus, ctx.subjects
-    metrics = GatewayMetrics()
+    metrics = GatewayMetrics(common=ctx.metrics)  # on the process's registry
     # No PING here: Redis being down must not keep the gateway from serving (records
     # are best effort); redis-py connects on the first write and reconnects by itself.
     store = Store(settings.store)

@@ -1,0 +1,1 @@
+"""CUDA graphs: decode passes captured once at start-up and replayed every step."""

@@ -1,0 +1,198 @@
+"""Decode passes captured as CUDA graphs at start-up and replayed every decode step.
+
+Why: a decode pass of a 32-layer model is some 1,200 small kernels, each launched
+from Python; at small batch sizes the host takes longer to launch them than the GPU
+to run them. A replay launches the whole captured pass in one call.
+
+How (SGLang's CudaGraphRunner, smaller):
+
+- One graph per size of a ladder (`capture_batch_sizes`); a decode batch runs on the
+  smallest graph that holds it, the rows past its size being padding.
+- Static inputs: one [5, max_bs] int64 buffer (token ids, positions, KV slots of the
+  new tokens, request rows, KV lengths) that every graph reads a prefix of; a replay
+  copies the batch into it, in one copy when the batch builder uploaded the batch's
+  inputs as one tensor in the same row order (`ForwardBatch.decode_inputs`).
+  Padding rows hold token 0 at position 0, write their KV to the reserved slot 0,
+  and point at the request pool's padding row (all zeros, so slot 0 again) with
+  length 1: they read and write nothing but slot 0, and their logits are dropped.
+- The attention backend keeps its metadata in its own fixed buffers
+  (AttentionBackend.init_cuda_graph_state and the capture/replay methods).
+- Graphs are captured largest first into one memory pool, so the smaller ones reuse
+  the larger ones' memory.
+- Sampling runs outside the graph, on the logits a replay returns: a view of the
+  graph's output buffer, valid until the next forward pass (the scheduler samples
+  before it runs another).
+
+With `capture=False` the runner replays by running the same padded static pass
+eagerly: the CPU tests check padding and the capture-time metadata that way, where
+there is no CUDA to capture with.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from radixserve.engine.forward_batch import DECODE_INPUT_FIELDS, ForwardBatch, ForwardMode
+
+if TYPE_CHECKING:
+    from radixserve.engine.attention.base import AttentionBackend
+    from radixserve.engine.kvcache.pool import KVPool, ReqToTokenPool
+
+log = logging.getLogger(__name__)
+
+Model = Callable[[ForwardBatch, "AttentionBackend"], torch.Tensor]
+
+# Rows of the static input buffer: a decode batch's `decode_inputs` rows, in one copy.
+_IDS, _POS, _LOC, _ROWS, _LENS = (
+    DECODE_INPUT_FIELDS.index(name)
+    for name in ("input_ids", "positions", "out_cache_loc", "req_pool_indices", "seq_lens")
+)
+_NUM_INPUTS = len(DECODE_INPUT_FIELDS)
+# Warm-up passes before each capture: they compile the kernels and size the scratch
+# buffers outside the capture (a capture may not allocate outside its pool).
+_WARMUP_PASSES = 2
+
+
+def capture_batch_sizes(max_bs: int) -> list[int]:
+    """1, 2, 4, 8, 16, 24, 32, then steps of 16, up to and including `max_bs`."""
+    if max_bs < 1:
+        raise ValueError(f"max_bs must be >= 1, got {max_bs}")
+    ladder = {1, 2, 4, 8, 16, 24, 32, *range(48, max_bs + 1, 16)}
+    return sorted({bs for bs in ladder if bs <= max_bs} | {max_bs})
+
+
+class CudaGraphRunner:
+    def __init__(
+        self,
+        model: Model,
+        attn: AttentionBackend,
+        kv_pool: KVPool,
+        req_pool: ReqToTokenPool,
+        max_bs: int,
+        capture: bool = True,
+    ) -> None:
+        if not attn.supports_cuda_graph:
+            raise ValueError(f"the {attn.name} attention backend cannot be captured in graphs")
+        if capture and kv_pool.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+        self.model = model
+        self.attn = attn
+        self.kv_pool = kv_pool
+        self.req_pool = req_pool
+        self.batch_sizes = capture_batch_sizes(max_bs)
+        self.max_bs = self.batch_sizes[-1]
+        self.captured = capture
+        self.num_replays = 0  # tests and benchmarks check the graphs ran
+        device = kv_pool.device
+        with torch.inference_mode():
+            padding = torch.zeros((_NUM_INPUTS, self.max_bs), dtype=torch.int64, device=device)
+            padding[_ROWS] = req_pool.padding_row
+            padding[_LENS] = 1
+            self._padding = padding
+            self._inputs = padding.clone()
+            self._ones = torch.ones(self.max_bs, dtype=torch.int64, device=device)
+            self._arange = torch.arange(self.max_bs, dtype=torch.int64, device=device)
+        attn.init_cuda_graph_state(self.max_bs, req_pool.max_context_len)
+        self._batches = {bs: self._static_batch(bs) for bs in self.batch_sizes}
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._logits: dict[int, torch.Tensor] = {}
+        if capture:
+            self._capture_all()
+
+    # -- replay -------------------------------------------------------------------
+    def can_run(self, batch: ForwardBatch) -> bool:
+        return batch.mode == ForwardMode.DECODE and 0 < batch.batch_size <= self.max_bs
+
+    def padded_size(self, bs: int) -> int:
+        """The graph a batch of `bs` requests runs on."""
+        return self.batch_sizes[bisect.bisect_left(self.batch_sizes, bs)]
+
+    def replay(self, batch: ForwardBatch) -> torch.Tensor:
+        """float32 logits [bs, vocab] of a DECODE batch (a view of the graph's output)."""
+        if not self.can_run(batch):
+            raise ValueError(
+                f"graphs run decode batches of 1 to {self.max_bs} requests, "
+                f"not a {batch.mode.name} batch of {batch.batch_size}"
+            )
+        bs = batch.batch_size
+        padded = self.padded_size(bs)
+        inputs = self._inputs
+        if batch.decode_inputs is not None:
+            inputs[:, :bs].copy_(batch.decode_inputs)
+        else:
+            for row, name in enumerate(DECODE_INPUT_FIELDS):
+                inputs[row, :bs].copy_(getattr(batch, name))
+        if padded > bs:
+            # A larger batch may have left real slots here: padding must write slot 0 only.
+            inputs[:, bs:padded].copy_(self._padding[:, bs:padded])
+        static = self._batches[padded]
+        self.attn.init_forward_metadata_replay(static, bs)
+        if self.captured:
+            self._graphs[padded].replay()
+            logits = self._logits[padded]
+        else:
+            logits = self._run(static)
+        self.num_replays += 1
+        return logits[:bs]
+
+    # -- capture ------------------------------------------------------------------
+    def _static_batch(self, bs: int) -> ForwardBatch:
+        """The batch a graph of `bs` runs on: views of the static buffers. Its host-side
+        lengths describe padding only; nothing on the graph path reads them."""
+        inputs = self._inputs
+        return ForwardBatch(
+            mode=ForwardMode.DECODE,
+            input_ids=inputs[_IDS, :bs],
+            positions=inputs[_POS, :bs],
+            out_cache_loc=inputs[_LOC, :bs],
+            req_pool_indices=inputs[_ROWS, :bs],
+            seq_lens=inputs[_LENS, :bs],
+            extend_prefix_lens=inputs[_POS, :bs],
+            extend_seq_lens=self._ones[:bs],
+            extend_start_loc=self._arange[:bs],
+            req_to_token=self.req_pool.req_to_token,
+            kv_pool=self.kv_pool,
+            seq_lens_cpu=[1] * bs,
+            extend_prefix_lens_cpu=[0] * bs,
+            extend_seq_lens_cpu=[1] * bs,
+        )
+
+    def _run(self, batch: ForwardBatch) -> torch.Tensor:
+        """The captured pass: the backend's graph metadata, then the model."""
+        self.attn.init_forward_metadata_capture(batch)
+        return self.model(batch, self.attn)
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        started = time.perf_counter()
+        free_before = torch.cuda.mem_get_info(self.kv_pool.device)[0]
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.kv_pool.device)
+        for bs in reversed(self.batch_sizes):
+            batch = self._batches[bs]
+            # Warm up on the capture's side stream, as torch.cuda.graph captures on one.
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(_WARMUP_PASSES):
+                    self._run(batch)
+            torch.cuda.current_stream().wait_stream(stream)
+            torch.cuda.synchronize(self.kv_pool.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                self._logits[bs] = self._run(batch)
+            self._graphs[bs] = graph
+        torch.cuda.synchronize(self.kv_pool.device)
+        used = free_before - torch.cuda.mem_get_info(self.kv_pool.device)[0]
+        log.info(
+            "captured %d decode graphs (batch sizes %s) in %.1f s, %.0f MiB",
+            len(self._graphs),
+            self.batch_sizes,
+            time.perf_counter() - started,
+            used / 2**20,
+        )

@@ -1,0 +1,168 @@
+"""The Dockerfiles, checked without a Docker engine: hadolint, the image policy, the pinned
+dependency lock, the build context, and the health check script the images run."""
+
+from __future__ import annotations
+
+import http.server
+import subprocess
+import sys
+import threading
+import tomllib
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+from tests.packaging.docker_checks import (
+    DOCKER_DIR,
+    DOCKERFILES,
+    ROOT,
+    copy_sources,
+    dockerfile_problems,
+    dockerignore_admits,
+    dockerignore_patterns,
+    hadolint_findings,
+    pip_unpinned,
+)
+
+HEALTHCHECK = DOCKER_DIR / "healthcheck.py"
+LOCK = DOCKER_DIR / "requirements.txt"
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_hadolint_is_clean(dockerfile: Path) -> None:
+    assert hadolint_findings(dockerfile) == []
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_image_policy_holds(dockerfile: Path) -> None:
+    assert dockerfile_problems(dockerfile.read_text()) == []
+
+
+def test_hadolint_fails_on_a_broken_dockerfile(tmp_path: Path) -> None:
+    # An unpinned, recommends-pulling apt install as root at the end: hadolint must object.
+    broken = tmp_path / "Dockerfile"
+    text = DOCKERFILES[0].read_text()
+    broken.write_text(text + "USER root\nRUN apt-get install -y curl\n")
+    codes = " ".join(hadolint_findings(broken))
+    assert "DL3002" in codes  # last USER is root
+    assert "DL3008" in codes  # apt version not pinned
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        (lambda t: t.replace("USER 10001:10001", "USER 0"), "numeric non-root uid"),
+        (lambda t: t.replace("HEALTHCHECK", "# HEALTHCHECK"), "no HEALTHCHECK"),
+        (lambda t: t.replace("HF_HUB_OFFLINE=1", "HF_HUB_OFFLINE=0"), "HF_HUB_OFFLINE"),
+        (lambda t: t.replace("python:3.11.11-slim-bookworm", "python:latest"), "not pinned"),
+        (
+            lambda t: t.replace("RUN pip install --no-deps -r", "RUN pip install requests -r"),
+            "requests",
+        ),
+    ],
+    ids=["root-user", "no-healthcheck", "hub-online", "latest-base", "unpinned-pip"],
+)
+def test_image_policy_fails_on_a_broken_dockerfile(
+    edit: Callable[[str], str], expected: str
+) -> None:
+    text = DOCKERFILES[0].read_text()
+    broken = edit(text)
+    assert broken != text, "the edit did not apply: update the test with the Dockerfile"
+    problems = dockerfile_problems(broken)
+    assert any(expected in p for p in problems), problems
+
+
+def test_pip_pins_are_read_per_command() -> None:
+    assert pip_unpinned('pip install "torch==2.1" numpy && pip install -r req.txt .') == ["numpy"]
+    assert pip_unpinned("pip install --no-deps --target /t 'x==1' && echo pip") == []
+
+
+def test_lock_pins_every_runtime_dependency_within_its_range() -> None:
+    """docker/requirements.txt (docker/lock.py) must still satisfy pyproject.toml."""
+    pins: dict[str, str] = {}
+    for line in LOCK.read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, sep, version = line.partition("==")
+            assert sep, f"{line!r} is not pinned with =="
+            pins[canonicalize_name(name)] = version
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    for text in project["dependencies"]:
+        requirement = Requirement(text)
+        name = canonicalize_name(requirement.name)
+        if name == "torch":  # each Dockerfile installs its own build (CPU or CUDA)
+            continue
+        assert name in pins, f"{name} is missing from {LOCK.name}: run docker/lock.py"
+        assert requirement.specifier.contains(pins[name], prereleases=True), (
+            f"{name}=={pins[name]} does not satisfy {requirement}: run docker/lock.py"
+        )
+
+
+def test_build_context_admits_everything_the_dockerfiles_copy() -> None:
+    patterns = dockerignore_patterns((ROOT / ".dockerignore").read_text())
+    for dockerfile in DOCKERFILES:
+        for source in copy_sources(dockerfile.read_text()):
+            assert dockerignore_admits(patterns, source), f"{dockerfile.name} copies {source}"
+            assert (ROOT / source).exists(), f"{dockerfile.name} copies {source}, which is missing"
+    for heavy in (".venv/bin/python", ".git/HEAD", "tests/conftest.py"):
+        assert not dockerignore_admits(patterns, heavy), f"{heavy} is in the build context"
+
+
+class _Metrics(http.server.BaseHTTPRequestHandler):
+    body = b""
+    status = 200
+
+    def do_GET(self) -> None:
+        self.send_response(self.status)
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def metrics_server() -> Iterator[tuple[http.server.HTTPServer, type[_Metrics]]]:
+    handler = type("Handler", (_Metrics,), {})
+    server = http.server.HTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server, handler
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def _healthcheck(*args: str, env: dict[str, str] | None = None) -> int:
+    result = subprocess.run(
+        [sys.executable, str(HEALTHCHECK), "--timeout-s", "2", *args],
+        capture_output=True,
+        timeout=30,
+        env=env,
+    )
+    return result.returncode
+
+
+def test_healthcheck_script_answers_like_the_service(
+    metrics_server: tuple[http.server.HTTPServer, type[_Metrics]],
+) -> None:
+    server, handler = metrics_server
+    port = server.server_address[1]
+    url = f"http://127.0.0.1:{port}/metrics"
+    handler.body = b"# HELP radixserve:cache_config_info x\nradixserve:service_info 1.0\n"
+    assert _healthcheck("--url", url) == 0
+    # The worker is healthy only once its model is loaded (the metric has a series).
+    assert _healthcheck("--url", url, "--require", "radixserve:cache_config_info") == 1
+    handler.body += b'radixserve:cache_config_info{worker="w",page_size="1"} 1.0\n'
+    assert _healthcheck("--url", url, "--require", "radixserve:cache_config_info") == 0
+    # The URL from the environment, as in the images: the metrics port wins.
+    assert _healthcheck(env={"RADIXSERVE_METRICS_PORT": str(port)}) == 0
+    handler.status = 503  # the gateway's /health while draining
+    assert _healthcheck(env={"RADIXSERVE_GATEWAY_PORT": str(port)}) == 1
+    server.shutdown()
+    server.server_close()
+    assert _healthcheck("--url", url) == 1  # nothing listening
