@@ -136,8 +136,12 @@ def test_graphs_under_cache_chunking_retraction_and_sampling(
 def test_torch_backend_runs_without_graphs(tiny_dir: Path, vocab: int) -> None:
     prompts = make_prompts(vocab, [5, 9], seed=1)
     with Engine(
-        model_path=str(tiny_dir), device="cuda", dtype="float32", max_total_tokens=2048
+        model_path=str(tiny_dir),
+        device="cuda",
+        dtype="float32",
+        max_total_tokens=2048,
+        attention_backend="torch",
     ) as engine:
-        assert engine.runner.graphs is None  # the torch backend (the default) has none
+        assert engine.runner.graphs is None  # the torch backend has none
         out = engine.generate(input_ids=prompts, sampling_params=greedy_params(4))
         assert isinstance(out, list) and all(len(o["output_ids"]) == 4 for o in out)
