@@ -9,7 +9,6 @@ the host, so this module skips: run it in a pytest process of its own.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -22,8 +21,9 @@ pytest.importorskip("triton", reason="triton is not installed")
 from radixserve.engine.attention.torch_backend import TorchAttentionBackend
 from radixserve.engine.attention.triton_backend import TritonAttentionBackend
 from radixserve.engine.attention.triton_ops.common import INTERPRETED
-from radixserve.engine.forward_batch import ForwardBatch, ForwardMode
-from radixserve.engine.kvcache.pool import KVPool, ReqToTokenPool
+from radixserve.engine.forward_batch import ForwardMode
+from tests.helpers import attention_passes
+from tests.helpers.attention_passes import Pass
 from tests.helpers.tiny_models import make_tiny_llama
 
 pytestmark = [
@@ -40,15 +40,6 @@ LAYER = 1
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
-@dataclass
-class Pass:
-    batch: ForwardBatch
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    scale: float
-
-
 def make_pass(
     prefix_lens: list[int],
     extend_lens: list[int],
@@ -57,63 +48,18 @@ def make_pass(
     page_size: int = 1,
     seed: int = 0,
 ) -> Pass:
-    """Noise in every slot of a shuffled paged pool; the prefixes are the noise at
-    their slots (see tests/unit/test_triton_attention.py, which this mirrors)."""
-    device = torch.device("cuda")
-    gen = torch.Generator(device=device).manual_seed(seed)
-    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
-    pages_needed = sum(-(-n // page_size) for n in seq_lens)
-    pool = KVPool(
-        (pages_needed + 8) * page_size, 2, KV_HEADS, HEAD_DIM, dtype, device, page_size=page_size
-    )
-    for buffer in pool.k_buffers + pool.v_buffers:
-        buffer.copy_(torch.randn(buffer.shape, generator=gen, device=device))
-    held = pool.alloc(pool.available())
-    assert held is not None
-    pages = held.view(-1, page_size)
-    order = torch.randperm(pages.shape[0], generator=gen, device=device)
-    pool.free(pages[order].reshape(-1))
-
-    req_pool = ReqToTokenPool(len(seq_lens) + 2, max(seq_lens) + 8, device)
-    rows, new_slots = [], []
-    for prefix, seq in zip(prefix_lens, seq_lens, strict=True):
-        row = req_pool.alloc()
-        slots = pool.alloc(-(-seq // page_size) * page_size)
-        assert row is not None and slots is not None
-        req_pool.req_to_token[row, :seq] = slots[:seq].to(torch.int32)
-        rows.append(row)
-        new_slots.append(slots[prefix:seq])
-
-    def ints(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=device)
-
-    num_tokens = sum(extend_lens)
-    positions = [p + i for p, e in zip(prefix_lens, extend_lens, strict=True) for i in range(e)]
-    batch = ForwardBatch(
+    """Llama-3-8B attention shapes over the shared noisy, shuffled pool."""
+    return attention_passes.make_pass(
+        prefix_lens,
+        extend_lens,
+        device=torch.device("cuda"),
+        heads=HEADS,
+        kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        page_size=page_size,
+        dtype=dtype,
         mode=mode,
-        input_ids=torch.zeros(num_tokens, dtype=torch.int64, device=device),
-        positions=ints(positions),
-        out_cache_loc=torch.cat(new_slots),
-        req_pool_indices=ints(rows),
-        seq_lens=ints(seq_lens),
-        extend_prefix_lens=ints(prefix_lens),
-        extend_seq_lens=ints(extend_lens),
-        extend_start_loc=ints([sum(extend_lens[:i]) for i in range(len(extend_lens))]),
-        req_to_token=req_pool.req_to_token,
-        kv_pool=pool,
-        seq_lens_cpu=seq_lens,
-        extend_prefix_lens_cpu=prefix_lens,
-        extend_seq_lens_cpu=extend_lens,
-    )
-    width = (HEADS + 2 * KV_HEADS) * HEAD_DIM
-    fused = torch.randn(num_tokens, width, generator=gen, device=device).to(dtype)
-    q, k, v = fused.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
-    return Pass(
-        batch,
-        q.reshape(num_tokens, HEADS, HEAD_DIM),
-        k.reshape(num_tokens, KV_HEADS, HEAD_DIM),
-        v.reshape(num_tokens, KV_HEADS, HEAD_DIM),
-        scale=1.3 / HEAD_DIM**0.5,
+        seed=seed,
     )
 
 

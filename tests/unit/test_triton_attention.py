@@ -13,8 +13,8 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -26,9 +26,10 @@ from radixserve.engine.attention.triton_backend import TritonAttentionBackend
 from radixserve.engine.attention.triton_ops.common import INTERPRETED
 from radixserve.engine.attention.triton_ops.decode import num_kv_splits
 from radixserve.engine.config import EngineConfig
-from radixserve.engine.forward_batch import ForwardBatch, ForwardMode
-from radixserve.engine.kvcache.pool import KVPool, ReqToTokenPool
+from radixserve.engine.forward_batch import ForwardMode
 from radixserve.engine.runner import make_attention_backend
+from tests.helpers import attention_passes
+from tests.helpers.attention_passes import Pass
 
 if not INTERPRETED and not torch.cuda.is_available():
     pytest.skip(
@@ -41,88 +42,8 @@ LAYER = 1  # not layer 0, so a backend that ignores layer_id reads the wrong buf
 FP32_MAX_REL_ERROR = 1e-4
 
 
-@dataclass
-class Pass:
-    """One forward pass's batch over a noise-filled pool, and this pass's q/k/v."""
-
-    batch: ForwardBatch
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    scale: float
-
-
-def make_pass(
-    prefix_lens: list[int],
-    extend_lens: list[int],
-    *,
-    heads: int = 8,
-    kv_heads: int = 2,
-    head_dim: int = 16,
-    page_size: int = 1,
-    dtype: torch.dtype = torch.float32,
-    mode: ForwardMode = ForwardMode.EXTEND,
-    seed: int = 0,
-) -> Pass:
-    """Requests lay their KV page by page over a shuffled free list, as the scheduler's
-    would after churn; every slot of every layer holds noise, so reading the wrong
-    slot, layer or padding shows up, and the cached prefixes are the noise at their
-    slots."""
-    gen = torch.Generator().manual_seed(seed)
-    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
-    pages_needed = sum(-(-n // page_size) for n in seq_lens)
-    pool = KVPool(
-        (pages_needed + 8) * page_size, 2, kv_heads, head_dim, dtype, DEVICE, page_size=page_size
-    )
-    for buffer in pool.k_buffers + pool.v_buffers:
-        buffer.copy_(torch.randn(buffer.shape, generator=gen).to(DEVICE))
-    held = pool.alloc(pool.available())
-    assert held is not None
-    pages = held.view(-1, page_size)
-    pool.free(pages[torch.randperm(pages.shape[0], generator=gen).to(DEVICE)].reshape(-1))
-
-    req_pool = ReqToTokenPool(len(seq_lens) + 2, max(seq_lens) + 8, DEVICE)
-    rows, new_slots = [], []
-    for prefix, seq in zip(prefix_lens, seq_lens, strict=True):
-        row = req_pool.alloc()
-        slots = pool.alloc(-(-seq // page_size) * page_size)
-        assert row is not None and slots is not None
-        req_pool.req_to_token[row, :seq] = slots[:seq].to(torch.int32)
-        rows.append(row)
-        new_slots.append(slots[prefix:seq])
-
-    def ints(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=DEVICE)
-
-    num_tokens = sum(extend_lens)
-    positions = [p + i for p, e in zip(prefix_lens, extend_lens, strict=True) for i in range(e)]
-    batch = ForwardBatch(
-        mode=mode,
-        input_ids=torch.zeros(num_tokens, dtype=torch.int64, device=DEVICE),
-        positions=ints(positions),
-        out_cache_loc=torch.cat(new_slots),
-        req_pool_indices=ints(rows),
-        seq_lens=ints(seq_lens),
-        extend_prefix_lens=ints(prefix_lens),
-        extend_seq_lens=ints(extend_lens),
-        extend_start_loc=ints([sum(extend_lens[:i]) for i in range(len(extend_lens))]),
-        req_to_token=req_pool.req_to_token,
-        kv_pool=pool,
-        seq_lens_cpu=seq_lens,
-        extend_prefix_lens_cpu=prefix_lens,
-        extend_seq_lens_cpu=extend_lens,
-    )
-    # q/k/v as the model hands them over: strided views of one fused projection.
-    width = (heads + 2 * kv_heads) * head_dim
-    fused = torch.randn(num_tokens, width, generator=gen).to(DEVICE, dtype)
-    q, k, v = fused.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-    return Pass(
-        batch,
-        q.reshape(num_tokens, heads, head_dim),
-        k.reshape(num_tokens, kv_heads, head_dim),
-        v.reshape(num_tokens, kv_heads, head_dim),
-        scale=1.3 / head_dim**0.5,  # not the default, so a backend ignoring `scale` fails
-    )
+def make_pass(prefix_lens: list[int], extend_lens: list[int], **kwargs: Any) -> Pass:
+    return attention_passes.make_pass(prefix_lens, extend_lens, device=DEVICE, **kwargs)
 
 
 def max_rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:

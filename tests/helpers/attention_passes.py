@@ -1,0 +1,97 @@
+"""Attention backend test inputs: one forward pass over a noisy, shuffled paged pool.
+
+Shared by the CPU (Triton interpreter) and the CUDA attention tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from radixserve.engine.forward_batch import ForwardBatch, ForwardMode
+from radixserve.engine.kvcache.pool import KVPool, ReqToTokenPool
+
+
+@dataclass
+class Pass:
+    batch: ForwardBatch
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    scale: float
+
+
+def make_pass(
+    prefix_lens: list[int],
+    extend_lens: list[int],
+    *,
+    device: torch.device,
+    heads: int = 8,
+    kv_heads: int = 2,
+    head_dim: int = 16,
+    page_size: int = 1,
+    dtype: torch.dtype = torch.float32,
+    mode: ForwardMode = ForwardMode.EXTEND,
+    seed: int = 0,
+) -> Pass:
+    """Requests lay their KV page by page over a shuffled free list, as the scheduler's
+    would after churn; every slot of every layer holds noise, so reading the wrong
+    slot, layer or padding shows up, and the cached prefixes are the noise at their
+    slots."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
+    pages_needed = sum(-(-n // page_size) for n in seq_lens)
+    pool = KVPool(
+        (pages_needed + 8) * page_size, 2, kv_heads, head_dim, dtype, device, page_size=page_size
+    )
+    for buffer in pool.k_buffers + pool.v_buffers:
+        buffer.copy_(torch.randn(buffer.shape, generator=gen, device=device))
+    held = pool.alloc(pool.available())
+    assert held is not None
+    pages = held.view(-1, page_size)
+    order = torch.randperm(pages.shape[0], generator=gen, device=device)
+    pool.free(pages[order].reshape(-1))
+
+    req_pool = ReqToTokenPool(len(seq_lens) + 2, max(seq_lens) + 8, device)
+    rows, new_slots = [], []
+    for prefix, seq in zip(prefix_lens, seq_lens, strict=True):
+        row = req_pool.alloc()
+        slots = pool.alloc(-(-seq // page_size) * page_size)
+        assert row is not None and slots is not None
+        req_pool.req_to_token[row, :seq] = slots[:seq].to(torch.int32)
+        rows.append(row)
+        new_slots.append(slots[prefix:seq])
+
+    def ints(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    num_tokens = sum(extend_lens)
+    positions = [p + i for p, e in zip(prefix_lens, extend_lens, strict=True) for i in range(e)]
+    batch = ForwardBatch(
+        mode=mode,
+        input_ids=torch.zeros(num_tokens, dtype=torch.int64, device=device),
+        positions=ints(positions),
+        out_cache_loc=torch.cat(new_slots),
+        req_pool_indices=ints(rows),
+        seq_lens=ints(seq_lens),
+        extend_prefix_lens=ints(prefix_lens),
+        extend_seq_lens=ints(extend_lens),
+        extend_start_loc=ints([sum(extend_lens[:i]) for i in range(len(extend_lens))]),
+        req_to_token=req_pool.req_to_token,
+        kv_pool=pool,
+        seq_lens_cpu=seq_lens,
+        extend_prefix_lens_cpu=prefix_lens,
+        extend_seq_lens_cpu=extend_lens,
+    )
+    # q/k/v as the model hands them over: strided views of one fused projection.
+    width = (heads + 2 * kv_heads) * head_dim
+    fused = torch.randn(num_tokens, width, generator=gen, device=device).to(dtype)
+    q, k, v = fused.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    return Pass(
+        batch,
+        q.reshape(num_tokens, heads, head_dim),
+        k.reshape(num_tokens, kv_heads, head_dim),
+        v.reshape(num_tokens, kv_heads, head_dim),
+        scale=1.3 / head_dim**0.5,  # not the default, so a backend ignoring `scale` fails
+    )
