@@ -71,3 +71,44 @@ def online_softmax_step(qk, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
     # p goes to the value dtype so 16-bit inputs use the tensor cores; acc stays fp32.
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_new, acc
+
+
+@triton.jit
+def attend_paged_block(
+    q,
+    kv_indices,
+    offs_n,
+    n_mask,
+    K_Buffer,
+    V_Buffer,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    kv_head,
+    offs_d,
+    d_mask,
+    sm_scale_log2,
+    m_i,
+    l_i,
+    acc,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One block of keys read through the slot table (`kv_indices + offs_n`), folded
+    into the running softmax: the loop body the decode and extend kernels share."""
+    # int64 before scaling by the row stride: slot * stride overflows int32 in large pools.
+    slots = tl.load(kv_indices + offs_n, mask=n_mask, other=0).to(tl.int64)
+    kv_mask = n_mask[:, None] & d_mask[None, :]
+    k = tl.load(
+        K_Buffer + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
+        mask=kv_mask,
+        other=0.0,
+    ).to(q.dtype)
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2
+    qk = tl.where(n_mask[None, :], qk, float("-inf"))
+    v = tl.load(
+        V_Buffer + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
+        mask=kv_mask,
+        other=0.0,
+    ).to(q.dtype)
+    return online_softmax_step(qk, v, m_i, l_i, acc, DOT_PRECISION)

@@ -23,8 +23,8 @@ import triton.language as tl
 
 from radixserve.engine.attention.triton_ops.common import (
     LOG2E,
+    attend_paged_block,
     dot_precision,
-    online_softmax_step,
 )
 
 # tl.dot needs at least 16 rows; a GQA group smaller than this leaves rows masked.
@@ -103,23 +103,26 @@ def _decode_split_kernel(
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < hi
-        # int64 before scaling by the row stride: slot * stride overflows int32 in
-        # large pools.
-        slots = tl.load(kv_indices + kv_start + offs_n, mask=n_mask, other=0).to(tl.int64)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(
-            K_Buffer + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        ).to(q.dtype)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2
-        qk = tl.where(n_mask[None, :], qk, float("-inf"))
-        v = tl.load(
-            V_Buffer + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        ).to(q.dtype)
-        m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, DOT_PRECISION)
+        m_i, l_i, acc = attend_paged_block(
+            q,
+            kv_indices + kv_start,
+            offs_n,
+            n_mask,
+            K_Buffer,
+            V_Buffer,
+            stride_kt,
+            stride_kh,
+            stride_vt,
+            stride_vh,
+            kv_head,
+            offs_d,
+            d_mask,
+            sm_scale_log2,
+            m_i,
+            l_i,
+            acc,
+            DOT_PRECISION,
+        )
 
     if hi > lo:
         mid = req * stride_mid_t + heads * stride_mid_h + split * stride_mid_s
