@@ -9,4 +9,4 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
-pytest_plugins = ["tests.fixtures.servers"]
+pytest_plugins = ["tests.fixtures.servers", "tests.fixtures.gateway"]

@@ -1,0 +1,162 @@
+"""The gateway when things fail: SIGTERM drain with Redis down, NATS down and back,
+and the Redis record writer on its own (never blocks the request path)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import pytest
+
+from radixserve.bus import Bus
+from radixserve.infra import NatsServer, free_port
+from radixserve.protocol import (
+    Subjects,
+)
+from radixserve.services.gateway.records import RecordWriter
+from radixserve.store import Store, StoreSettings
+from radixserve.telemetry import GatewayMetrics
+from tests.fixtures.gateway import (
+    WAIT_S,
+    FakePipeline,
+    _start_gateway,
+    expected_text,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+# -- drain --------------------------------------------------------------------------------------
+
+
+async def test_sigterm_drains_in_flight_requests_then_exits_with_redis_down(
+    nats_url: str, redis_url: str, tmp_path: Path
+) -> None:
+    # Redis is down for this gateway: requests are served all the same.
+    dead_redis = f"redis://127.0.0.1:{free_port()}/0"
+    gen = _start_gateway(nats_url, dead_redis, tmp_path / "drain.log")
+    gateway = next(gen)
+    bus = await Bus.connect(nats_url)
+    fake = FakePipeline(bus, Subjects(gateway.prefix))
+    try:
+        await fake.start()
+        async with httpx.AsyncClient(base_url=gateway.base_url, timeout=WAIT_S) as http:
+            slow = asyncio.create_task(http.post("/v1/completions", json={"prompt": "slow"}))
+            await fake.next_submit()
+            # Its record write failed and was counted; reading records is a 503.
+            deadline = time.monotonic() + WAIT_S
+            while "radixserve:store_write_failures_total 0.0" in (await http.get("/metrics")).text:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            record = await http.get("/v1/requests/anything")
+            assert record.status_code == 503
+            assert record.json()["error"]["code"] == "store_unavailable"
+            gateway.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + WAIT_S
+            while True:  # new requests are refused while the slow one finishes
+                refused = await http.post("/v1/completions", json={"prompt": "late"})
+                if refused.status_code == 503:
+                    break
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            assert refused.json()["error"]["code"] == "draining"
+            finished = await slow
+        assert finished.status_code == 200, finished.text
+        assert finished.json()["choices"][0]["text"] == expected_text("slow", 0, 4)
+        code = await asyncio.to_thread(gateway.proc.wait, 15)
+        assert code == 0, gateway.log()
+    finally:
+        await bus.close()
+        gen.close()
+        if os.environ.get("RADIXSERVE_TEST_SHOW_LOGS"):
+            print(gateway.log())
+
+
+async def test_nats_down_is_503_and_recovers(
+    private_nats: NatsServer, redis_url: str, tmp_path: Path
+) -> None:
+    gen = _start_gateway(private_nats.url, redis_url, tmp_path / "nats_down.log")
+    gateway = next(gen)
+    try:
+        async with httpx.AsyncClient(base_url=gateway.base_url, timeout=WAIT_S) as http:
+            private_nats.kill()
+            deadline = time.monotonic() + WAIT_S
+            while (await http.get("/health")).status_code != 503:
+                assert time.monotonic() < deadline, gateway.log()
+                await asyncio.sleep(0.05)
+            refused = await http.post("/v1/completions", json={"prompt": "x"})
+            assert refused.status_code == 503
+            assert refused.json()["error"]["code"] == "no_bus"
+            assert refused.headers["retry-after"] == "1"
+            private_nats.start()
+            deadline = time.monotonic() + WAIT_S
+            while (await http.get("/health")).status_code != 200:
+                assert time.monotonic() < deadline, gateway.log()
+                await asyncio.sleep(0.05)
+    finally:
+        gen.close()
+
+
+# -- the record writer on its own: Redis slow or down never blocks the request path ------------
+
+
+def failures(metrics: GatewayMetrics) -> float | None:
+    return metrics.registry.get_sample_value("radixserve:store_write_failures_total")
+
+
+async def test_record_writer_writes_in_order_and_drops_when_redis_is_down(
+    redis_url: str,
+) -> None:
+    metrics = GatewayMetrics()
+    prefix = f"test-{uuid.uuid4().hex[:8]}:"
+    store = Store(StoreSettings(url=redis_url, key_prefix=prefix))
+    writer = RecordWriter(store, ttl_s=60, metrics=metrics)
+    task = asyncio.create_task(writer.run())
+    try:
+        writer.put("r1", {"state": "received", "n": 1})
+        writer.update("r1", {"state": "finished", "prompt_tokens": 4, "finished_at": 1.5})
+        writer.update("ghost", {"state": "finished"})  # no record: nothing written
+        assert await writer.flush(timeout_s=5.0)
+        record = await writer.get("r1")
+        assert record == {
+            "id": "r1",
+            "state": "finished",
+            "n": 1,
+            "prompt_tokens": 4,
+            "finished_at": 1.5,
+        }
+        assert await writer.get("ghost") is None
+        ttl = await store.request_ttl_s("r1")
+        assert ttl is not None and 0 < ttl <= 60
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await store.delete_request("r1")
+        await store.close()
+    assert failures(metrics) == 0
+
+    dead = Store(
+        StoreSettings(
+            url=f"redis://127.0.0.1:{free_port()}/0", connect_timeout_s=0.2, socket_timeout_s=0.2
+        )
+    )
+    down = RecordWriter(dead, ttl_s=60, metrics=metrics, max_pending=2, write_timeout_s=0.5)
+    started = time.monotonic()
+    for i in range(5):  # two queued, three dropped at once: the caller never waits
+        down.put(f"r{i}", {"state": "received"})
+    assert time.monotonic() - started < 0.05
+    assert failures(metrics) == 3
+    task = asyncio.create_task(down.run())
+    try:
+        assert await down.flush(timeout_s=5.0)
+        await asyncio.sleep(0.6)  # let the last write time out or fail
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await dead.close()
+    assert failures(metrics) == 5
