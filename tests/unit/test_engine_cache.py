@@ -79,3 +79,45 @@ def test_flush_cache(tiny_llama_dir: Path) -> None:
     assert engine.scheduler.usage().free_tokens == engine.runner.kv_pool.size
     out = engine.generate(input_ids=ids, sampling_params=greedy_params(4))
     assert isinstance(out, dict) and out["meta_info"]["cached_tokens"] == 0
+
+
+def test_prefix_is_shared_while_its_first_request_decodes(tiny_llama_dir: Path) -> None:
+    """The prompt's KV enters the cache when its prefill completes, so a request that
+    arrives while the first one still decodes reuses it (and gets the same tokens)."""
+    engine = _engine(tiny_llama_dir)
+    prefix, tail_a, tail_b = make_prompts(engine.runner.vocab_size, [300, 10, 12], seed=3)
+    first = engine.submit(prefix + tail_a, greedy_params(16))
+    engine.step()  # A's whole prompt in one prefill; A now decodes
+    assert engine._groups[first].choices[0].status is ReqStatus.RUNNING
+    second = engine.submit(prefix + tail_b, greedy_params(8))
+    finals = {}
+    while engine.has_work():
+        for out in engine.step():
+            if out.finished:
+                finals[out.rid] = out.req
+    assert finals[second].cached_tokens >= len(prefix)
+    assert engine.num_tracked() == 0
+    usage = engine.scheduler.usage()
+    assert usage.free_tokens + usage.evictable_tokens == usage.pool_size
+    reference = engine_outputs(
+        _engine(tiny_llama_dir, disable_radix_cache=True), [prefix + tail_b], 8
+    )
+    assert finals[second].output_ids == reference[0]
+
+
+def test_one_batch_of_one_prefix_keeps_one_copy(tiny_llama_dir: Path) -> None:
+    """Requests of one prefix prefilled in the same step each compute it, but once their
+    prefill completes the duplicates go back to the pool: one cached copy remains."""
+    engine = _engine(tiny_llama_dir)
+    prefix, *tails = make_prompts(engine.runner.vocab_size, [200, 5, 6, 7], seed=4)
+    for tail in tails:
+        engine.submit(prefix + tail, greedy_params(20))
+    engine.step()  # all three prefilled together
+    usage = engine.scheduler.usage()
+    # The prompts sit in the cache (locked) with the prefix held once; nothing else is used.
+    held = len(prefix) + sum(len(t) for t in tails)
+    assert usage.protected_tokens == held and usage.in_flight_tokens == 0
+    assert usage.used_tokens == held
+    while engine.has_work():
+        engine.step()
+    assert engine.num_tracked() == 0

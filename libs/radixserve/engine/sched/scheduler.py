@@ -227,7 +227,10 @@ class Scheduler:
         outputs: list[StepOutput] = []
         ready = [i for i, r in enumerate(reqs) if r.kv_len == r.seq_len]
         for req in reqs:
-            if req.kv_len < req.seq_len:  # mid-chunk: its KV is cached between chunks
+            # Mid-chunk, and once its prefill completes: the prompt's KV goes into the
+            # cache now (not when the request ends), so requests that arrive while it
+            # decodes share the prefix instead of computing it again.
+            if req.kv_len < req.seq_len or not req.prefill_done:
                 self.kv.cache_unfinished(req)
         if not ready:
             return outputs
