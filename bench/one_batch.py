@@ -3,8 +3,9 @@
 Like SGLang's bench_one_batch: a Llama-3.1-8B-shaped model with random bf16 weights is
 built on the device (no download: `load_format="dummy"`, the folder holds only
 config.json and tokenizer files), then for each batch size B: one prefill of B
-prompts of `--input-len` tokens, then `--output-len` decode steps, each timed with a
-device sync. The same run measures the device's read bandwidth (a large
+prompts of `--input-len` tokens (timed with a device sync), then `--output-len` decode
+steps back to back, timed together with one sync at the end (so overlap scheduling
+counts, as it does for a client). The same run measures the device's read bandwidth (a large
 device-to-device copy) and bf16 matmul rate, and reports each figure as a ratio to
 its roofline:
 
@@ -14,8 +15,9 @@ its roofline:
 Decode runs with and without CUDA graphs (`--cuda-graph both`, the default; `on` or
 `off` for one of them). `--breakdown` adds, per decode step, the host time of each
 scheduler phase (plan: slots and retraction; build: the ForwardBatch; launch: the
-forward call until it returns; process: sampling and bookkeeping, which waits for the
-device) and the device time of the forward (CUDA events around it). `--profile-bs N`
+forward and sampling calls until they return; read: reading the sampled ids, which
+waits for them, and bookkeeping) and the device time of the forward (CUDA events
+around it). `--profile-bs N`
 writes the device kernels of a few decode steps at batch size N (torch.profiler) to
 `--profile-dir`. Against a tree without CUDA graphs (an older commit on PYTHONPATH)
 the decode rows say graphs "n/a".
@@ -132,7 +134,7 @@ class PhaseTimer:
         self.samples: dict[str, list[float]] = {}
         sched = engine.scheduler
         self._restore: list[Callable[[], None]] = []
-        for name in ("_plan_decode", "_process"):
+        for name in ("_plan_decode", "_launch", "_read"):
             self._wrap_attr(sched, name, name.strip("_").split("_")[0])
         self._wrap_attr(sched_module, "build_forward_batch", "build")
         self._wrap_forward(engine.runner)
@@ -160,7 +162,7 @@ class PhaseTimer:
             start.record()
             out = original(batch)
             end.record()
-            self.samples.setdefault("launch", []).append(time.perf_counter() - t0)
+            self.samples.setdefault("forward_call", []).append(time.perf_counter() - t0)
             self.events.append((start, end))
             return out
 
@@ -262,21 +264,23 @@ def run_backend(
             engine.step()  # the whole batch's prefill (one chunk: no chunking here)
             sync()
             prefill_s = time.perf_counter() - t0
-            steps = []
             if timer is not None:
                 timer.reset()  # decode steps only
-            for _ in range(args.output_len - 1):
-                t0 = time.perf_counter()
+            # Back to back, one sync at the end: what a client sees between tokens, and
+            # what overlap scheduling (host planning step N+1 while the device runs step
+            # N) can hide. A sync per step would serialise host and device again.
+            num_steps = args.output_len - 1
+            t0 = time.perf_counter()
+            for _ in range(num_steps):
                 engine.step()
-                sync()
-                steps.append(time.perf_counter() - t0)
+            sync()
+            decode_s = (time.perf_counter() - t0) / num_steps
             breakdown = timer.medians() if timer is not None else {}
             while engine.has_work():
                 engine.step()
             assert engine.num_tracked() == 0, rids
             if warm:
                 continue
-        decode_s = statistics.median(steps)
         mean_ctx = args.input_len + args.output_len / 2
         decode_bytes = weight_bytes + bs * mean_ctx * kv_per_token
         decode_roofline = decode_bytes / bandwidth

@@ -34,6 +34,9 @@ class EngineConfig:
     # at start-up for batch sizes up to cuda_graph_max_bs (capped by max_running_requests).
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 256
+    # Overlap scheduling (CUDA only; the CPU has nothing to overlap): the host plans and
+    # launches step N+1 while the device runs step N, reading step N's tokens one step late.
+    disable_overlap_schedule: bool = False
     # Scheduling.
     schedule_policy: str = "lpm"
     chunked_prefill_size: int = 2048  # <= 0: no chunking

@@ -62,6 +62,11 @@ class Req:
     prefill_done: bool = False  # whole fill_ids minus the last token have KV
     # Per-step plan.
     extend_len: int = 0
+    # Overlap scheduling: tokens sampled on the device whose ids the host has not read
+    # yet (0 or 1 between steps); the next step's input refers to row `future_row` of
+    # the sampled ids of the step in flight. output_ids holds only the tokens read.
+    num_pending: int = 0
+    future_row: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
     # Stop strings: the output text, checked after every new token (only if params.stop).
     stop_text_tail: str = ""
@@ -78,7 +83,8 @@ class Req:
 
     @property
     def seq_len(self) -> int:
-        return len(self.origin_input_ids) + len(self.output_ids)
+        """Prompt + outputs, counting the ones still on the device (num_pending)."""
+        return len(self.origin_input_ids) + len(self.output_ids) + self.num_pending
 
     @property
     def finished(self) -> bool:
@@ -86,4 +92,4 @@ class Req:
 
     @property
     def remaining_new_tokens(self) -> int:
-        return max(self.params.max_new_tokens - len(self.output_ids), 0)
+        return max(self.params.max_new_tokens - len(self.output_ids) - self.num_pending, 0)

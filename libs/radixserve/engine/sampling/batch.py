@@ -16,6 +16,7 @@ import torch
 from radixserve.engine.sampling.noise import row_uniforms
 from radixserve.engine.sampling.params import SamplingParams
 from radixserve.engine.sampling.penalties import Penalties, StopTokenMask
+from radixserve.engine.transfer import upload
 
 # Above this top-k a full sort beats torch.topk.
 MAX_TOPK_WITHOUT_SORT = 1024
@@ -34,6 +35,8 @@ class SamplingInput(Protocol):
     def stop_token_ids(self) -> Set[int]: ...  # eos (unless ignore_eos) + params.stop_token_ids
     @property
     def seed(self) -> int: ...  # resolved when the request was created (resolve_seed)
+    @property
+    def num_pending(self) -> int: ...  # outputs sampled but not in output_ids yet (overlap)
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,7 @@ class SamplingRequest:
     origin_input_ids: Sequence[int] = ()
     output_ids: Sequence[int] = ()
     stop_token_ids: Set[int] = field(default_factory=frozenset)
+    num_pending: int = 0
 
 
 @dataclass(frozen=True)
@@ -104,7 +108,7 @@ class SamplingBatch:
         )
         stop_mask = StopTokenMask.build(
             [sorted(req.stop_token_ids) for req in reqs],
-            [len(out) for out in outputs],
+            [len(req.output_ids) + req.num_pending for req in reqs],
             [p.min_new_tokens for p in params],
             vocab_size,
             device,
@@ -132,17 +136,23 @@ def _build_sampled_rows(
     top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
     top_ps = [p.top_p if p.top_p < 1.0 else float("inf") for p in params]
     # The draw depends on (seed, output position) only: see noise.py.
-    uniforms = row_uniforms([reqs[r].seed for r in rows], [len(reqs[r].output_ids) for r in rows])
-    # One upload for the floats and one for the ints.
-    floats = torch.stack(
-        [
-            torch.tensor([p.temperature for p in params], dtype=torch.float32),
-            torch.tensor(top_ps, dtype=torch.float32),
-            torch.tensor([p.min_p for p in params], dtype=torch.float32),
-            torch.from_numpy(uniforms),
-        ]
-    ).to(device)
-    ints = torch.tensor([rows, top_ks], dtype=torch.int64).to(device)
+    uniforms = row_uniforms(
+        [reqs[r].seed for r in rows],
+        [len(reqs[r].output_ids) + reqs[r].num_pending for r in rows],
+    )
+    # One upload for the floats and one for the ints; neither waits for the device.
+    floats = upload(
+        torch.stack(
+            [
+                torch.tensor([p.temperature for p in params], dtype=torch.float32),
+                torch.tensor(top_ps, dtype=torch.float32),
+                torch.tensor([p.min_p for p in params], dtype=torch.float32),
+                torch.from_numpy(uniforms),
+            ]
+        ),
+        device,
+    )
+    ints = upload(torch.tensor([rows, top_ks], dtype=torch.int64), device)
     enabled_ks = [k for k in top_ks if k < vocab_size]
     return SampledRows(
         rows=ints[0],

@@ -19,6 +19,8 @@ from itertools import chain
 import numpy as np
 import torch
 
+from radixserve.engine.transfer import upload
+
 
 def flat_token_index(
     rows: Sequence[int],
@@ -128,7 +130,7 @@ class StopTokenMask:
         index = flat_token_index(rows, [stop_ids[r] for r in rows], vocab_size, "a stop set")
         if index is None:
             return None
-        return cls((index[0] * vocab_size + index[1]).to(device))
+        return cls(upload(index[0] * vocab_size + index[1], device))
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         # index_fill takes a Python scalar: no host-to-device copy of the fill value.

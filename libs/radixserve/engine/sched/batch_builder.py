@@ -19,14 +19,25 @@ from radixserve.engine.request import Req
 
 def tokens_at(req: Req, start: int, end: int) -> list[int]:
     """The request's token ids at positions [start, end) of prompt + output, without
-    building the whole concatenation (`Req.fill_ids`) for a slice of it."""
+    building the whole concatenation (`Req.fill_ids`) for a slice of it. A token still
+    on the device (overlap scheduling) is `future_id(req)`, resolved on the device."""
     prompt = req.origin_input_ids
     n = len(prompt)
     if end <= n:
         return prompt[start:end]
+    known = n + len(req.output_ids)
+    if end > known:
+        assert end == known + 1 and req.num_pending, "only the last token can be pending"
+        return [*tokens_at(req, start, known), future_id(req)]
     if start >= n:
         return req.output_ids[start - n : end - n]
     return prompt[start:] + req.output_ids[: end - n]
+
+
+def future_id(req: Req) -> int:
+    """The input id standing for the request's pending token: -(its row + 1) in the
+    sampled ids of the step in flight (see sched/overlap.py)."""
+    return -(req.future_row + 1)
 
 
 def build_forward_batch(
@@ -49,7 +60,11 @@ def _build_decode(
         assert req.req_pool_idx is not None
         pos = req.kv_len
         prompt = req.origin_input_ids
-        input_ids.append(prompt[pos] if pos < len(prompt) else req.output_ids[pos - len(prompt)])
+        out = pos - len(prompt)
+        if out < 0:
+            input_ids.append(prompt[pos])
+        else:
+            input_ids.append(req.output_ids[out] if out < len(req.output_ids) else future_id(req))
         kv_lens.append(pos)
         rows.append(req.req_pool_idx)
     seq_lens = [n + 1 for n in kv_lens]

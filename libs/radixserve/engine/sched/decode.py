@@ -24,6 +24,7 @@ class DecodeMemory:
 
 def retract(kv: KVManager, req: Req) -> None:
     """Give back the request's KV (its computed pages stay in the cache) and mark it waiting."""
+    assert req.num_pending == 0, "retracting a request whose last token is still on the device"
     kv.release(req)
     req.status = ReqStatus.WAITING
     req.prefill_done = False

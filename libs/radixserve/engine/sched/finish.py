@@ -28,7 +28,7 @@ def check_finished(
         return FinishReason("stop")
     if num_out >= params.max_new_tokens:
         return FinishReason("length")
-    if req.seq_len >= context_len:
+    if len(req.origin_input_ids) + num_out >= context_len:  # the tokens read, not pending
         return FinishReason("length", message="reached the model's context length")
     return None
 

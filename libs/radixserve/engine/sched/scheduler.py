@@ -1,10 +1,12 @@
-"""The per-iteration batch scheduler: one `step()` = plan, forward, sample, bookkeeping.
+"""The per-iteration batch scheduler: one `step()` = plan, launch, read tokens, bookkeeping.
 
 Each step: make room for every running request's next token (retracting if the
 pool is short), admit waiting requests through the prefill adder (the request
-mid-chunk first), run one forward over decode and prefill requests together
-(mixed batch), sample the requests whose prompt is fully in KV, and finish or
-continue each one.
+mid-chunk first), launch one forward over decode and prefill requests together
+(mixed batch) and the sampling of the requests whose prompt is fully in KV, then
+read the sampled tokens and finish or continue each request. With overlap
+scheduling (sched/overlap.py) the tokens read are the previous step's, while the
+device runs this one.
 """
 
 from __future__ import annotations
@@ -20,16 +22,17 @@ from radixserve.engine.config import EngineConfig
 from radixserve.engine.constrained import jump_forward, sample_with_grammar
 from radixserve.engine.forward_batch import ForwardBatch
 from radixserve.engine.kvcache.base import PrefixCache
-from radixserve.engine.kvcache.pool import KVPool, ReqToTokenPool
+from radixserve.engine.kvcache.pool import KVPool, ReqToTokenPool, upload_int64
 from radixserve.engine.request import FinishReason, Req, ReqStatus, TokenLogprob
 from radixserve.engine.sampling.batch import SamplingBatch
-from radixserve.engine.sampling.sampler import SampleResult
 from radixserve.engine.sched.batch_builder import build_forward_batch
 from radixserve.engine.sched.decode import ensure_decode_memory, retract
 from radixserve.engine.sched.finish import Detokenize, check_finished
 from radixserve.engine.sched.kv_manager import KVManager, KVUsage
+from radixserve.engine.sched.overlap import Launched, needs_exact_state, resolve_future_inputs
 from radixserve.engine.sched.policy import order_waiting
 from radixserve.engine.sched.prefill import AddResult, PrefillAdder, future_tokens
+from radixserve.engine.transfer import HostCopy
 
 
 class Runner(Protocol):
@@ -74,6 +77,9 @@ class Scheduler:
         self.new_token_ratio = config.init_new_token_ratio
         self._arrivals = itertools.count()
         self._pending: list[StepOutput] = []  # aborts and rejections to report on next step
+        # Overlap scheduling: on CUDA unless disabled (tests may set it on the CPU).
+        self.overlap = not config.disable_overlap_schedule and runner.device.type == "cuda"
+        self._inflight: Launched | None = None  # launched, tokens not read yet
         # Counters tests and metrics read.
         self.total_prefill_tokens = 0
         self.total_cached_tokens = 0
@@ -103,7 +109,7 @@ class Scheduler:
         return False
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.chunked or self._pending)
+        return bool(self.waiting or self.running or self.chunked or self._pending or self._inflight)
 
     def holders(self) -> list[Req]:
         """Requests that hold KV slots now."""
@@ -117,7 +123,7 @@ class Scheduler:
 
     def flush_cache(self) -> bool:
         """Empty the prefix cache; only when idle (running requests hold cached prefixes)."""
-        if self.running or self.chunked:
+        if self.running or self.chunked or self._inflight:
             return False
         self.kv.cache.reset()
         self.kv.kv_pool.clear()
@@ -133,6 +139,8 @@ class Scheduler:
 
     def _step(self) -> list[StepOutput]:
         outputs, self._pending = self._pending, []
+        if self._inflight is not None and any(needs_exact_state(r) for r in self.running):
+            outputs.extend(self._drain())
         decode_reqs = self._plan_decode(outputs)
         prefill_reqs = self._plan_prefill(decode_reqs)
         if prefill_reqs and not self.config.enable_mixed_chunk and decode_reqs:
@@ -142,6 +150,9 @@ class Scheduler:
             decode_reqs = []
         batch_reqs = decode_reqs + prefill_reqs
         if not batch_reqs:
+            if self._inflight is not None:  # plan again once its tokens are known
+                outputs.extend(self._drain())
+                return outputs
             if self.waiting and not self.running and self.chunked is None:
                 # Nothing runs, so nothing will free memory: the head request can never fit.
                 req = self.waiting.popleft()
@@ -152,8 +163,13 @@ class Scheduler:
                 )
             return outputs
         self.total_prefill_tokens += sum(r.extend_len for r in prefill_reqs)
-        logits = self._forward(batch_reqs)
-        outputs.extend(self._process(batch_reqs, logits))
+        launched = self._launch(batch_reqs)
+        # The previous step's tokens, read while the device runs this one.
+        outputs.extend(self._drain())
+        if self.overlap:
+            self._inflight = launched
+        else:
+            outputs.extend(self._read(launched))
         if decode_reqs and not prefill_reqs:
             self.new_token_ratio = max(
                 self.config.min_new_token_ratio,
@@ -161,10 +177,27 @@ class Scheduler:
             )
         return outputs
 
+    def _drain(self) -> list[StepOutput]:
+        """Read the tokens of the step in flight, if any."""
+        launched, self._inflight = self._inflight, None
+        return [] if launched is None else self._read(launched)
+
     def _plan_decode(self, outputs: list[StepOutput]) -> list[Req]:
         if not self.running:
             return []
-        memory = ensure_decode_memory(self.kv, self.running, self.chunked)
+        # Requests whose pending token is their last (length or context limit) wait for
+        # it to be read; they are not decoded again.
+        finishing = [
+            r for r in self.running if r.remaining_new_tokens == 0 or r.seq_len >= self.context_len
+        ]
+        decoding = [r for r in self.running if r not in finishing] if finishing else self.running
+        if self._inflight is not None and self.kv.available_tokens() < self.kv.decode_slots_needed(
+            decoding
+        ):
+            # Retraction needs every token on the host: read the step in flight first.
+            outputs.extend(self._drain())
+            return self._plan_decode(outputs)
+        memory = ensure_decode_memory(self.kv, decoding, self.chunked)
         if self.chunked is not None and self.chunked in memory.retracted:
             self.chunked = None
         for req in reversed(memory.retracted):
@@ -178,11 +211,11 @@ class Scheduler:
                     req, FinishReason("abort", message="KV cache too small for this request")
                 )
             )
-        self.running = memory.keep
-        for req in self.running:
+        self.running = memory.keep + finishing
+        for req in memory.keep:
             req.extend_len = 1
-        self.kv.assign_decode_slots(self.running)  # one allocation and upload for all
-        return list(self.running)
+        self.kv.assign_decode_slots(memory.keep)  # one allocation and upload for all
+        return list(memory.keep)
 
     def _unassign_one(self, req: Req) -> None:
         self.kv.unassign_new_slots(req, 1)
@@ -215,16 +248,18 @@ class Scheduler:
         self.chunked = adder.chunked
         return adder.admitted
 
-    def _forward(self, reqs: list[Req]) -> torch.Tensor:
-        batch = build_forward_batch(reqs, self.kv.kv_pool, self.kv.req_pool, self.runner.device)
+    def _launch(self, reqs: list[Req]) -> Launched:
+        """Queue the forward and the sampling of the ready requests; nothing waits for the
+        device. Prompts whose prefill completes (or a chunk of one) go into the cache."""
+        device = self.runner.device
+        batch = build_forward_batch(reqs, self.kv.kv_pool, self.kv.req_pool, device)
+        if any(r.num_pending for r in reqs):
+            assert self._inflight is not None and self._inflight.next_ids is not None
+            resolve_future_inputs(batch.input_ids, self._inflight.next_ids)
         logits = self.runner.forward(batch)
         for req in reqs:
             req.kv_len += req.extend_len
             req.extend_len = 0
-        return logits
-
-    def _process(self, reqs: list[Req], logits: torch.Tensor) -> list[StepOutput]:
-        outputs: list[StepOutput] = []
         ready = [i for i, r in enumerate(reqs) if r.kv_len == r.seq_len]
         for req in reqs:
             # Mid-chunk, and once its prefill completes: the prompt's KV goes into the
@@ -233,28 +268,57 @@ class Scheduler:
             if req.kv_len < req.seq_len or not req.prefill_done:
                 self.kv.cache_unfinished(req)
         if not ready:
-            return outputs
+            return Launched([], [], None, None)
         ready_reqs = [reqs[i] for i in ready]
         sampling = SamplingBatch.build(ready_reqs, self.runner.vocab_size, logits.device)
+        rows = logits if len(ready) == len(reqs) else logits[upload_int64(ready, logits.device)]
         # Constrained rows get their grammar's token mask first (engine/constrained).
-        result = sample_with_grammar(logits[ready], sampling, ready_reqs)
-        next_ids = result.next_token_ids.tolist()
-        for row, (req, token) in enumerate(zip(ready_reqs, next_ids, strict=True)):
+        result = sample_with_grammar(rows, sampling, ready_reqs)
+        takes_token = []
+        for row, req in enumerate(ready_reqs):
             if not req.prefill_done:
                 req.prefill_done = True
                 self.total_cached_tokens += req.cached_tokens if req.num_retractions == 0 else 0
                 if req not in self.running:
                     self.running.append(req)
-            if req.remaining_new_tokens == 0:  # prefill-only (n > 1 parents)
+            takes = req.remaining_new_tokens > 0  # not a prefill-only request (n > 1)
+            if takes:
+                req.num_pending += 1
+                req.future_row = row
+            takes_token.append(takes)
+        host = HostCopy(
+            [
+                result.next_token_ids,
+                result.logprobs,
+                result.top_logprob_ids,
+                result.top_logprob_values,
+            ]
+        )
+        return Launched(ready_reqs, takes_token, result.next_token_ids, host)
+
+    def _read(self, launched: Launched) -> list[StepOutput]:
+        """Read a launched step's tokens (waiting for them alone) and finish or continue
+        each request that sampled."""
+        outputs: list[StepOutput] = []
+        if launched.host is None:
+            return outputs
+        ids, logprobs, top_ids, top_values = launched.host.wait()
+        assert ids is not None
+        next_ids = ids.tolist()
+        for row, (req, token) in enumerate(zip(launched.ready, next_ids, strict=True)):
+            if req.finished:
+                continue  # aborted, or stopped on the token before: this one is dropped
+            if not launched.takes_token[row]:  # prefill-only (n > 1 parents)
                 outputs.append(self._finish_running(req, FinishReason("length")))
                 continue
+            req.num_pending -= 1
             if req.grammar is not None and not req.grammar.accept(token):
                 # Only when the mask admitted nothing (a complete grammar whose stop token
                 # min_new_tokens forbids): end the request rather than emit a bad token.
                 outputs.append(self._finish_running(req, FinishReason("stop")))
                 continue
             req.output_ids.append(token)
-            new_logprobs = self._logprobs(req, result, row, token)
+            new_logprobs = self._logprobs(req, row, token, logprobs, top_ids, top_values)
             reason = check_finished(req, self.context_len, self.detokenize)
             if reason is not None:
                 out = self._finish_running(req, reason)
@@ -287,14 +351,23 @@ class Scheduler:
                 retract(self.kv, req)
                 self.waiting.appendleft(req)
 
-    def _logprobs(self, req: Req, result: SampleResult, row: int, token: int) -> list[TokenLogprob]:
-        if not req.params.return_logprob or result.logprobs is None:
+    @staticmethod
+    def _logprobs(
+        req: Req,
+        row: int,
+        token: int,
+        logprobs: torch.Tensor | None,
+        top_ids: torch.Tensor | None,
+        top_values: torch.Tensor | None,
+    ) -> list[TokenLogprob]:
+        """The row's logprobs, from the host copies of the sampler's results."""
+        if not req.params.return_logprob or logprobs is None:
             return []
-        entry = TokenLogprob(token_id=token, logprob=float(result.logprobs[row]))
+        entry = TokenLogprob(token_id=token, logprob=float(logprobs[row]))
         k = req.params.top_logprobs_num
-        if k > 0 and result.top_logprob_ids is not None and result.top_logprob_values is not None:
-            ids = result.top_logprob_ids[row, :k].tolist()
-            values = result.top_logprob_values[row, :k].tolist()
+        if k > 0 and top_ids is not None and top_values is not None:
+            ids = top_ids[row, :k].tolist()
+            values = top_values[row, :k].tolist()
             entry.top = list(zip(ids, values, strict=True))
         req.logprobs.append(entry)
         return [entry]
@@ -307,5 +380,6 @@ class Scheduler:
     def _finish(self, req: Req, reason: FinishReason) -> StepOutput:
         req.finish_reason = reason
         req.status = ReqStatus.FINISHED
+        req.num_pending = 0  # a token still on the device is dropped
         self.kv.release(req)
         return StepOutput(req, [])
