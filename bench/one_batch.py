@@ -22,7 +22,7 @@ writes the device kernels of a few decode steps at batch size N (torch.profiler)
 `--profile-dir`. Against a tree without CUDA graphs (an older commit on PYTHONPATH)
 the decode rows say graphs "n/a".
 
-    python bench/one_batch.py --tokenizer DIR [--batch-sizes 1 8 32 64 --backends torch triton]
+    python bench/one_batch.py --tokenizer DIR [--batch-sizes 1 8 32 64 --backends triton flashinfer]
 """
 
 from __future__ import annotations
@@ -362,24 +362,24 @@ def main() -> int:
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     print(
-        f"\n{'backend':<8} {'graphs':>6} {'bs':>4} {'prefill ms':>10} {'vs matmul':>9} "
+        f"\n{'backend':<10} {'graphs':>6} {'bs':>4} {'prefill ms':>10} {'vs matmul':>9} "
         f"{'decode ms':>9} {'roofline':>8} {'x roof':>6}"
     )
     for r in rows:
         print(
-            f"{r['backend']:<8} {r['graphs']:>6} {r['batch_size']:>4} {r['prefill_ms']:>10.1f} "
+            f"{r['backend']:<10} {r['graphs']:>6} {r['batch_size']:>4} {r['prefill_ms']:>10.1f} "
             f"{r['prefill_vs_matmul_rate']:>9.2f} {r['decode_step_ms']:>9.2f} "
             f"{r['decode_roofline_ms']:>8.2f} {r['decode_x_roofline']:>6.2f}"
         )
     if args.breakdown:
-        print(f"\n{'backend':<8} {'graphs':>6} {'bs':>4}  decode step phases (median)")
+        print(f"\n{'backend':<10} {'graphs':>6} {'bs':>4}  decode step phases (median)")
         for r in rows:
             phases = "  ".join(
                 f"{k}={r[k]:.0f}" if k.endswith("_us") else f"{k}={r[k]:.2f}"
                 for k in ("plan_us", "build_us", "launch_us", "process_us", "gpu_forward_ms")
                 if k in r
             )
-            print(f"{r['backend']:<8} {r['graphs']:>6} {r['batch_size']:>4}  {phases}")
+            print(f"{r['backend']:<10} {r['graphs']:>6} {r['batch_size']:>4}  {phases}")
     return 0
 
 

@@ -18,7 +18,6 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 pytest.importorskip("triton", reason="triton is not installed")
 
-from radixserve.engine.attention.torch_backend import TorchAttentionBackend
 from radixserve.engine.attention.triton_backend import TritonAttentionBackend
 from radixserve.engine.attention.triton_ops.common import INTERPRETED
 from radixserve.engine.forward_batch import ForwardMode
@@ -64,23 +63,9 @@ def make_pass(
 
 
 def compare_with_torch(p: Pass) -> float:
-    """Worst output error of triton against torch on one pass; both must write the
-    same pool contents (the new slots are re-noised before triton runs)."""
-    pool = p.batch.kv_pool
-    torch_backend = TorchAttentionBackend()
-    torch_backend.init_forward_metadata(p.batch)
-    ref = torch_backend.forward(p.q, p.k, p.v, LAYER, p.batch, p.scale)
-    k_expected, v_expected = pool.k_buffers[LAYER].clone(), pool.v_buffers[LAYER].clone()
-    noise = torch.randn(p.k.shape, device=p.k.device)
-    pool.set_kv(LAYER, p.batch.out_cache_loc, noise, -noise)
-
-    backend = TritonAttentionBackend(torch.device("cuda"))
-    backend.init_forward_metadata(p.batch)
-    out = backend.forward(p.q, p.k, p.v, LAYER, p.batch, p.scale)
-    assert torch.equal(pool.k_buffers[LAYER], k_expected)
-    assert torch.equal(pool.v_buffers[LAYER], v_expected)
-    assert out.dtype == ref.dtype and torch.isfinite(out).all()
-    return float((out.float() - ref.float()).abs().max() / ref.float().abs().max())
+    return attention_passes.compare_with_torch(
+        p, TritonAttentionBackend(torch.device("cuda")), (LAYER,)
+    )
 
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]

@@ -1,4 +1,5 @@
-"""Attention backend test inputs: one forward pass over a noisy, shuffled paged pool.
+"""Attention backend test inputs: one forward pass over a noisy, shuffled paged pool,
+and the comparison of a backend with the torch reference on it.
 
 Shared by the CPU (Triton interpreter) and the CUDA attention tests.
 """
@@ -9,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from radixserve.engine.attention.base import AttentionBackend
+from radixserve.engine.attention.torch_backend import TorchAttentionBackend
 from radixserve.engine.forward_batch import ForwardBatch, ForwardMode
 from radixserve.engine.kvcache.pool import KVPool, ReqToTokenPool
 
@@ -95,3 +98,32 @@ def make_pass(
         v.reshape(num_tokens, kv_heads, head_dim),
         scale=1.3 / head_dim**0.5,  # not the default, so a backend ignoring `scale` fails
     )
+
+
+def compare_with_torch(p: Pass, backend: AttentionBackend, layers: tuple[int, ...] = (1,)) -> float:
+    """`backend` and the torch reference on the same pass; asserts equal pool writes and
+    returns the worst output error relative to the reference's largest value. The new
+    tokens' slots are re-noised before `backend` runs, so it must write them itself,
+    and every other slot must come out untouched. One init_forward_metadata is shared
+    by the layers, as in the model."""
+    pool = p.batch.kv_pool
+    reference = TorchAttentionBackend()
+    reference.init_forward_metadata(p.batch)
+    refs = [reference.forward(p.q, p.k, p.v, layer, p.batch, p.scale) for layer in layers]
+    expected = [(k.clone(), v.clone()) for k, v in zip(pool.k_buffers, pool.v_buffers, strict=True)]
+    noise = torch.randn(p.k.shape, generator=torch.Generator().manual_seed(99)).to(p.k.device)
+    for layer in layers:
+        pool.set_kv(layer, p.batch.out_cache_loc, noise, -noise)
+
+    backend.init_forward_metadata(p.batch)
+    worst = 0.0
+    for layer, ref in zip(layers, refs, strict=True):
+        out = backend.forward(p.q, p.k, p.v, layer, p.batch, p.scale)
+        assert out.shape == ref.shape and out.dtype == ref.dtype
+        assert torch.isfinite(out).all()
+        error = (out.float() - ref.float()).abs().max() / ref.float().abs().max()
+        worst = max(worst, float(error))
+    for i, (k_expected, v_expected) in enumerate(expected):
+        assert torch.equal(pool.k_buffers[i], k_expected), f"layer {i} K differs"
+        assert torch.equal(pool.v_buffers[i], v_expected), f"layer {i} V differs"
+    return worst

@@ -46,35 +46,8 @@ def make_pass(prefix_lens: list[int], extend_lens: list[int], **kwargs: Any) -> 
     return attention_passes.make_pass(prefix_lens, extend_lens, device=DEVICE, **kwargs)
 
 
-def max_rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out.float() - ref.float()).abs().max() / ref.float().abs().max())
-
-
 def compare_with_torch(p: Pass, layers: tuple[int, ...] = (LAYER,)) -> float:
-    """Both backends on the same batch; asserts equal pool writes, returns the worst
-    output error. The new tokens' slots are re-noised before triton runs, so it must
-    write them itself, and every other slot must come out untouched."""
-    pool = p.batch.kv_pool
-    torch_backend = TorchAttentionBackend()
-    torch_backend.init_forward_metadata(p.batch)
-    refs = [torch_backend.forward(p.q, p.k, p.v, layer, p.batch, p.scale) for layer in layers]
-    expected = [(pool.k_buffers[i].clone(), pool.v_buffers[i].clone()) for i in range(2)]
-    for layer in layers:
-        noise = torch.randn(p.k.shape, generator=torch.Generator().manual_seed(99)).to(DEVICE)
-        pool.set_kv(layer, p.batch.out_cache_loc, noise, -noise)
-
-    triton_backend = TritonAttentionBackend(DEVICE)
-    triton_backend.init_forward_metadata(p.batch)  # once, shared by the layers
-    worst = 0.0
-    for layer, ref in zip(layers, refs, strict=True):
-        out = triton_backend.forward(p.q, p.k, p.v, layer, p.batch, p.scale)
-        assert out.shape == ref.shape and out.dtype == ref.dtype
-        assert torch.isfinite(out).all()
-        worst = max(worst, max_rel_error(out, ref))
-    for i, (k_expected, v_expected) in enumerate(expected):
-        assert torch.equal(pool.k_buffers[i], k_expected), f"layer {i} K differs"
-        assert torch.equal(pool.v_buffers[i], v_expected), f"layer {i} V differs"
-    return worst
+    return attention_passes.compare_with_torch(p, TritonAttentionBackend(DEVICE), layers)
 
 
 @pytest.mark.parametrize("page_size", [1, 4])

@@ -7,11 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight")
-# The backends built so far. "auto" picks the fastest one the device runs (see
-# runner.make_attention_backend); "flashinfer" is named so that asking for it says
-# it is not built yet rather than that it does not exist.
-ATTENTION_BACKENDS = ("torch", "triton", "auto")
-PLANNED_ATTENTION_BACKENDS = ("flashinfer",)
+# "auto" picks the fastest one the device and dtype run (runner.make_attention_backend).
+ATTENTION_BACKENDS = ("torch", "triton", "flashinfer", "auto")
 
 
 @dataclass
@@ -21,7 +18,9 @@ class EngineConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     load_format: str = "auto"  # auto (the checkpoint) | dummy (random weights: benchmarks)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    attention_backend: str = "auto"  # triton on CUDA (with CUDA graphs), torch on the CPU
+    # auto: flashinfer on CUDA for float16/bfloat16 when installed, else triton; torch
+    # on the CPU. flashinfer and triton run decode in CUDA graphs.
+    attention_backend: str = "auto"
     # KV memory. On a GPU the pool takes what mem_fraction_static leaves after the
     # weights; on the CPU it holds cpu_kv_tokens. max_total_tokens overrides both.
     mem_fraction_static: float = 0.85
@@ -59,11 +58,6 @@ class EngineConfig:
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(
                 f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}"
-            )
-        if self.attention_backend in PLANNED_ATTENTION_BACKENDS:
-            raise ValueError(
-                f"attention_backend {self.attention_backend!r} is not available yet; "
-                f"use one of {ATTENTION_BACKENDS}"
             )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(

@@ -32,18 +32,24 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """The backend called `name` (one EngineConfig admits) for `device`.
+def make_attention_backend(
+    name: str, device: torch.device, dtype: torch.dtype | None = None
+) -> AttentionBackend:
+    """The backend called `name` (one EngineConfig admits) for `device` and a model of
+    `dtype` (None: not known).
 
-    "auto": triton on CUDA when it is installed (CUDA builds of torch bring it), the
+    "auto": on CUDA flashinfer when it is installed and the model is float16 or
+    bfloat16, else triton when it is installed (CUDA builds of torch bring it); the
     torch reference elsewhere (on the CPU triton runs only under its interpreter).
-    FlashInfer will come first once it is built.
+    Backends are imported only when chosen: they import packages CPU installs lack.
     """
     if name == "auto":
-        has_triton = importlib.util.find_spec("triton") is not None
-        name = "triton" if device.type == "cuda" and has_triton else "torch"
+        name = _auto_backend(device, dtype)
+    if name == "flashinfer":
+        from radixserve.engine.attention.flashinfer_backend import FlashInferAttentionBackend
+
+        return FlashInferAttentionBackend(device, dtype)
     if name == "triton":
-        # Imported only when chosen: it imports triton, which CPU installs may lack.
         from radixserve.engine.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend(device)
@@ -51,6 +57,15 @@ def make_attention_backend(name: str, device: torch.device) -> AttentionBackend:
     from radixserve.engine.attention.torch_backend import TorchAttentionBackend
 
     return TorchAttentionBackend()
+
+
+def _auto_backend(device: torch.device, dtype: torch.dtype | None) -> str:
+    if device.type != "cuda":
+        return "torch"
+    half = dtype in (torch.float16, torch.bfloat16)
+    if half and importlib.util.find_spec("flashinfer") is not None:
+        return "flashinfer"
+    return "triton" if importlib.util.find_spec("triton") is not None else "torch"
 
 
 class ModelRunner:
@@ -94,7 +109,7 @@ class ModelRunner:
         self.req_pool = ReqToTokenPool(
             config.max_running_requests + 1, self.context_len, self.device
         )
-        self.attn = make_attention_backend(config.attention_backend, self.device)
+        self.attn = make_attention_backend(config.attention_backend, self.device, self.dtype)
         log.info(
             "model %s on %s (%s), KV pool %d tokens",
             self.model_path,

@@ -25,10 +25,28 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING
 
+from radixserve.engine.forward_batch import ForwardMode
+
 if TYPE_CHECKING:
     import torch
 
     from radixserve.engine.forward_batch import ForwardBatch
+
+
+def check_batch(batch: ForwardBatch) -> None:
+    """The lengths the kernels index by must agree; a mismatch would read wrong slots."""
+    if batch.batch_size == 0:
+        raise ValueError("an attention batch needs at least one request")
+    lens = zip(
+        batch.seq_lens_cpu, batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu, strict=True
+    )
+    for i, (seq, pre, ext) in enumerate(lens):
+        if ext < 1 or seq != pre + ext:
+            raise ValueError(
+                f"request {i}: seq_len {seq} must equal prefix {pre} + new tokens {ext} (>= 1)"
+            )
+    if batch.mode == ForwardMode.DECODE and max(batch.extend_seq_lens_cpu) != 1:
+        raise ValueError("a DECODE batch must add exactly one token per request")
 
 
 class AttentionBackend(ABC):

@@ -22,8 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from radixserve.engine.attention.base import AttentionBackend
-from radixserve.engine.forward_batch import ForwardMode
+from radixserve.engine.attention.base import AttentionBackend, check_batch
 
 if TYPE_CHECKING:
     from radixserve.engine.forward_batch import ForwardBatch
@@ -67,16 +66,8 @@ class TorchAttentionBackend(AttentionBackend):
         self._scratch: dict[str, torch.Tensor] = {}
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        seq_lens = batch.seq_lens_cpu
-        prefix_lens = batch.extend_prefix_lens_cpu
+        check_batch(batch)
         extend_lens = batch.extend_seq_lens_cpu
-        for i, (seq, pre, ext) in enumerate(zip(seq_lens, prefix_lens, extend_lens, strict=True)):
-            if ext < 1 or seq != pre + ext:
-                raise ValueError(
-                    f"request {i}: seq_len {seq} must equal prefix {pre} + new tokens {ext} (>= 1)"
-                )
-        if batch.mode == ForwardMode.DECODE and any(ext != 1 for ext in extend_lens):
-            raise ValueError("a DECODE batch must add exactly one token per request")
         decode = [i for i, ext in enumerate(extend_lens) if ext == 1]
         extend = [i for i, ext in enumerate(extend_lens) if ext > 1]
         if not extend:

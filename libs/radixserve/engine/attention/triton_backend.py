@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.engine.attention.base import AttentionBackend
+from radixserve.engine.attention.base import AttentionBackend, check_batch
 from radixserve.engine.attention.triton_ops.common import INTERPRETED
 from radixserve.engine.attention.triton_ops.decode import (
     MAX_SPLITS,
@@ -112,7 +112,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     # -- per batch ------------------------------------------------------------------
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        _check_batch(batch)
+        check_batch(batch)
         extend_lens = batch.extend_seq_lens_cpu
         decode = [i for i, n in enumerate(extend_lens) if n == 1]
         extend = [i for i, n in enumerate(extend_lens) if n > 1]
@@ -328,19 +328,3 @@ def _extend_plan(batch: ForwardBatch, members: list[int] | None) -> _ExtendPlan:
         batch.req_to_token, rows, prefix_lens, sum(prefix_lens_cpu)
     )
     return _ExtendPlan(q_starts, q_lens, kv_indptr, kv_indices, max(extend_lens_cpu))
-
-
-def _check_batch(batch: ForwardBatch) -> None:
-    """The lengths the kernels index by must agree; a mismatch would read wrong slots."""
-    if batch.batch_size == 0:
-        raise ValueError("an attention batch needs at least one request")
-    lens = zip(
-        batch.seq_lens_cpu, batch.extend_prefix_lens_cpu, batch.extend_seq_lens_cpu, strict=True
-    )
-    for i, (seq, pre, ext) in enumerate(lens):
-        if ext < 1 or seq != pre + ext:
-            raise ValueError(
-                f"request {i}: seq_len {seq} must equal prefix {pre} + new tokens {ext} (>= 1)"
-            )
-    if batch.mode == ForwardMode.DECODE and max(batch.extend_seq_lens_cpu) != 1:
-        raise ValueError("a DECODE batch must add exactly one token per request")

@@ -98,6 +98,7 @@ class CudaGraphRunner:
             self._inputs = padding.clone()
             self._ones = torch.ones(self.max_bs, dtype=torch.int64, device=device)
             self._arange = torch.arange(self.max_bs, dtype=torch.int64, device=device)
+        self._ones_cpu, self._zeros_cpu = [1] * self.max_bs, [0] * self.max_bs
         attn.init_cuda_graph_state(self.max_bs, req_pool.max_context_len)
         self._batches = {bs: self._static_batch(bs) for bs in self.batch_sizes}
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -132,6 +133,10 @@ class CudaGraphRunner:
             # A larger batch may have left real slots here: padding must write slot 0 only.
             inputs[:, bs:padded].copy_(self._padding[:, bs:padded])
         static = self._batches[padded]
+        # Host-side lengths for backends that plan on the host (flashinfer).
+        pad = padded - bs
+        static.seq_lens_cpu = [*batch.seq_lens_cpu, *self._ones_cpu[:pad]]
+        static.extend_prefix_lens_cpu = [*batch.extend_prefix_lens_cpu, *self._zeros_cpu[:pad]]
         self.attn.init_forward_metadata_replay(static, bs)
         if self.captured:
             self._graphs[padded].replay()
@@ -144,7 +149,8 @@ class CudaGraphRunner:
     # -- capture ------------------------------------------------------------------
     def _static_batch(self, bs: int) -> ForwardBatch:
         """The batch a graph of `bs` runs on: views of the static buffers. Its host-side
-        lengths describe padding only; nothing on the graph path reads them."""
+        lengths are the padding's until a replay sets the real batch's in front (only
+        host-side plans read them: no captured work does)."""
         inputs = self._inputs
         return ForwardBatch(
             mode=ForwardMode.DECODE,

@@ -1,0 +1,297 @@
+"""Attention through FlashInfer's paged kernels: CUDA, float16 and bfloat16.
+
+The pool is token-granular (req_to_token holds a slot for every position whatever the
+page size), so FlashInfer sees it as pages of ONE slot: K/V buffers [slots, heads, d]
+are viewed as [slots, 1, heads, d], kv_indices are slots, every last page holds one
+token. That view is valid for every pool page size, and the slot tables are the ones
+the Triton backend builds (triton_ops/indices.py), on the device from req_to_token.
+
+Per forward pass one wrapper runs every layer, planned once (at the first layer,
+when the head shape, dtype and softmax scale are known):
+
+- decode (every request adds one token): BatchDecodeWithPagedKVCacheWrapper, with
+  tensor cores (FlashInfer's prefill kernel) from 4 query heads per KV head up, as
+  SGLang does: it folds the head group into the query tile;
+- anything else, mixed batches included: BatchPrefillWithPagedKVCacheWrapper over the
+  whole sequences (cached prefix + the new tokens, which each layer first writes to
+  the pool), causal within the new tokens (FlashInfer aligns the causal mask to the
+  end of the KV). Decode requests of a mixed batch are extend requests of length 1.
+
+FlashInfer plans on the host: it reads indptr arrays as host tensors and computes the
+work split from them. They are built here from the batch's host-side lengths, in
+pinned memory, so a plan never waits for the device (FlashInfer would copy device
+indptrs back, a sync).
+
+CUDA graphs (decode only): one wrapper per graph batch size, created with
+`use_cuda_graph=True` over views of fixed buffers (kv_indptr, kv_indices,
+last_page_len). It is planned in the warm-up passes before capture (never during the
+capture: plan copies host memory), and re-planned before each replay from the
+lengths the graph runner puts in the static batch: the plan writes the new tables and
+work split into the fixed buffers the captured kernels read.
+
+Kernels are JIT-compiled by FlashInfer on first use (nvcc; cached under
+$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer). The prefill kernels are the FA2 ones:
+the SM90 ones take many minutes to compile.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from radixserve.engine.attention.base import AttentionBackend, check_batch
+from radixserve.engine.attention.triton_ops.indices import build_kv_indices
+from radixserve.engine.forward_batch import ForwardMode
+
+if TYPE_CHECKING:
+    from radixserve.engine.forward_batch import ForwardBatch
+
+DTYPES = (torch.float16, torch.bfloat16)
+# Split-KV partial results of every wrapper (they never run at the same time).
+WORKSPACE_BYTES = 384 * 2**20
+# Query heads per KV head from which decode runs on tensor cores (SGLang's threshold).
+TENSOR_CORE_GROUP = 4
+_KERNELS = "fa2"
+_NOT_INSTALLED = (
+    "flashinfer is not installed: pip install flashinfer-python, or use --attention-backend triton"
+)
+
+
+def import_flashinfer() -> Any:
+    """The flashinfer module, or a RuntimeError saying how to get it."""
+    try:
+        import flashinfer
+    except ImportError as exc:
+        raise RuntimeError(_NOT_INSTALLED) from exc
+    return flashinfer
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What a plan is made for; the same for every layer of a model."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    scale: float
+
+
+@dataclass
+class _Pass:
+    """One forward pass's plan inputs; planned at its first layer."""
+
+    decode: bool
+    kv_indptr: torch.Tensor  # [bs + 1] int32, pinned host, over the whole sequences
+    kv_indices: torch.Tensor  # int32 slots, on the device
+    qo_indptr: torch.Tensor | None  # [bs + 1] int32, pinned host (extend only)
+    graph_bs: int | None = None  # the graph size whose wrapper runs it
+    wrapper: Any = None  # set once planned
+
+
+@dataclass
+class _GraphState:
+    max_bs: int
+    kv_indptr: torch.Tensor  # [max_bs + 1] int32
+    kv_indices: torch.Tensor  # [max_bs * max_context_len] int32
+    last_page_len: torch.Tensor  # [max_bs] int32
+    wrappers: dict[int, Any]  # graph batch size -> its planned decode wrapper
+
+
+class FlashInferAttentionBackend(AttentionBackend):
+    name = "flashinfer"
+    supports_cuda_graph = True
+
+    def __init__(self, device: torch.device, dtype: torch.dtype | None = None) -> None:
+        self._fi = import_flashinfer()
+        if device.type != "cuda":
+            raise ValueError(f"the flashinfer attention backend needs CUDA, not {device.type}")
+        if dtype is not None and dtype not in DTYPES:
+            raise ValueError(
+                f"the flashinfer attention backend runs float16 or bfloat16 models, not {dtype}; "
+                "use --attention-backend triton"
+            )
+        self.device = device
+        self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self._layout: _Layout | None = None
+        self._pass: _Pass | None = None
+        self._prefill: Any = None
+        self._decode: Any = None
+        self._graph: _GraphState | None = None
+        # Every page of the one-slot view is full: last_page_len is all ones.
+        self._ones = torch.ones(256, dtype=torch.int32, pin_memory=True)
+
+    # -- per batch ------------------------------------------------------------------
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        check_batch(batch)
+        self._pass = self._new_pass(batch, decode=max(batch.extend_seq_lens_cpu) == 1)
+
+    def _new_pass(self, batch: ForwardBatch, decode: bool, graph_bs: int | None = None) -> _Pass:
+        lens = batch.seq_lens_cpu
+        _, kv_indices = build_kv_indices(
+            batch.req_to_token, batch.req_pool_indices, batch.seq_lens, sum(lens)
+        )
+        qo_indptr = None if decode else _host_indptr(batch.extend_seq_lens_cpu)
+        return _Pass(decode, _host_indptr(lens), kv_indices, qo_indptr, graph_bs)
+
+    # -- CUDA graphs ------------------------------------------------------------------
+    def init_cuda_graph_state(self, max_bs: int, max_context_len: int) -> None:
+        device = self.device
+        self._graph = _GraphState(
+            max_bs=max_bs,
+            kv_indptr=torch.zeros(max_bs + 1, dtype=torch.int32, device=device),
+            kv_indices=torch.zeros(max_bs * max_context_len, dtype=torch.int32, device=device),
+            last_page_len=torch.ones(max_bs, dtype=torch.int32, device=device),
+            wrappers={},
+        )
+
+    def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
+        graph = self._graph_for(batch)
+        bs = batch.batch_size
+        if not torch.cuda.is_current_stream_capturing():
+            # A warm-up pass: planned at its first layer, outside the capture.
+            self._pass = self._new_pass(batch, decode=True, graph_bs=bs)
+            return
+        wrapper = graph.wrappers.get(bs)
+        if wrapper is None or self._pass is None or self._pass.wrapper is not wrapper:
+            raise RuntimeError("a decode graph is captured only after a warm-up pass of its size")
+        # The capture records the kernels the warm-up planned; nothing is queued here.
+
+    def init_forward_metadata_replay(self, batch: ForwardBatch, num_real: int) -> None:
+        self._graph_for(batch)
+        if self._layout is None:
+            raise RuntimeError("a decode graph is replayed only after it was captured")
+        self._pass = self._new_pass(batch, decode=True, graph_bs=batch.batch_size)
+        self._plan(self._pass, self._layout)
+
+    def _graph_for(self, batch: ForwardBatch) -> _GraphState:
+        graph = self._graph
+        if graph is None:
+            raise RuntimeError("init_cuda_graph_state must run before a graph is captured")
+        if batch.mode != ForwardMode.DECODE or batch.batch_size > graph.max_bs:
+            raise ValueError(f"graphs capture decode batches of up to {graph.max_bs} requests")
+        return graph
+
+    # -- per layer ------------------------------------------------------------------
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        batch: ForwardBatch,
+        scale: float,
+    ) -> torch.Tensor:
+        step = self._pass
+        if step is None:
+            raise RuntimeError("init_forward_metadata must run before the first layer")
+        num_tokens, num_heads, head_dim = q.shape
+        layout = _Layout(num_heads, k.shape[1], head_dim, q.dtype, scale)
+        if layout != self._layout:
+            self._check_layout(layout, batch)
+        batch.kv_pool.set_kv(layer_id, batch.out_cache_loc, k, v)
+        if step.wrapper is None:
+            self._plan(step, layout)
+        # Pages of one slot: [slots, 1, kv_heads, head_dim] (NHD).
+        k_cache = batch.kv_pool.k_buffers[layer_id].unsqueeze(1)
+        v_cache = batch.kv_pool.v_buffers[layer_id].unsqueeze(1)
+        out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+        step.wrapper.run(q, (k_cache, v_cache), out=out)
+        return out
+
+    def _check_layout(self, layout: _Layout, batch: ForwardBatch) -> None:
+        """The first layer fixes the layout every plan is made for; later ones must match."""
+        if self._layout is not None:
+            raise ValueError(
+                f"a layer's attention {layout} differs from the first's {self._layout}"
+            )
+        if layout.dtype not in DTYPES or batch.kv_pool.dtype != layout.dtype:
+            raise ValueError(
+                f"the flashinfer attention backend runs float16 or bfloat16 q and KV of one "
+                f"dtype, not q {layout.dtype} over KV {batch.kv_pool.dtype}"
+            )
+        if layout.num_heads % layout.num_kv_heads:
+            raise ValueError(
+                f"{layout.num_heads} query heads do not split over {layout.num_kv_heads} KV heads"
+            )
+        self._layout = layout
+
+    # -- plans ------------------------------------------------------------------------
+    def _plan(self, step: _Pass, layout: _Layout) -> None:
+        """Plan `step` on its wrapper (host work and host-to-device copies, no sync)."""
+        bs = step.kv_indptr.shape[0] - 1
+        last_page_len = self._ones_host(bs)
+        shape = (layout.num_heads, layout.num_kv_heads, layout.head_dim, 1)  # page size 1
+        kinds = {"q_data_type": layout.dtype, "kv_data_type": layout.dtype}
+        if step.qo_indptr is not None:
+            wrapper = self._prefill_wrapper()
+            wrapper.plan(
+                step.qo_indptr,
+                step.kv_indptr,
+                step.kv_indices,
+                last_page_len,
+                *shape,
+                causal=True,
+                sm_scale=layout.scale,
+                **kinds,
+            )
+        else:
+            wrapper = self._decode_wrapper(layout, step.graph_bs)
+            wrapper.plan(
+                step.kv_indptr,
+                step.kv_indices,
+                last_page_len,
+                *shape,
+                sm_scale=layout.scale,
+                **kinds,
+            )
+        step.wrapper = wrapper
+
+    def _prefill_wrapper(self) -> Any:
+        if self._prefill is None:
+            self._prefill = self._fi.BatchPrefillWithPagedKVCacheWrapper(
+                self._workspace, "NHD", backend=_KERNELS
+            )
+        return self._prefill
+
+    def _decode_wrapper(self, layout: _Layout, graph_bs: int | None) -> Any:
+        tensor_cores = layout.num_heads // layout.num_kv_heads >= TENSOR_CORE_GROUP
+        wrapper_cls = self._fi.BatchDecodeWithPagedKVCacheWrapper
+        if graph_bs is None:
+            if self._decode is None:
+                self._decode = wrapper_cls(
+                    self._workspace, "NHD", use_tensor_cores=tensor_cores, backend=_KERNELS
+                )
+            return self._decode
+        graph = self._graph
+        assert graph is not None
+        wrapper = graph.wrappers.get(graph_bs)
+        if wrapper is None:
+            wrapper = wrapper_cls(
+                self._workspace,
+                "NHD",
+                use_cuda_graph=True,
+                use_tensor_cores=tensor_cores,
+                paged_kv_indptr_buffer=graph.kv_indptr[: graph_bs + 1],
+                paged_kv_indices_buffer=graph.kv_indices,
+                paged_kv_last_page_len_buffer=graph.last_page_len[:graph_bs],
+                backend=_KERNELS,
+            )
+            graph.wrappers[graph_bs] = wrapper
+        return wrapper
+
+    def _ones_host(self, n: int) -> torch.Tensor:
+        if self._ones.shape[0] < n:
+            self._ones = torch.ones(2 * n, dtype=torch.int32, pin_memory=True)
+        return self._ones[:n]
+
+
+def _host_indptr(lens: list[int]) -> torch.Tensor:
+    """[0, cumsum(lens)] as int32 in pinned host memory: FlashInfer plans from host
+    indptrs, and copies from pinned memory do not wait for the device."""
+    return torch.tensor(
+        list(itertools.accumulate(lens, initial=0)), dtype=torch.int32, pin_memory=True
+    )
