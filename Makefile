@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: run test lint format unit integration gpu check-packaging bench-engine-cpu bench-overhead clean venv
+.PHONY: run test lint format unit integration gpu check-packaging bench-engine-cpu bench-overhead bench-gpu clean venv
 
 venv: $(STAMP)
 
@@ -56,6 +56,10 @@ bench-engine-cpu: $(STAMP)
 
 bench-overhead: $(STAMP)
 	$(PY) bench/overhead.py $(ARGS)
+
+# Needs a CUDA GPU: throughput, latency against the roofline, and HF parity per backend.
+bench-gpu: $(STAMP)
+	$(PY) bench/gpu_suite.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

@@ -237,7 +237,7 @@ def run_backend(
         chunked_prefill_size=-1,
         max_prefill_tokens=max_bs * args.input_len + 1,
         disable_radix_cache=True,
-        mem_fraction_static=0.88,
+        mem_fraction_static=args.mem_fraction_static,
         **graph_option,
     )
     print(f"{backend} graphs {graphs_label}: engine up in {time.perf_counter() - started:.1f} s")
@@ -330,6 +330,12 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=None, help="fewer layers for a quick look")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--cuda-graph", choices=["both", "on", "off"], default="both")
+    ap.add_argument(
+        "--mem-fraction-static",
+        type=float,
+        default=0.88,
+        help="lower leaves more room for the activations of large prefills (batch >= 128)",
+    )
     ap.add_argument("--breakdown", action="store_true", help="host/device time per phase")
     ap.add_argument(
         "--profile-bs", type=int, nargs="*", default=[], help="profile decode at these sizes"

@@ -1,0 +1,292 @@
+"""The GPU benchmark suite and correctness check in one command (`make bench-gpu`).
+
+Runs, each stage in its own process (a failing stage is reported, the rest still run):
+
+1. per attention backend (triton, and flashinfer where the engine admits it and it is
+   installed): bench/one_batch.py on the Llama-3.1-8B shape with random bf16 weights,
+   prefill and decode at batch sizes 1 8 32 64 128 256 (512-token prompts, 128 output
+   tokens), CUDA graphs on and off; then one 2048-token prefill. one_batch measures the
+   device's copy bandwidth and bf16 matmul rate in the same process and gives each
+   figure as a ratio to its roofline;
+2. bench/offline.py: offline throughput, ShareGPT-like (1000 requests) and
+   generated-shared-prefix (64 x 16, 2048 + 128 tokens, 256 out), radix cache on and off;
+3. tests/gpu/test_backend_parity_cuda.py: greedy tokens equal Hugging Face's on the same
+   random weights for every backend, with and without CUDA graphs (and overlap).
+
+Writes every stage's JSON, `suite.json` (all of it, with date, device and commit) and
+`suite.md` (the tables, each target met or not) to `--out`, and prints the tables.
+`--quick`: batch sizes 1 8 64, 32 output tokens, graphs on only, a tenth of the offline
+workloads (a few minutes on an H100).
+
+    python bench/gpu_suite.py --tokenizer DIR --out bench-results [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+import torch
+from offline import default_tokenizer_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+PARITY_TEST = "tests/gpu/test_backend_parity_cuda.py"
+
+
+@dataclass(frozen=True)
+class Target:
+    name: str
+    threshold: float
+    at_most: bool  # the figure must be <= threshold (else >=)
+
+    def met(self, figure: float) -> bool:
+        return figure <= self.threshold if self.at_most else figure >= self.threshold
+
+
+DECODE_BS1 = Target("decode bs1: step / roofline (weights + KV bytes)", 1.10, at_most=True)
+DECODE_BS64 = Target("decode bs64: roofline / step (512 in)", 0.85, at_most=False)
+PREFILL_2048 = Target("prefill 2048 tokens: fraction of the matmul rate", 0.80, at_most=False)
+SHARED_PREFIX = Target("shared-prefix throughput: radix on / off", 5.0, at_most=False)
+
+
+def bench_backends() -> list[str]:
+    """The fast backends EngineConfig admits whose module is installed."""
+    from radixserve.engine.config import ATTENTION_BACKENDS
+
+    return [
+        name
+        for name in ("triton", "flashinfer")
+        if name in ATTENTION_BACKENDS and importlib.util.find_spec(name) is not None
+    ]
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        )
+    except OSError:
+        return "unknown"
+    return out.stdout.strip() if out.returncode == 0 else "unknown"
+
+
+class Stages:
+    """Runs each stage as a child process and keeps what it wrote, or why it did not."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = env
+        self.errors: list[str] = []
+
+    def run(self, name: str, argv: list[str], result: Path) -> Any:
+        print(f"\n== {name}: {' '.join(argv)}", flush=True)
+        started = time.perf_counter()
+        rc = subprocess.run([sys.executable, *argv], cwd=ROOT, env=self.env).returncode
+        print(f"== {name}: exit {rc} after {time.perf_counter() - started:.0f} s", flush=True)
+        if rc != 0:
+            self.errors.append(f"{name}: exit status {rc}")
+        if not result.exists():
+            if rc == 0:
+                self.errors.append(f"{name}: wrote no {result.name}")
+            return None
+        if result.suffix == ".xml":
+            return junit_counts(result)
+        return json.loads(result.read_text())
+
+
+def junit_counts(path: Path) -> dict[str, int]:
+    root = ET.parse(path).getroot()
+    suite = root.find("testsuite") if root.tag == "testsuites" else root
+    assert suite is not None
+    counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+    return counts
+
+
+def run_suite(args: argparse.Namespace) -> dict[str, Any]:
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = str((args.tokenizer or default_tokenizer_dir()).resolve())
+    # The parity test's tiny models take their tokenizer from there too.
+    stages = Stages({**os.environ, "RADIXSERVE_TEST_TOKENIZER_DIR": tokenizer})
+    batch_sizes = ["1", "8", "64"] if args.quick else ["1", "8", "32", "64", "128", "256"]
+    output_len = "32" if args.quick else "128"
+    graphs = "on" if args.quick else "both"
+    one_batch, prefill = [], []
+    for backend in args.backends:
+        path = out / f"one_batch_{backend}.json"
+        argv = [str(BENCH / "one_batch.py"), "--tokenizer", tokenizer, "--backends", backend]
+        argv += ["--batch-sizes", *batch_sizes, "--input-len", "512"]
+        argv += ["--output-len", output_len, "--cuda-graph", graphs, "--json", str(path)]
+        # A 256 x 512-token prefill's activations need ~20 GB: the KV pool gets less.
+        argv += ["--mem-fraction-static", "0.65"]
+        one_batch.append(stages.run(f"one_batch {backend}", argv, path))
+        path = out / f"prefill_2048_{backend}.json"
+        argv = [str(BENCH / "one_batch.py"), "--tokenizer", tokenizer, "--backends", backend]
+        argv += ["--batch-sizes", "1", "--input-len", "2048", "--output-len", "2"]
+        argv += ["--cuda-graph", "off", "--json", str(path)]
+        prefill.append(stages.run(f"prefill 2048 {backend}", argv, path))
+    path = out / "offline.json"
+    argv = [str(BENCH / "offline.py"), "--tokenizer", tokenizer, "--radix", "both"]
+    argv += ["--scale", "0.1" if args.quick else "1.0", "--json", str(path)]
+    offline = stages.run("offline", argv, path)
+    parity = None
+    if not args.skip_parity:
+        path = out / "parity.xml"
+        # The gateway fixtures (registered for every test) import NATS and openai, which
+        # a GPU machine need not have; this test uses none of them.
+        argv = ["-m", "pytest", "-q", PARITY_TEST, "-p", "no:cacheprovider"]
+        argv += ["-p", "no:tests.fixtures.gateway"]
+        parity = stages.run("parity", [*argv, f"--junitxml={path}"], path)
+    probe = next((r for r in one_batch if r is not None), None)
+    return {
+        "date": date.today().isoformat(),
+        "device": probe["device"] if probe else None,
+        "torch": torch.__version__,
+        "commit": args.commit or git_commit(),
+        "quick": args.quick,
+        "decode_output_len": int(output_len),
+        "bandwidth_bytes_s": probe["bandwidth_bytes_s"] if probe else None,
+        "matmul_flop_s": probe["matmul_flop_s"] if probe else None,
+        "one_batch": [row for r in one_batch if r for row in r["rows"]],
+        "prefill_2048": [row for r in prefill if r for row in r["rows"]],
+        "offline": offline,
+        "parity": parity,
+        "errors": stages.errors,
+    }
+
+
+def targets(result: dict[str, Any]) -> list[tuple[Target, str, float | None]]:
+    """(target, where it was measured, figure) per backend; None when not measured."""
+    rows: list[tuple[Target, str, float | None]] = []
+    for backend in sorted({r["backend"] for r in result["one_batch"] + result["prefill_2048"]}):
+        for target, bs in ((DECODE_BS1, 1), (DECODE_BS64, 64)):
+            runs = [
+                r for r in result["one_batch"] if r["backend"] == backend and r["batch_size"] == bs
+            ]
+            best = min(runs, key=lambda r: r["decode_x_roofline"], default=None)
+            if best is None:
+                rows.append((target, backend, None))
+                continue
+            x = best["decode_x_roofline"]
+            figure = x if target.at_most else 1 / x
+            rows.append((target, f"{backend}, graphs {best['graphs']}", figure))
+        ratios = [
+            r["prefill_vs_matmul_rate"] for r in result["prefill_2048"] if r["backend"] == backend
+        ]
+        rows.append((PREFILL_2048, backend, max(ratios, default=None)))
+    offline = result["offline"] or {}
+    ratio = offline.get("radix_on_over_off", {}).get("shared-prefix")
+    rows.append((SHARED_PREFIX, "default backend", ratio))
+    return rows
+
+
+def _fmt(value: float | None, digits: int = 2) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def markdown(result: dict[str, Any]) -> str:
+    quick = " (quick run)" if result["quick"] else ""
+    lines = [
+        f"# GPU suite{quick}: {result['date']}, {result['device']}, "
+        f"torch {result['torch']}, commit {result['commit']}",
+        "",
+        f"Roofline probe (same run): copy bandwidth {_fmt(_scaled(result['bandwidth_bytes_s']))}"
+        f" TB/s, bf16 matmul {_fmt(_scaled(result['matmul_flop_s']), 0)} TFLOP/s.",
+        "",
+        "| target | measured on | figure | threshold | met |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for target, where, figure in targets(result):
+        op = "<=" if target.at_most else ">="
+        met = "n/a" if figure is None else ("yes" if target.met(figure) else "no")
+        lines.append(
+            f"| {target.name} | {where} | {_fmt(figure)} | {op} {target.threshold} | {met} |"
+        )
+    parity = result["parity"]
+    if parity is not None:
+        ok = "yes" if parity["failures"] + parity["errors"] == 0 and parity["passed"] else "no"
+        lines.append(
+            f"| greedy tokens == HF, every backend x graphs (x overlap) | {PARITY_TEST} | "
+            f"{parity['passed']} passed, {parity['failures'] + parity['errors']} failed, "
+            f"{parity['skipped']} skipped | all pass | {ok} |"
+        )
+    lines += [
+        "",
+        f"Prefill and decode, 512-token prompts, {result['decode_output_len']} output tokens:",
+        "",
+        "| backend | graphs | batch | prefill ms | prefill / matmul rate | decode step ms "
+        "| roofline ms | x roofline | decode tok/s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in result["one_batch"]:
+        lines.append(
+            f"| {r['backend']} | {r['graphs']} | {r['batch_size']} | {r['prefill_ms']:.1f} | "
+            f"{r['prefill_vs_matmul_rate']:.2f} | {r['decode_step_ms']:.2f} | "
+            f"{r['decode_roofline_ms']:.2f} | {r['decode_x_roofline']:.2f} | "
+            f"{r['decode_tok_s']:.0f} |"
+        )
+    lines += ["", "| backend | prefill 2048 tokens ms | / matmul rate |", "| --- | --- | --- |"]
+    for r in result["prefill_2048"]:
+        lines.append(
+            f"| {r['backend']} | {r['prefill_ms']:.1f} | {r['prefill_vs_matmul_rate']:.2f} |"
+        )
+    offline = result["offline"]
+    if offline is not None:
+        lines += [
+            "",
+            "| workload | radix | requests | req/s | input tok/s | output tok/s | total tok/s "
+            "| cache hit rate |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for r in offline["rows"]:
+            lines.append(
+                f"| {r['workload']} | {r['radix']} | {r['completed']} | "
+                f"{r['request_throughput']:.2f} | {r['input_throughput']:.0f} | "
+                f"{r['output_throughput']:.0f} | {r['total_throughput']:.0f} | "
+                f"{r['cache_hit_rate']:.3f} |"
+            )
+    if result["errors"]:
+        lines += ["", "Failed stages:", *(f"- {e}" for e in result["errors"])]
+    return "\n".join(lines) + "\n"
+
+
+def _scaled(value: float | None) -> float | None:
+    return None if value is None else value / 1e12
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--out", type=Path, default=Path("bench-results"))
+    ap.add_argument("--tokenizer", type=Path, default=None, help="a folder of tokenizer files")
+    ap.add_argument("--quick", action="store_true", help="reduced scale, a few minutes")
+    ap.add_argument("--backends", nargs="+", default=None, help="default: every fast one")
+    ap.add_argument("--skip-parity", action="store_true")
+    ap.add_argument("--commit", default=None, help="default: git rev-parse --short HEAD")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench/gpu_suite.py needs a CUDA GPU; this machine has none.", file=sys.stderr)
+        return 2
+    args.backends = args.backends or bench_backends()
+    result = run_suite(args)
+    (args.out / "suite.json").write_text(json.dumps(result, indent=2))
+    table = markdown(result)
+    (args.out / "suite.md").write_text(table)
+    print("\n" + table)
+    return 1 if result["errors"] else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,247 @@
+"""Offline throughput of the in-process Engine, like SGLang's bench_offline_throughput.
+
+Every request of a workload is submitted at once as token ids (no tokenization, no
+detokenization: `Engine.submit` + `Engine.step`), then the engine steps until all
+finish. Greedy, EOS ignored, so each request produces exactly its output length.
+Workloads, synthetic and seeded (the generators of `radixserve.benchmark.datasets`):
+
+- `sharegpt`: 1000 requests, ShareGPT-like prompt and output lengths (context 2048);
+- `shared-prefix`: 64 groups x 16 prompts, a 2048-token system prompt per group plus a
+  128-token question, 256 output tokens.
+
+Each runs with the radix cache on and/or off (`--radix on|off|both`, one engine per
+mode, both workloads on it, the cache emptied before each); `both` adds the on/off
+throughput ratio. `--scale` keeps that fraction of each workload (of its groups for
+`shared-prefix`). A few short requests warm each engine up first (kernel compiles).
+
+Model: a Llama-3.1-8B-shaped model with random weights built on the device
+(`load_format="dummy"`, as bench/one_batch.py) by default; `--shape tiny` a small
+Llama for a CPU smoke run; `--model DIR` a checkpoint.
+
+    python bench/offline.py --tokenizer DIR [--workloads sharegpt shared-prefix
+        --radix both --scale 0.1 --json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from one_batch import LLAMA_31_8B, write_model_folder
+
+from radixserve import Engine
+from radixserve.benchmark.datasets import (
+    BenchRequest,
+    generated_shared_prefix,
+    sharegpt_like_requests,
+)
+
+TINY_LLAMA: dict[str, Any] = {
+    **{k: v for k, v in LLAMA_31_8B.items() if k != "rope_scaling"},
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 49152,  # SmolLM2's tokenizer (the embedded model's)
+    "max_position_embeddings": 4096,
+    "torch_dtype": "float32",
+}
+SHAPES = {"llama-3.1-8b": LLAMA_31_8B, "tiny": TINY_LLAMA}
+CONTEXT_LEN = 4096  # fits both workloads (2048 + 128 + 256 the longest)
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    requests: list[BenchRequest]
+
+
+def sharegpt_workload(scale: float = 1.0, seed: int = 0) -> Workload:
+    n = max(1, round(1000 * scale))
+    return Workload("sharegpt", sharegpt_like_requests(random.Random(seed), n, context_len=2048))
+
+
+def shared_prefix_workload(scale: float = 1.0, seed: int = 0) -> Workload:
+    groups = max(1, round(64 * scale))
+    requests = generated_shared_prefix(
+        random.Random(seed),
+        num_groups=groups,
+        prompts_per_group=16,
+        system_prompt_len=2048,
+        question_len=128,
+        output_len=256,
+    )
+    return Workload("shared-prefix", requests)
+
+
+WORKLOADS: dict[str, Callable[[float, int], Workload]] = {
+    "sharegpt": sharegpt_workload,
+    "shared-prefix": shared_prefix_workload,
+}
+
+
+def _sync(engine: Engine) -> None:
+    if engine.runner.device.type == "cuda":
+        torch.cuda.synchronize(engine.runner.device)
+
+
+def run_offline(engine: Engine, requests: Sequence[BenchRequest]) -> dict[str, Any]:
+    """Submit all `requests` at once on an empty cache, step until done; counts and rates."""
+    if not engine.flush_cache():
+        raise RuntimeError("the engine has requests running")
+    retractions = engine.scheduler.total_retractions
+    _sync(engine)
+    started = time.perf_counter()
+    for r in requests:
+        engine.submit(
+            r.prompt, {"max_new_tokens": r.output_len, "ignore_eos": True, "temperature": 0}
+        )
+    finished = []
+    while engine.has_work():
+        finished += [out.req for out in engine.step() if out.finished]
+    _sync(engine)
+    duration = time.perf_counter() - started
+    done = [
+        req
+        for req in finished
+        if req.finish_reason is not None and req.finish_reason.kind != "abort"
+    ]
+    input_tokens = sum(len(req.origin_input_ids) for req in done)
+    output_tokens = sum(len(req.output_ids) for req in done)
+    cached = sum(req.cached_tokens for req in done)
+    return {
+        "requests": len(requests),
+        "completed": len(done),
+        "input_tokens": input_tokens,
+        "output_tokens": output_tokens,
+        "cached_tokens": cached,
+        "cache_hit_rate": cached / max(input_tokens, 1),
+        "retractions": engine.scheduler.total_retractions - retractions,
+        "duration_s": duration,
+        "request_throughput": len(done) / duration,
+        "input_throughput": input_tokens / duration,
+        "output_throughput": output_tokens / duration,
+        "total_throughput": (input_tokens + output_tokens) / duration,
+    }
+
+
+def bench(
+    make_engine: Callable[[bool], Engine], workloads: Sequence[Workload], radix_modes: list[bool]
+) -> list[dict[str, Any]]:
+    """One engine per radix mode (`make_engine(radix)`), every workload on it: one row each."""
+    rows = []
+    for radix in radix_modes:
+        engine = make_engine(radix)
+        try:
+            warm = [BenchRequest(r.prompt, 4) for w in workloads for r in w.requests[:4]]
+            run_offline(engine, warm)
+            for workload in workloads:
+                row = {
+                    "workload": workload.name,
+                    "radix": "on" if radix else "off",
+                    **run_offline(engine, workload.requests),
+                }
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+        finally:
+            engine.shutdown()
+    return rows
+
+
+def radix_ratios(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """Per workload run both ways: total throughput with the radix cache over without."""
+    by_key = {(r["workload"], r["radix"]): r["total_throughput"] for r in rows}
+    return {
+        name: by_key[(name, "on")] / by_key[(name, "off")]
+        for name, mode in by_key
+        if mode == "on" and (name, "off") in by_key
+    }
+
+
+def default_tokenizer_dir() -> Path:
+    """RADIXSERVE_TEST_TOKENIZER_DIR where set (a lent GPU), else the embedded model's."""
+    source = os.environ.get("RADIXSERVE_TEST_TOKENIZER_DIR")
+    if source:
+        return Path(source)
+    from radixserve.engine.model.loader import resolve_model_path
+
+    return Path(resolve_model_path(None))
+
+
+def engine_factory(args: argparse.Namespace) -> Callable[[bool], Engine]:
+    if args.model is not None:
+        model, load_format = str(args.model), "auto"
+    else:
+        tokenizer = args.tokenizer or default_tokenizer_dir()
+        model, load_format = str(write_model_folder(tokenizer, SHAPES[args.shape])), "dummy"
+    options: dict[str, Any] = {
+        "load_format": load_format,
+        "device": args.device,
+        "dtype": args.dtype,
+        "attention_backend": args.attention_backend,
+        "context_length": CONTEXT_LEN,
+        **json.loads(args.engine_args),
+    }
+
+    def make(radix: bool) -> Engine:
+        started = time.perf_counter()
+        engine = Engine(model_path=model, disable_radix_cache=not radix, **options)
+        print(
+            f"radix {'on' if radix else 'off'}: engine up in {time.perf_counter() - started:.1f} s"
+        )
+        return engine
+
+    return make
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", type=Path, default=None, help="a checkpoint (default: dummy)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.1-8b")
+    ap.add_argument("--tokenizer", type=Path, default=None, help="tokenizer files (dummy)")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--engine-args", default="{}", help="more Engine options, a JSON object")
+    ap.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=sorted(WORKLOADS))
+    ap.add_argument("--radix", choices=["on", "off", "both"], default="both")
+    ap.add_argument("--scale", type=float, default=1.0, help="fraction of each workload")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    workloads = [WORKLOADS[name](args.scale, args.seed) for name in args.workloads]
+    modes = {"on": [True], "off": [False], "both": [True, False]}[args.radix]
+    rows = bench(engine_factory(args), workloads, modes)
+    ratios = radix_ratios(rows)
+    if args.json:
+        args.json.write_text(json.dumps({"rows": rows, "radix_on_over_off": ratios}, indent=2))
+    print(
+        f"\n{'workload':<14} {'radix':>5} {'req':>5} {'req/s':>8} {'in tok/s':>10} "
+        f"{'out tok/s':>10} {'total tok/s':>11} {'hit rate':>8}"
+    )
+    for r in rows:
+        print(
+            f"{r['workload']:<14} {r['radix']:>5} {r['completed']:>5} "
+            f"{r['request_throughput']:>8.2f} {r['input_throughput']:>10.0f} "
+            f"{r['output_throughput']:>10.0f} {r['total_throughput']:>11.0f} "
+            f"{r['cache_hit_rate']:>8.3f}"
+        )
+    for name, ratio in ratios.items():
+        print(f"{name}: radix on / off total throughput {ratio:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,92 @@
+"""bench/gpu_suite.py's report on the CPU: targets picked and judged from stage results
+as the suite's children write them (the stages themselves need a GPU)."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.fixture
+def suite(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    monkeypatch.syspath_prepend(str(BENCH_DIR))  # the scripts import each other as siblings
+    return importlib.import_module("gpu_suite")
+
+
+def _row(backend: str, graphs: str, bs: int, x_roofline: float, input_len: int = 512) -> dict:
+    return {
+        "backend": backend,
+        "graphs": graphs,
+        "batch_size": bs,
+        "input_len": input_len,
+        "prefill_ms": 10.0,
+        "prefill_vs_matmul_rate": 0.7,
+        "decode_step_ms": 5.0 * x_roofline,
+        "decode_roofline_ms": 5.0,
+        "decode_x_roofline": x_roofline,
+        "decode_tok_s": bs / (5e-3 * x_roofline),
+    }
+
+
+def _result(**overrides: Any) -> dict[str, Any]:
+    prefill = _row("triton", "off", 1, 3.0, input_len=2048) | {"prefill_vs_matmul_rate": 0.83}
+    offline_rows = [
+        {
+            "workload": "shared-prefix",
+            "radix": radix,
+            "completed": 16,
+            "request_throughput": 1.0,
+            "input_throughput": 100.0,
+            "output_throughput": 10.0,
+            "total_throughput": 110.0,
+            "cache_hit_rate": 0.5 if radix == "on" else 0.0,
+        }
+        for radix in ("on", "off")
+    ]
+    return {
+        "date": "2026-11-22",
+        "device": "GPU",
+        "torch": "2.11",
+        "commit": "abc1234",
+        "quick": True,
+        "decode_output_len": 32,
+        "bandwidth_bytes_s": 3.0e12,
+        "matmul_flop_s": 7.7e14,
+        "one_batch": [
+            _row("triton", "on", 1, 1.6),
+            _row("triton", "off", 1, 4.0),
+            _row("triton", "on", 64, 1.25),
+        ],
+        "prefill_2048": [prefill],
+        "offline": {"rows": offline_rows, "radix_on_over_off": {"shared-prefix": 3.2}},
+        "parity": {"tests": 6, "failures": 0, "errors": 0, "skipped": 1, "passed": 5},
+        "errors": [],
+    } | overrides
+
+
+def test_targets_take_each_backends_best_run(suite: ModuleType) -> None:
+    found = {t.name: (where, figure) for t, where, figure in suite.targets(_result())}
+    assert found[suite.DECODE_BS1.name] == ("triton, graphs on", 1.6)
+    assert found[suite.DECODE_BS64.name] == ("triton, graphs on", pytest.approx(1 / 1.25))
+    assert found[suite.PREFILL_2048.name] == ("triton", 0.83)
+    assert found[suite.SHARED_PREFIX.name][1] == 3.2
+    assert suite.PREFILL_2048.met(0.83) and not suite.DECODE_BS1.met(1.6)
+    assert suite.DECODE_BS1.met(1.05) and not suite.DECODE_BS64.met(0.8)
+
+
+def test_report_marks_targets_and_unmeasured_figures(suite: ModuleType) -> None:
+    table = suite.markdown(_result())
+    assert "(quick run): 2026-11-22, GPU, torch 2.11, commit abc1234" in table
+    assert f"| {suite.PREFILL_2048.name} | triton | 0.83 | >= 0.8 | yes |" in table
+    assert f"| {suite.DECODE_BS1.name} | triton, graphs on | 1.60 | <= 1.1 | no |" in table
+    assert "| 5 passed, 0 failed, 1 skipped | all pass | yes |" in table
+    # A failed stage: its figures are n/a and the failure is listed.
+    broken = suite.markdown(_result(offline=None, errors=["offline: exit status 1"]))
+    assert f"| {suite.SHARED_PREFIX.name} | default backend | n/a | >= 5.0 | n/a |" in broken
+    assert "- offline: exit status 1" in broken

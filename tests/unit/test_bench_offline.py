@@ -1,0 +1,80 @@
+"""bench/offline.py at a tiny scale on the CPU, so the GPU benchmark cannot rot unseen:
+its counts agree with the workload it was given, and the radix cache shows up in them."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import random
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from radixserve import Engine
+from radixserve.benchmark.datasets import generated_shared_prefix
+
+BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.fixture
+def offline(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
+    monkeypatch.syspath_prepend(str(BENCH_DIR))  # the scripts import each other as siblings
+    return importlib.import_module("offline")
+
+
+def test_shared_prefix_counts_and_cache_hits(offline: ModuleType, tiny_llama_dir: Path) -> None:
+    requests = generated_shared_prefix(
+        random.Random(0),
+        num_groups=2,
+        prompts_per_group=3,
+        system_prompt_len=24,
+        question_len=4,
+        output_len=5,
+    )
+    workload = offline.Workload("shared-prefix", requests)
+
+    def make_engine(radix: bool) -> Engine:
+        # Prompts longer than a chunk: the first of a group is cached before the rest run.
+        return Engine(
+            model_path=str(tiny_llama_dir),
+            device="cpu",
+            disable_radix_cache=not radix,
+            chunked_prefill_size=16,
+        )
+
+    rows = offline.bench(make_engine, [workload], [True, False])
+    assert [(r["workload"], r["radix"]) for r in rows] == [
+        ("shared-prefix", "on"),
+        ("shared-prefix", "off"),
+    ]
+    for row in rows:
+        assert row["requests"] == row["completed"] == 6
+        assert row["input_tokens"] == 6 * 28
+        assert row["output_tokens"] == 6 * 5  # ignore_eos: exactly max_new_tokens each
+        assert row["total_throughput"] == pytest.approx(
+            (row["input_tokens"] + row["output_tokens"]) / row["duration_s"]
+        )
+    on, off = rows
+    assert on["cache_hit_rate"] > 0 and on["cached_tokens"] > 0
+    assert off["cache_hit_rate"] == 0 and off["cached_tokens"] == 0
+    assert offline.radix_ratios(rows).keys() == {"shared-prefix"}
+
+
+def test_cli_on_a_dummy_tiny_model(
+    offline: ModuleType, tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "offline.json"
+    args = ["--shape", "tiny", "--tokenizer", str(tiny_llama_dir), "--device", "cpu"]
+    # Seed 208 draws two short ShareGPT-like requests (31 and 28 output tokens).
+    args += ["--workloads", "sharegpt", "--scale", "0.002", "--seed", "208", "--json", str(out)]
+    assert offline.main(args) == 0
+    result = json.loads(out.read_text())
+    expected = offline.sharegpt_workload(0.002, 208).requests
+    assert len(expected) == 2
+    assert [r["radix"] for r in result["rows"]] == ["on", "off"]
+    for row in result["rows"]:
+        assert row["completed"] == 2
+        assert row["input_tokens"] == sum(r.prompt_len for r in expected)
+        assert row["output_tokens"] == sum(r.output_len for r in expected)
+    assert set(result["radix_on_over_off"]) == {"sharegpt"}
