@@ -143,10 +143,7 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
     parity = None
     if not args.skip_parity:
         path = out / "parity.xml"
-        # The gateway fixtures (registered for every test) import NATS and openai, which
-        # a GPU machine need not have; this test uses none of them.
         argv = ["-m", "pytest", "-q", PARITY_TEST, "-p", "no:cacheprovider"]
-        argv += ["-p", "no:tests.fixtures.gateway"]
         parity = stages.run("parity", [*argv, f"--junitxml={path}"], path)
     probe = next((r for r in one_batch if r is not None), None)
     return {
