@@ -2,20 +2,25 @@
 
 Works on the flattened tokens of a `ForwardBatch`; attention goes through the
 backend seam, which owns the KV cache. The op order of each block follows Hugging
-Face's implementation so float32 logits match it to ~1e-5.
+Face's implementation so float32 logits match it to ~1e-5. The elementwise ops
+(engine/kernels) run as fused Triton kernels on CUDA and as Hugging Face's torch ops
+elsewhere. Layers carry the residual stream apart from their output, so each
+RMSNorm fuses the residual add before it (the final norm included).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, overload
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from radixserve.engine.kernels.activation import silu_and_mul
+from radixserve.engine.kernels.norm import fused_add_rms_norm, rms_norm
+from radixserve.engine.kernels.rotary import Rotation, apply_rotary
 from radixserve.engine.model.config import ModelConfig
-from radixserve.engine.model.rope import RotaryTable, apply_rotary
+from radixserve.engine.model.rope import RotaryTable
 from radixserve.engine.model.weights import iter_safetensors
 
 if TYPE_CHECKING:
@@ -38,12 +43,19 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32, scale in the input dtype: what transformers does.
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+    @overload
+    def forward(self, x: torch.Tensor, residual: None = None) -> torch.Tensor: ...
+    @overload
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x); with a residual, (norm(x + residual), x + residual)."""
+        if residual is None:
+            return rms_norm(x, self.weight, self.eps)
+        return fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class LlamaAttention(nn.Module):
@@ -69,8 +81,7 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rotation: Rotation,
         batch: ForwardBatch,
         attn: AttentionBackend,
     ) -> torch.Tensor:
@@ -81,7 +92,7 @@ class LlamaAttention(nn.Module):
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, cos, sin)
+        q, k = apply_rotary(q, k, rotation)
         out = attn.forward(q, k, v, self.layer_id, batch, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -101,8 +112,7 @@ class LlamaMLP(nn.Module):
         return [self.intermediate_size, self.intermediate_size]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.shard_sizes(), dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -116,13 +126,20 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        residual: torch.Tensor | None,
+        rotation: Rotation,
         batch: ForwardBatch,
         attn: AttentionBackend,
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, batch, attn)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(MLP output, residual stream before it); the stream is hidden + residual,
+        or the embeddings alone at the first layer (residual None)."""
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, rotation, batch, attn)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -165,12 +182,18 @@ class LlamaForCausalLM(nn.Module):
         """float32 logits [batch_size, vocab] at each request's last new token."""
         if self.rotary is None:
             raise RuntimeError("call init_rotary() (load_model does) before the first forward")
-        cos, sin = self.rotary.lookup(batch.positions)
+        rotation = Rotation.of(self.rotary, batch.positions)
         hidden = self.model.embed_tokens(batch.input_ids)
+        residual: torch.Tensor | None = None
         for layer in self.model.layers:
-            hidden = layer(hidden, cos, sin, batch, attn)
-        # Norm and head only where logits are needed: per-token ops, so this is exact.
-        hidden = self.model.norm(hidden[batch.last_token_indices])
+            hidden, residual = layer(hidden, residual, rotation, batch, attn)
+        # The last add, norm and head only where logits are needed: per-token ops, so
+        # this is exact.
+        last = batch.last_token_indices
+        if residual is None:
+            hidden = self.model.norm(hidden[last])
+        else:
+            hidden, _ = self.model.norm(hidden[last], residual[last])
         return self.lm_head(hidden).float()
 
     @torch.no_grad()

@@ -1,4 +1,5 @@
-"""Rotary position embeddings: inverse frequencies, a cos/sin table, and its application.
+"""Rotary position embeddings: inverse frequencies and the cos/sin table (kernels/rotary.py
+applies it).
 
 The table is indexed by absolute position, so a request's tokens get the same
 rotation whether they arrive in one prefill, in chunks, or one by one in decode.
@@ -61,15 +62,3 @@ class RotaryTable:
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for the given positions, shaped [num_tokens, 1, head_dim] to broadcast over heads."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rotary(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Neox-style rotation (halves, not interleaved pairs), as Hugging Face Llama applies it."""
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin

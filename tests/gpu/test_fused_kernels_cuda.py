@@ -1,0 +1,142 @@
+"""The fused Triton kernels compiled on CUDA at Llama-3.1-8B shapes against their torch
+references (which on CUDA run torch's own kernels), inside a CUDA graph, and a q/k-norm
+model (Qwen3) on them against Hugging Face.
+
+Without CUDA the module skips before it imports the kernels (see
+test_triton_attention_cuda.py: defining them here would fix them as compiled).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+pytest.importorskip("triton", reason="triton is not installed")
+
+from radixserve.engine.attention.triton_ops.common import INTERPRETED
+from radixserve.engine.forward_batch import ForwardMode
+from radixserve.engine.kernels.activation import silu_and_mul, silu_and_mul_torch
+from radixserve.engine.kernels.norm import (
+    fused_add_rms_norm,
+    fused_add_rms_norm_torch,
+    rms_norm,
+    rms_norm_torch,
+)
+from radixserve.engine.kernels.rotary import Rotation, apply_rotary, rotary_torch
+from tests.helpers import fused_kernel_cases as cases
+from tests.helpers.model_harness import ModelHarness
+from tests.helpers.tiny_models import make_tiny_qwen3
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(INTERPRETED, reason="TRITON_INTERPRET is set in this process"),
+]
+
+CUDA = torch.device("cuda")
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 4096, 32, 8, 128, 14336
+MAX_POSITIONS = 8192
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+TOKENS = [1, 64, 333]
+EPS = 1e-5
+
+
+def norm_weight(n: int, dtype: torch.dtype) -> torch.Tensor:
+    return (1 + 0.1 * cases.randn((n,), torch.float32, CUDA, seed=7)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_norms(dtype: torch.dtype, tokens: int) -> None:
+    x = cases.randn((tokens, HIDDEN), dtype, CUDA, seed=1)
+    residual = cases.randn((tokens, HIDDEN), dtype, CUDA, seed=2)
+    weight = norm_weight(HIDDEN, dtype)
+    max_ulp = cases.NORM_ULP[dtype]
+    cases.assert_matches(rms_norm(x, weight, EPS), rms_norm_torch(x, weight, EPS), max_ulp)
+    out, new_residual = fused_add_rms_norm(x, residual, weight, EPS)
+    ref, ref_residual = fused_add_rms_norm_torch(x, residual, weight, EPS)
+    assert torch.equal(new_residual, ref_residual)
+    cases.assert_matches(out, ref, max_ulp)
+    q, _ = cases.qkv_views(tokens, HEADS, KV_HEADS, HEAD_DIM, dtype, CUDA)
+    head_weight = norm_weight(HEAD_DIM, dtype)
+    cases.assert_matches(
+        rms_norm(q, head_weight, EPS), rms_norm_torch(q, head_weight, EPS), max_ulp
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_rotary_is_exact(dtype: torch.dtype, tokens: int) -> None:
+    q, k = cases.qkv_views(tokens, HEADS, KV_HEADS, HEAD_DIM, dtype, CUDA)
+    table = cases.rotary_table(HEAD_DIM, MAX_POSITIONS, dtype, CUDA)
+    positions = cases.positions(tokens, MAX_POSITIONS, CUDA)
+    q_out, k_out = apply_rotary(q, k, Rotation.of(table, positions))
+    q_ref, k_ref = rotary_torch(q, k, *table.lookup(positions))
+    assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_silu_and_mul(dtype: torch.dtype, tokens: int) -> None:
+    gate_up = 2 * cases.randn((tokens, 2 * INTERMEDIATE), dtype, CUDA, seed=4)
+    cases.assert_matches(silu_and_mul(gate_up), silu_and_mul_torch(gate_up), cases.SILU_ULP[dtype])
+
+
+def test_kernels_replay_in_a_cuda_graph() -> None:
+    """Captured once, replayed on new inputs copied into the static buffers."""
+    dtype, tokens = torch.bfloat16, 8
+    table = cases.rotary_table(HEAD_DIM, MAX_POSITIONS, dtype, CUDA)
+    weight = norm_weight(HIDDEN, dtype)
+    x = cases.randn((tokens, HIDDEN), dtype, CUDA, seed=1)
+    residual = cases.randn((tokens, HIDDEN), dtype, CUDA, seed=2)
+    qkv_width = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+    qkv = cases.randn((tokens, qkv_width), dtype, CUDA, seed=3)
+    gate_up = cases.randn((tokens, 2 * INTERMEDIATE), dtype, CUDA, seed=4)
+    positions = cases.positions(tokens, MAX_POSITIONS, CUDA)
+
+    def step() -> tuple[torch.Tensor, ...]:
+        q, k, _ = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], -1)
+        q = q.reshape(tokens, HEADS, HEAD_DIM)
+        k = k.reshape(tokens, KV_HEADS, HEAD_DIM)
+        normed, new_residual = fused_add_rms_norm(x, residual, weight, EPS)
+        q_out, k_out = apply_rotary(q, k, Rotation.of(table, positions))
+        return normed, new_residual, q_out, k_out, silu_and_mul(gate_up)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compiles outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step()
+
+    for seed in (10, 20):
+        for i, buf in enumerate((x, residual, qkv, gate_up)):
+            buf.copy_(cases.randn(tuple(buf.shape), dtype, CUDA, seed=seed + i))
+        positions.copy_(cases.positions(tokens, MAX_POSITIONS, CUDA, seed=seed))
+        graph.replay()
+        expected = step()
+        for got, want in zip(static_out, expected, strict=True):
+            assert torch.equal(got, want)
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return Path(make_tiny_qwen3(tmp_path_factory.mktemp("tiny_qwen3_gpu"), seed=1))
+
+
+def test_qk_norm_model_matches_hf(qwen3_dir: Path) -> None:
+    harness = ModelHarness(qwen3_dir, device="cuda")
+    gen = torch.Generator().manual_seed(0)
+    vocab = harness.config.vocab_size
+    seqs = [torch.randint(100, vocab, (n,), generator=gen).tolist() for n in (5, 1, 33)]
+    rows = [harness.requests.new_request() for _ in seqs]
+    logits = harness.run(
+        harness.requests.build(ForwardMode.EXTEND, list(zip(rows, seqs, strict=True)))
+    )
+    expected = torch.stack([harness.reference_logits(ids)[-1] for ids in seqs])
+    torch.testing.assert_close(logits, expected, atol=1e-3, rtol=1e-3)

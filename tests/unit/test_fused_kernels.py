@@ -1,0 +1,136 @@
+"""The fused Triton kernels (engine/kernels) against their torch references, under the
+Triton interpreter on the CPU: small odd shapes, strided q/k views, 1 to a few tokens.
+
+As in test_triton_attention.py, TRITON_INTERPRET is set before anything imports the
+kernels (Triton picks the interpreter when a kernel is defined); the interpreter is
+also made to round float32 -> bfloat16 to nearest even, as compiled kernels do, so
+16-bit results compare bit for bit. Bounds: rotary is exact; RMSNorm (its reduction
+order) and SiLU (NumPy's exp) may differ by an ulp at an intermediate rounding, so
+by up to 2 ulps in a few elements of the output.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed (the dev extra brings it on Linux)")
+
+from radixserve.engine.attention.triton_ops.common import INTERPRETED
+from radixserve.engine.forward_batch import ForwardMode
+from radixserve.engine.kernels import dispatch
+from radixserve.engine.kernels.activation import silu_and_mul_torch
+from radixserve.engine.kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
+from radixserve.engine.kernels.rotary import rotary_torch
+from radixserve.engine.kernels.triton_ops.activation import silu_and_mul_triton
+from radixserve.engine.kernels.triton_ops.norm import fused_add_rms_norm_triton, rms_norm_triton
+from radixserve.engine.kernels.triton_ops.rotary import rotary_triton
+from tests.helpers import fused_kernel_cases as cases
+from tests.helpers.model_harness import ModelHarness
+from tests.helpers.triton_interpreter import round_bf16_to_nearest_even
+
+if not INTERPRETED and not torch.cuda.is_available():
+    pytest.skip(
+        "the triton kernels were compiled in this process but there is no GPU",
+        allow_module_level=True,
+    )
+if INTERPRETED:
+    round_bf16_to_nearest_even()
+
+DEVICE = torch.device("cpu" if INTERPRETED else "cuda")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+EPS = 1e-5
+
+
+def norm_weight(n: int, dtype: torch.dtype) -> torch.Tensor:
+    return (1 + 0.1 * cases.randn((n,), torch.float32, DEVICE, seed=7)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("tokens", "hidden"), [(1, 576), (5, 576), (3, 64)])
+def test_rms_norm(dtype: torch.dtype, tokens: int, hidden: int) -> None:
+    x = cases.randn((tokens, hidden), dtype, DEVICE, seed=1)
+    weight = norm_weight(hidden, dtype)
+    before = x.clone()
+    out = rms_norm_triton(x, weight, EPS)
+    cases.assert_matches(out, rms_norm_torch(x, weight, EPS), max_ulp=cases.NORM_ULP[dtype])
+    assert torch.equal(x, before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_per_head_on_a_strided_view(dtype: torch.dtype) -> None:
+    """Qwen3's q/k norm: over head_dim of views into the fused qkv output."""
+    q, k = cases.qkv_views(4, 3, 1, 64, dtype, DEVICE)
+    weight = norm_weight(64, dtype)
+    for x in (q, k):
+        out = rms_norm_triton(x, weight, EPS)
+        assert out.is_contiguous()
+        cases.assert_matches(out, rms_norm_torch(x, weight, EPS), max_ulp=cases.NORM_ULP[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 6])
+def test_fused_add_rms_norm(dtype: torch.dtype, tokens: int) -> None:
+    x = cases.randn((tokens, 576), dtype, DEVICE, seed=2)
+    residual = cases.randn((tokens, 576), dtype, DEVICE, seed=3)
+    weight = norm_weight(576, dtype)
+    inputs = (x.clone(), residual.clone())
+    out, new_residual = fused_add_rms_norm_triton(x, residual, weight, EPS)
+    ref, ref_residual = fused_add_rms_norm_torch(x, residual, weight, EPS)
+    assert torch.equal(new_residual, ref_residual)
+    cases.assert_matches(out, ref, max_ulp=cases.NORM_ULP[dtype])
+    assert torch.equal(x, inputs[0]) and torch.equal(residual, inputs[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 7])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(3, 1, 64), (4, 2, 16)])
+@pytest.mark.parametrize("contiguous", [False, True])
+def test_rotary_is_exact(
+    dtype: torch.dtype, tokens: int, heads: int, kv_heads: int, head_dim: int, contiguous: bool
+) -> None:
+    q, k = cases.qkv_views(tokens, heads, kv_heads, head_dim, dtype, DEVICE)
+    if contiguous:  # as after Qwen3's q/k norm
+        q, k = q.contiguous(), k.contiguous()
+    table = cases.rotary_table(head_dim, 100, dtype, DEVICE)
+    positions = cases.positions(tokens, 100, DEVICE)
+    inputs = (q.clone(), k.clone())
+    q_out, k_out = rotary_triton(q, k, positions, table.cos, table.sin)
+    q_ref, k_ref = rotary_torch(q, k, *table.lookup(positions))
+    assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
+    assert q_out.is_contiguous() and k_out.is_contiguous()
+    assert torch.equal(q, inputs[0]) and torch.equal(k, inputs[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("tokens", "n"), [(1, 1536), (5, 1536), (3, 40)])
+def test_silu_and_mul(dtype: torch.dtype, tokens: int, n: int) -> None:
+    gate_up = 2 * cases.randn((tokens, 2 * n), dtype, DEVICE, seed=4)
+    out = silu_and_mul_triton(gate_up)
+    cases.assert_matches(out, silu_and_mul_torch(gate_up), max_ulp=cases.SILU_ULP[dtype])
+
+
+@pytest.mark.parametrize("model_dir", ["tiny_llama_dir", "tiny_qwen3_dir"])
+def test_model_on_the_kernels_matches_hf(
+    model_dir: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The whole model with every fused op on its kernel (the CUDA path, interpreted):
+    the residual stream, the final add + norm on the last tokens, q/k norm, rotary."""
+    harness = ModelHarness(Path(request.getfixturevalue(model_dir)), device=str(DEVICE))
+    gen = torch.Generator().manual_seed(0)
+    seqs = [
+        torch.randint(100, harness.config.vocab_size, (n,), generator=gen).tolist()
+        for n in (5, 1, 9)
+    ]
+    rows = [harness.requests.new_request() for _ in seqs]
+    batch = harness.requests.build(ForwardMode.EXTEND, list(zip(rows, seqs, strict=True)))
+    monkeypatch.setattr(dispatch, "use_triton", lambda x: True)
+    logits = harness.run(batch)
+    expected = torch.stack([harness.reference_logits(ids)[-1] for ids in seqs])
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
