@@ -147,11 +147,9 @@ class ModelRunner:
                 f"no GPU memory left for the KV cache (free {free / 2**30:.1f} GiB of "
                 f"{total / 2**30:.1f} GiB); raise mem_fraction_static or use a smaller model"
             )
-        # A small model on a big GPU would get hundreds of millions of slots, whose host
-        # free list alone costs gigabytes. Four times what every running request can hold
-        # at full context leaves ample room for cached prefixes.
-        ceiling = 4 * (self.config.max_running_requests + 1) * self.context_len
-        return min(tokens, ceiling)
+        # No ceiling: the free list lives on the device (8 bytes a page), so even a small
+        # model's tens of millions of slots cost the host nothing.
+        return tokens
 
     def close(self) -> None:
         """Drop the weights, the KV memory and the backend; free cached CUDA memory."""

@@ -4,6 +4,11 @@ Page p holds slots [p * page_size, (p + 1) * page_size). Page 0 holds the reserv
 slot 0 and is never handed out: padded index tables point at slot 0, so a kernel that
 reads past a request's length reads harmless zeros instead of another request's KV.
 With page_size 1 a page is a slot and the free list is the list of free slots.
+
+The free list lives on the pool's device (SGLang's TokenToKVPoolAllocator): an
+allocation slices page ids off its front, a free appends the freed tensor, and the
+host keeps only the count. Neither ever reads the device, so finishing a request or
+evicting from the cache costs no host round trip.
 """
 
 from __future__ import annotations
@@ -25,7 +30,12 @@ def upload_int64(values: Sequence[int], device: torch.device) -> torch.Tensor:
 
 
 class KVPool:
-    """KV buffers for every layer, addressed by slot; allocation in whole pages of `page_size` slots."""
+    """KV buffers for every layer, addressed by slot; allocation in whole pages of `page_size` slots.
+
+    `debug=True` checks every free against per-page free flags (on the device) and
+    raises on a double free, a reserved page or slots out of page order; the check
+    reads the device, so it is off by default, for every page size.
+    """
 
     def __init__(
         self,
@@ -50,9 +60,7 @@ class KVPool:
         self.num_pages = num_slots // page_size
         self.num_layers = num_layers
         self.dtype = dtype
-        # Page size 1 tracks free flags only in debug mode: its hot path stays a list
-        # append; pages > 1 always check (a slip there would hand one page out twice).
-        self.track_free_flags = debug or page_size > 1
+        self.debug = debug
         # Canonical form ("cuda" -> "cuda:0"), so device comparisons hold.
         self.device = torch.empty(0, device=device).device
         # One extra page in front holds the reserved padding slot 0.
@@ -67,18 +75,22 @@ class KVPool:
         self.clear()
 
     def clear(self) -> None:
-        # Free pages live on the host: allocation is a Python slice, and the scheduler
-        # needs the counts every step anyway.
-        self._free_pages = list(range(1, self.num_pages + 1))
-        # Free flags per page catch a double free at the point of the free.
-        self._page_is_free = bytearray([0]) + bytearray([1]) * self.num_pages
+        # Free page ids in hand-out order: `_head`, then the `_released` blocks (pages
+        # freed since the head was last refilled) in the order they came back.
+        self._head = torch.arange(1, self.num_pages + 1, dtype=torch.int64, device=self.device)
+        self._released: list[torch.Tensor] = []
+        self._num_free = self.num_pages  # len(_head) + the blocks' lengths, known on the host
+        # Debug only: a free flag per page, to catch a double free at the point of the free.
+        self._page_is_free = (
+            torch.arange(self.num_pages + 1, device=self.device) > 0 if self.debug else None
+        )
 
     def available(self) -> int:
         """Free slots (always whole pages)."""
-        return len(self._free_pages) * self.page_size
+        return self._num_free * self.page_size
 
     def available_pages(self) -> int:
-        return len(self._free_pages)
+        return self._num_free
 
     def alloc(self, num_tokens: int) -> torch.Tensor | None:
         """Hand out `num_tokens` slots (int64, on the pool's device), or None if too few are free.
@@ -91,62 +103,80 @@ class KVPool:
             raise ValueError(
                 f"alloc needs a whole number of pages: {num_tokens} slots with page_size {page}"
             )
-        taken = self.alloc_pages(num_tokens // page)
-        if taken is None:
-            return None
-        pages = upload_int64(taken, self.device)
-        if page == 1:
+        pages = self.alloc_pages(num_tokens // page)
+        if pages is None or page == 1:
             return pages
         return (pages[:, None] * page + self._page_offsets).reshape(-1)
 
-    def alloc_pages(self, num_pages: int) -> list[int] | None:
-        """Hand out `num_pages` whole pages as page ids on the host (page p holds slots
-        [p * page_size, (p + 1) * page_size)), or None if too few are free. For callers
-        that upload the ids together with other per-step values."""
+    def alloc_pages(self, num_pages: int) -> torch.Tensor | None:
+        """Hand out `num_pages` whole pages as page ids (int64, on the pool's device; page p
+        holds slots [p * page_size, (p + 1) * page_size)), or None if too few are free."""
         if num_pages < 0:
             raise ValueError(f"cannot allocate {num_pages} pages")
-        if num_pages > len(self._free_pages):
+        if num_pages > self._num_free:
             return None
-        taken = self._free_pages[:num_pages]
-        del self._free_pages[:num_pages]
-        if self.track_free_flags:
-            for p in taken:
-                self._page_is_free[p] = 0
+        if num_pages > self._head.numel():
+            self._head = torch.cat([self._head, *self._released])
+            self._released = []
+        taken, self._head = self._head[:num_pages], self._head[num_pages:]
+        self._num_free -= num_pages
+        if self._page_is_free is not None:
+            self._page_is_free[taken] = False
         return taken
 
     def free(self, slots: torch.Tensor) -> None:
-        """Give back the pages the given slots lie in. The caller must own every slot of
-        those pages (a page is freed whole, once)."""
+        """Give back the pages the given slots lie in, each whole, once.
+
+        `slots` run page by page as a request's row holds them: slot i lies in the page
+        of slot i - i % page_size (a run from a page start, a partial last page allowed).
+        The pool keeps the tensor (page_size 1): the caller must not write to it later.
+        """
         if slots.numel() == 0:
             return
-        if not self.track_free_flags:
-            self._free_pages.extend(slots.tolist())
-            return
-        # A request's slots run page by page, so one page's slots are adjacent.
-        pages = (
-            slots.tolist()
-            if self.page_size == 1
-            else torch.unique_consecutive(slots // self.page_size).tolist()
-        )
-        bad = [p for p in pages if not 1 <= p <= self.num_pages or self._page_is_free[p]]
-        if bad or len(set(pages)) != len(pages):
+        slots = slots.to(self.device, torch.int64)
+        pages = slots if self.page_size == 1 else slots[:: self.page_size] // self.page_size
+        if self._page_is_free is not None:
+            self._check_free(slots, pages, self._page_is_free)
+        self._num_free += pages.numel()
+        # Blocks shrink by more than half from left to right (adjacent ones merge), so
+        # there are O(log pool) of them and each page is copied O(log pool) times.
+        blocks = self._released
+        blocks.append(pages)
+        while len(blocks) > 1 and blocks[-2].numel() <= 2 * blocks[-1].numel():
+            last = blocks.pop()
+            blocks[-1] = torch.cat([blocks[-1], last])
+
+    def _check_free(self, slots: torch.Tensor, pages: torch.Tensor, is_free: torch.Tensor) -> None:
+        """Debug: raise (changing nothing) unless `pages` may be freed; then flag them free."""
+        touched = torch.unique_consecutive(slots // self.page_size)
+        bad = touched[(touched < 1) | (touched > self.num_pages)]
+        if bad.numel() == 0:
+            bad = touched[is_free[touched]]
+        if bad.numel() or touched.unique().numel() != touched.numel():
+            shown = (bad if bad.numel() else touched)[:8].tolist()
+            raise RuntimeError(f"KV pages freed twice or not allocatable: {shown}")
+        in_order = pages.repeat_interleave(self.page_size)[: slots.numel()]
+        if not torch.equal(slots // self.page_size, in_order):
             raise RuntimeError(
-                f"KV pages freed twice or not allocatable: {bad or sorted(pages)[:8]}"
+                "KV slots to free are out of page order: slot i must lie in the page of "
+                "slot i - i % page_size"
             )
-        for p in pages:
-            self._page_is_free[p] = 1
-        self._free_pages.extend(pages)
+        is_free[pages] = True
+
+    def free_pages(self) -> torch.Tensor:
+        """The free page ids (a copy, on the device), in hand-out order; for invariant checks."""
+        return torch.cat([self._head, *self._released])
 
     def free_page_ids(self) -> list[int]:
-        """The free list (a copy), in hand-out order; for invariant checks."""
-        return list(self._free_pages)
+        """The free list on the host, in hand-out order; for invariant checks and tests."""
+        return self.free_pages().tolist()
 
     def free_slot_ids(self) -> list[int]:
         """Every free slot, page by page in free-list order; for invariant checks."""
+        pages = self.free_pages()
         if self.page_size == 1:
-            return list(self._free_pages)
-        page = self.page_size
-        return [p * page + i for p in self._free_pages for i in range(page)]
+            return pages.tolist()
+        return (pages[:, None] * self.page_size + self._page_offsets).reshape(-1).tolist()
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k_buffers[layer_id][loc] = k.to(self.dtype)

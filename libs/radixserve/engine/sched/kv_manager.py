@@ -88,8 +88,8 @@ class KVManager:
             )
         return slots
 
-    def alloc_pages(self, num_pages: int) -> list[int]:
-        """`num_pages` fresh page ids (on the host), evicting cached pages if needed."""
+    def alloc_pages(self, num_pages: int) -> torch.Tensor:
+        """`num_pages` fresh page ids (on the device), evicting cached pages if needed."""
         short = num_pages * self.page_size - self.kv_pool.available()
         if short > 0:
             self.cache.evict(short)
@@ -143,8 +143,8 @@ class KVManager:
         The slots are the ones the per-request calls would give, in the same order: a
         request whose last page is full takes the next fresh page (all of them in one
         allocation, in request order), the others the slot after their last one. One
-        upload (rows, lengths, pages) and one scatter into req_to_token, whatever the
-        batch size, and no device-to-host read.
+        allocation on the device, one upload (rows, lengths) and one scatter into
+        req_to_token, whatever the batch size, and no device-to-host read.
         """
         if not reqs:
             return
@@ -158,23 +158,22 @@ class KVManager:
             kv_lens.append(req.kv_len)
         table = self.req_pool.req_to_token
         if page == 1:
-            pages = self.alloc_pages(bs)
-            rows_t, lens_t, slots = upload_int64(rows + kv_lens + pages, table.device).view(3, bs)
+            slots = self.alloc_pages(bs)
+            rows_t, lens_t = upload_int64(rows + kv_lens, table.device).view(2, bs)
             table[rows_t, lens_t] = slots.to(table.dtype)
             return
         # Requests whose last page is full (kv_len % page == 0) start a new page.
         needy = [i for i, n in enumerate(kv_lens) if n % page == 0]
         pages = self.alloc_pages(len(needy))
-        packed = upload_int64(rows + kv_lens + needy + pages, table.device)
+        packed = upload_int64(rows + kv_lens + needy, table.device)
         rows_t, lens_t = packed[: 2 * bs].view(2, bs)
-        needy_t, pages_t = packed[2 * bs :].view(2, len(needy))
         if len(needy) == bs:
-            slots = pages_t * page
+            slots = pages * page
         else:
             # The slot after the last token's, on the same page (read on the device).
             slots = table[rows_t, lens_t - 1].to(torch.int64) + 1
             if needy:
-                slots[needy_t] = pages_t * page
+                slots[packed[2 * bs :]] = pages * page
         table[rows_t, lens_t] = slots.to(table.dtype)
 
     def _paged_slots(self, req: Req, num_tokens: int) -> torch.Tensor:
@@ -290,7 +289,7 @@ class KVManager:
 
     def _check_page_owners(self, holders: list[Req]) -> None:
         page, num_pages = self.page_size, self.kv_pool.num_pages
-        free = torch.tensor(self.kv_pool.free_page_ids(), dtype=torch.int64)
+        free = self.kv_pool.free_pages().cpu()
         assert free.unique().numel() == free.numel(), "a KV page is on the free list twice"
         cached = torch.bincount(self.cache.cached_slots().cpu() // page, minlength=num_pages + 1)
         assert bool(((cached == 0) | (cached == page)).all()), "a KV page is only partly cached"
