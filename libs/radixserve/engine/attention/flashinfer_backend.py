@@ -123,6 +123,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._graph: _GraphState | None = None
         # Every page of the one-slot view is full: last_page_len is all ones.
         self._ones = torch.ones(256, dtype=torch.int32, pin_memory=True)
+        # Per wrapper: an event behind its last plan's copy to the device (see _plan).
+        self._plan_copied: dict[int, torch.cuda.Event] = {}
 
     # -- per batch ------------------------------------------------------------------
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
@@ -222,12 +224,30 @@ class FlashInferAttentionBackend(AttentionBackend):
     # -- plans ------------------------------------------------------------------------
     def _plan(self, step: _Pass, layout: _Layout) -> None:
         """Plan `step` on its wrapper (host work and host-to-device copies, no sync)."""
+        wrapper = (
+            self._prefill_wrapper()
+            if step.qo_indptr is not None
+            else self._decode_wrapper(layout, step.graph_bs)
+        )
+        # A plan fills the wrapper's pinned buffer and queues its copy to the device.
+        # With overlap scheduling the next plan of this wrapper can come before that
+        # copy has run: wait for it (it is queued right behind the step whose tokens
+        # the scheduler has just read, so this rarely waits at all).
+        done = self._plan_copied.get(id(wrapper))
+        if done is not None:
+            done.synchronize()
+        self._plan_on(wrapper, step, layout)
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+            self._plan_copied[id(wrapper)] = event
+
+    def _plan_on(self, wrapper: Any, step: _Pass, layout: _Layout) -> None:
         bs = step.kv_indptr.shape[0] - 1
         last_page_len = self._ones_host(bs)
         shape = (layout.num_heads, layout.num_kv_heads, layout.head_dim, 1)  # page size 1
         kinds = {"q_data_type": layout.dtype, "kv_data_type": layout.dtype}
         if step.qo_indptr is not None:
-            wrapper = self._prefill_wrapper()
             wrapper.plan(
                 step.qo_indptr,
                 step.kv_indptr,
@@ -239,7 +259,6 @@ class FlashInferAttentionBackend(AttentionBackend):
                 **kinds,
             )
         else:
-            wrapper = self._decode_wrapper(layout, step.graph_bs)
             wrapper.plan(
                 step.kv_indptr,
                 step.kv_indices,
