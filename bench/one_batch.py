@@ -219,12 +219,16 @@ def run_backend(
     bandwidth: float,
     matmul: float,
     disable_cuda_graph: bool | None,
+    disable_overlap: bool = False,
 ) -> list[dict[str, Any]]:
     from radixserve import Engine
 
     max_bs = max(args.batch_sizes)
     graph_option = {} if disable_cuda_graph is None else {"disable_cuda_graph": disable_cuda_graph}
     graphs_label = "n/a" if disable_cuda_graph is None else ("off" if disable_cuda_graph else "on")
+    overlap_label = "off" if disable_overlap else "on"
+    if disable_overlap:
+        graph_option["disable_overlap_schedule"] = True
     started = time.perf_counter()
     engine = Engine(
         model_path=str(folder),
@@ -240,7 +244,9 @@ def run_backend(
         mem_fraction_static=args.mem_fraction_static,
         **graph_option,
     )
-    print(f"{backend} graphs {graphs_label}: engine up in {time.perf_counter() - started:.1f} s")
+    print(
+        f"{backend} graphs {graphs_label} overlap {overlap_label}: engine up in {time.perf_counter() - started:.1f} s"
+    )
     timer = PhaseTimer(engine) if args.breakdown else None
     model = engine.runner.model
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -299,6 +305,7 @@ def run_backend(
             {
                 "backend": backend,
                 "graphs": graphs_label,
+                "overlap": overlap_label,
                 "batch_size": bs,
                 "input_len": args.input_len,
                 "prefill_ms": prefill_s * 1e3,
@@ -331,6 +338,9 @@ def main() -> int:
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--cuda-graph", choices=["both", "on", "off"], default="both")
     ap.add_argument(
+        "--overlap", choices=["both", "on", "off"], default="on", help="overlap scheduling"
+    )
+    ap.add_argument(
         "--mem-fraction-static",
         type=float,
         default=0.88,
@@ -356,8 +366,9 @@ def main() -> int:
     rows = []
     for backend in args.backends:
         for disable in graph_modes(args.cuda_graph):
-            rows += run_backend(folder, backend, args, bandwidth, matmul, disable)
-            torch.cuda.empty_cache()
+            for no_overlap in {"both": [False, True], "on": [False], "off": [True]}[args.overlap]:
+                rows += run_backend(folder, backend, args, bandwidth, matmul, disable, no_overlap)
+                torch.cuda.empty_cache()
     result = {
         "device": device,
         "torch": torch.__version__,
@@ -368,12 +379,13 @@ def main() -> int:
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     print(
-        f"\n{'backend':<10} {'graphs':>6} {'bs':>4} {'prefill ms':>10} {'vs matmul':>9} "
+        f"\n{'backend':<10} {'graphs':>6} {'ovl':>3} {'bs':>4} {'prefill ms':>10} {'vs matmul':>9} "
         f"{'decode ms':>9} {'roofline':>8} {'x roof':>6}"
     )
     for r in rows:
         print(
-            f"{r['backend']:<10} {r['graphs']:>6} {r['batch_size']:>4} {r['prefill_ms']:>10.1f} "
+            f"{r['backend']:<10} {r['graphs']:>6} {r.get('overlap', '-'):>3} {r['batch_size']:>4} "
+            f"{r['prefill_ms']:>10.1f} "
             f"{r['prefill_vs_matmul_rate']:>9.2f} {r['decode_step_ms']:>9.2f} "
             f"{r['decode_roofline_ms']:>8.2f} {r['decode_x_roofline']:>6.2f}"
         )
@@ -382,10 +394,20 @@ def main() -> int:
         for r in rows:
             phases = "  ".join(
                 f"{k}={r[k]:.0f}" if k.endswith("_us") else f"{k}={r[k]:.2f}"
-                for k in ("plan_us", "build_us", "launch_us", "process_us", "gpu_forward_ms")
+                for k in (
+                    "plan_us",
+                    "build_us",
+                    "launch_us",
+                    "forward_call_us",
+                    "read_us",
+                    "gpu_forward_ms",
+                )
                 if k in r
             )
-            print(f"{r['backend']:<10} {r['graphs']:>6} {r['batch_size']:>4}  {phases}")
+            print(
+                f"{r['backend']:<10} {r['graphs']:>6} {r.get('overlap', '-'):>3} "
+                f"{r['batch_size']:>4}  {phases}"
+            )
     return 0
 
 

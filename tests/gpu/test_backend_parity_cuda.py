@@ -39,11 +39,14 @@ OVERLAP_FIELD = "disable_overlap_schedule"
 
 
 def _backends() -> list[str]:
-    """The named backends EngineConfig admits whose module is importable (torch: always)."""
+    """The named backends EngineConfig admits whose module is importable (torch: always).
+    FlashInfer runs half precision only: its float16/bfloat16 parity with Hugging Face,
+    graphs and overlap on and off, is in test_flashinfer_attention_cuda.py."""
     return [
         name
         for name in ATTENTION_BACKENDS
-        if name != "auto" and (name == "torch" or importlib.util.find_spec(name) is not None)
+        if name not in ("auto", "flashinfer")
+        and (name == "torch" or importlib.util.find_spec(name) is not None)
     ]
 
 

@@ -122,8 +122,12 @@ def tiny_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"chunked_prefill_size": 16}, {"page_size": 16, "chunked_prefill_size": 32}],
-    ids=["chunked", "paged"],
+    [
+        {"chunked_prefill_size": 16},
+        {"page_size": 16, "chunked_prefill_size": 32},
+        {"chunked_prefill_size": 16, "disable_overlap_schedule": True},
+    ],
+    ids=["chunked", "paged", "no-overlap"],
 )
 def test_engine_with_graphs_matches_hf(tiny_dir: Path, kwargs: dict[str, object]) -> None:
     from radixserve import Engine
