@@ -25,6 +25,7 @@ Llama for a CPU smoke run; `--model DIR` a checkpoint.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -155,6 +156,8 @@ def bench(
                 rows.append(row)
         finally:
             engine.shutdown()
+            del engine
+            gc.collect()  # its memory must be back before the next engine sizes its pool
     return rows
 
 

@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -150,7 +152,10 @@ class PhaseTimer:
                 self.samples.setdefault(label, []).append(time.perf_counter() - t0)
 
         setattr(owner, name, timed)
-        self._restore.append(lambda: setattr(owner, name, original))
+        if isinstance(owner, type(sys)):
+            self._restore.append(lambda: setattr(owner, name, original))
+        else:  # an instance: drop the wrapper, do not leave a bound method (a cycle) there
+            self._restore.append(lambda: delattr(owner, name))
 
     def _wrap_forward(self, runner: Any) -> None:
         original = runner.forward
@@ -167,7 +172,7 @@ class PhaseTimer:
             return out
 
         runner.forward = timed
-        self._restore.append(lambda: setattr(runner, "forward", original))
+        self._restore.append(lambda: delattr(runner, "forward"))
 
     def reset(self) -> None:
         self.samples = {}
@@ -368,6 +373,7 @@ def main() -> int:
         for disable in graph_modes(args.cuda_graph):
             for no_overlap in {"both": [False, True], "on": [False], "off": [True]}[args.overlap]:
                 rows += run_backend(folder, backend, args, bandwidth, matmul, disable, no_overlap)
+                gc.collect()  # the last engine's memory must be back before the next one
                 torch.cuda.empty_cache()
     result = {
         "device": device,
