@@ -20,6 +20,7 @@ pytest.importorskip("triton", reason="triton is not installed")
 from radixserve.engine.attention.triton_ops.common import INTERPRETED
 from radixserve.engine.forward_batch import ForwardMode
 from radixserve.engine.kernels.activation import silu_and_mul, silu_and_mul_torch
+from radixserve.engine.kernels.kv_store import store_kv, store_kv_torch
 from radixserve.engine.kernels.norm import (
     fused_add_rms_norm,
     fused_add_rms_norm_torch,
@@ -83,6 +84,19 @@ def test_rotary_is_exact(dtype: torch.dtype, tokens: int) -> None:
 def test_silu_and_mul(dtype: torch.dtype, tokens: int) -> None:
     gate_up = 2 * cases.randn((tokens, 2 * INTERMEDIATE), dtype, CUDA, seed=4)
     cases.assert_matches(silu_and_mul(gate_up), silu_and_mul_torch(gate_up), cases.SILU_ULP[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_store_kv_is_exact(dtype: torch.dtype, tokens: int) -> None:
+    _, k = cases.qkv_views(tokens, HEADS, KV_HEADS, HEAD_DIM, dtype, CUDA)
+    v = 2 * k  # a strided view's copy; k itself stays strided
+    loc = torch.randperm(4096, device=CUDA)[:tokens] + 1
+    ours = [torch.zeros((4097, KV_HEADS, HEAD_DIM), dtype=dtype, device=CUDA) for _ in "kv"]
+    ref = [torch.zeros_like(ours[0]) for _ in "kv"]
+    store_kv(ours[0], ours[1], loc, k, v)
+    store_kv_torch(ref[0], ref[1], loc, k, v)
+    assert torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1])
 
 
 def test_kernels_replay_in_a_cuda_graph() -> None:

@@ -26,9 +26,11 @@ from radixserve.engine.attention.triton_ops.common import INTERPRETED
 from radixserve.engine.forward_batch import ForwardMode
 from radixserve.engine.kernels import dispatch
 from radixserve.engine.kernels.activation import silu_and_mul_torch
+from radixserve.engine.kernels.kv_store import store_kv_torch
 from radixserve.engine.kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
 from radixserve.engine.kernels.rotary import rotary_torch
 from radixserve.engine.kernels.triton_ops.activation import silu_and_mul_triton
+from radixserve.engine.kernels.triton_ops.kv_store import store_kv_triton
 from radixserve.engine.kernels.triton_ops.norm import fused_add_rms_norm_triton, rms_norm_triton
 from radixserve.engine.kernels.triton_ops.rotary import rotary_triton
 from tests.helpers import fused_kernel_cases as cases
@@ -106,6 +108,28 @@ def test_rotary_is_exact(
     assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
     assert q_out.is_contiguous() and k_out.is_contiguous()
     assert torch.equal(q, inputs[0]) and torch.equal(k, inputs[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 6])
+@pytest.mark.parametrize(("kv_heads", "head_dim"), [(1, 64), (3, 24)])
+def test_store_kv_is_exact(dtype: torch.dtype, tokens: int, kv_heads: int, head_dim: int) -> None:
+    """K (contiguous, as rotary returns it) and V (a strided slice of qkv) land in the
+    buffers at their slots, cast to the buffers' dtype; other slots are untouched."""
+    width = (2 + 2 * kv_heads) * head_dim  # two query heads, then k and v
+    qkv = cases.randn((tokens, width), dtype, DEVICE, seed=9)
+    k = qkv[:, 2 * head_dim : (2 + kv_heads) * head_dim].reshape(tokens, kv_heads, head_dim)
+    v = qkv[:, (2 + kv_heads) * head_dim :].reshape(tokens, kv_heads, head_dim)
+    k = k.contiguous()
+    loc = torch.randperm(20, device=DEVICE)[:tokens] + 1
+    for buffer_dtype in {dtype, torch.float32}:
+        ours = [torch.zeros((21, kv_heads, head_dim), dtype=buffer_dtype, device=DEVICE)]
+        ours.append(torch.zeros_like(ours[0]))
+        ref = [torch.zeros_like(ours[0]), torch.zeros_like(ours[0])]
+        store_kv_triton(ours[0], ours[1], loc, k, v)
+        store_kv_torch(ref[0], ref[1], loc, k, v)
+        assert torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1])
+        assert ours[0].count_nonzero() > 0
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 
 import torch
 
+from radixserve.engine.kernels.kv_store import store_kv
+
 
 def upload_int64(values: Sequence[int], device: torch.device) -> torch.Tensor:
     """`values` as an int64 tensor on `device`, in one host-to-device copy that does not
@@ -179,8 +181,7 @@ class KVPool:
         return (pages[:, None] * self.page_size + self._page_offsets).reshape(-1).tolist()
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k_buffers[layer_id][loc] = k.to(self.dtype)
-        self.v_buffers[layer_id][loc] = v.to(self.dtype)
+        store_kv(self.k_buffers[layer_id], self.v_buffers[layer_id], loc, k, v)
 
     @staticmethod
     def bytes_per_token_for(
