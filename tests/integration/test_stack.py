@@ -56,7 +56,7 @@ def stack(
         tmp_path_factory.mktemp("stack_logs"),
         WORKER_ARGS,
         extra_args={
-            "gateway": ["--request-timeout-s", "8"],
+            "gateway": ["--request-timeout-s", "20"],
             "scheduler": ["--max-pending-requests", "24"],
         },
         context_length=CONTEXT,
@@ -260,7 +260,7 @@ def test_errors(stack: RunningStack) -> None:
     grammar = httpx.post(url, json={**ok, "regex": "[ab]{3}", "max_tokens": 8}, timeout=30)
     assert grammar.status_code == 200
     assert re.fullmatch("[ab]{3}", grammar.json()["choices"][0]["message"]["content"])
-    # A request past the gateway's deadline (8 s here) is a 504, and it is aborted.
+    # A request past the gateway's deadline (20 s here) is a 504, and it is aborted.
     slow = {**ok, "max_tokens": 90_000, "ignore_eos": True}
     timed_out = httpx.post(url, json=slow, timeout=60)
     assert timed_out.status_code == 504 and _error(timed_out)["code"] == "timeout"
