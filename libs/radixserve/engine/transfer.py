@@ -14,6 +14,14 @@ from collections.abc import Sequence
 import torch
 
 
+def upload_int64(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    """`values` as an int64 tensor on `device`, in one host-to-device copy that does not
+    wait for the device (the per-step index uploads: one list of ints per step)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=torch.int64, device=device)
+    return torch.tensor(values, dtype=torch.int64, pin_memory=True).to(device, non_blocking=True)
+
+
 def upload(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`tensor` (on the host) on `device`, without waiting for queued device work."""
     if device.type != "cuda":

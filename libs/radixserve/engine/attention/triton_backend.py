@@ -49,7 +49,7 @@ from radixserve.engine.attention.triton_ops.decode import (
 from radixserve.engine.attention.triton_ops.extend import extend_attention
 from radixserve.engine.attention.triton_ops.indices import build_kv_indices
 from radixserve.engine.forward_batch import ForwardMode
-from radixserve.engine.kvcache.pool import upload_int64
+from radixserve.engine.transfer import upload_int64
 
 if TYPE_CHECKING:
     from radixserve.engine.forward_batch import ForwardBatch

@@ -13,22 +13,9 @@ evicting from the cache costs no host round trip.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from radixserve.engine.kernels.kv_store import store_kv
-
-
-def upload_int64(values: Sequence[int], device: torch.device) -> torch.Tensor:
-    """`values` as an int64 tensor on `device`, in one host-to-device copy that does not
-    wait for the device: on CUDA from pinned memory (the caching host allocator keeps
-    the buffer until the copy has run), so the host goes on while queued work runs.
-    A plain `torch.tensor(values, device=...)` would synchronise the stream."""
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=torch.int64, device=device)
-    host = torch.tensor(values, dtype=torch.int64, pin_memory=True)
-    return host.to(device, non_blocking=True)
 
 
 class KVPool:

@@ -13,8 +13,9 @@ from __future__ import annotations
 import torch
 
 from radixserve.engine.forward_batch import DECODE_INPUT_FIELDS, ForwardBatch, ForwardMode
-from radixserve.engine.kvcache.pool import KVPool, ReqToTokenPool, upload_int64
+from radixserve.engine.kvcache.pool import KVPool, ReqToTokenPool
 from radixserve.engine.request import Req
+from radixserve.engine.transfer import upload_int64
 
 
 def tokens_at(req: Req, start: int, end: int) -> list[int]:

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.engine.kvcache.base import PrefixCache
-from radixserve.engine.kvcache.pool import KVPool, ReqToTokenPool, upload_int64
+from radixserve.engine.kvcache.pool import KVPool, ReqToTokenPool
 from radixserve.engine.request import Req
+from radixserve.engine.transfer import upload_int64
 
 
 class OutOfKVMemory(RuntimeError):

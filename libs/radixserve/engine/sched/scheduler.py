@@ -22,7 +22,7 @@ from radixserve.engine.config import EngineConfig
 from radixserve.engine.constrained import jump_forward, sample_with_grammar
 from radixserve.engine.forward_batch import ForwardBatch
 from radixserve.engine.kvcache.base import PrefixCache
-from radixserve.engine.kvcache.pool import KVPool, ReqToTokenPool, upload_int64
+from radixserve.engine.kvcache.pool import KVPool, ReqToTokenPool
 from radixserve.engine.request import FinishReason, Req, ReqStatus, TokenLogprob
 from radixserve.engine.sampling.batch import SamplingBatch
 from radixserve.engine.sched.batch_builder import build_forward_batch
@@ -32,7 +32,7 @@ from radixserve.engine.sched.kv_manager import KVManager, KVUsage
 from radixserve.engine.sched.overlap import Launched, needs_exact_state, resolve_future_inputs
 from radixserve.engine.sched.policy import order_waiting
 from radixserve.engine.sched.prefill import AddResult, PrefillAdder, future_tokens
-from radixserve.engine.transfer import HostCopy
+from radixserve.engine.transfer import HostCopy, upload_int64
 
 
 class Runner(Protocol):
