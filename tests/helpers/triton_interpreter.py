@@ -1,4 +1,5 @@
-"""Make the Triton interpreter round float32 -> bfloat16 as compiled kernels do.
+"""The Triton interpreter in CPU tests: skip where kernels were compiled without a GPU,
+and round float32 -> bfloat16 as compiled kernels do.
 
 Compiled, `x.to(tl.bfloat16)` rounds to nearest even (cvt.rn.bf16.f32); the
 interpreter (Triton <= 3.6) truncates the mantissa instead, so a kernel that
@@ -11,6 +12,21 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import pytest
+import torch
+
+
+def skip_unless_interpreted_or_cuda() -> None:
+    """For modules that set TRITON_INTERPRET before importing the kernels: if another
+    module defined them compiled first (Triton fixes the mode when a kernel is defined)
+    and there is no GPU to run them, skip the module."""
+    from radixserve.engine.attention.triton_ops.common import INTERPRETED
+
+    if not INTERPRETED and not torch.cuda.is_available():
+        pytest.skip(
+            "the triton kernels were compiled in this process but there is no GPU",
+            allow_module_level=True,
+        )
 
 
 def round_bf16_to_nearest_even() -> None:

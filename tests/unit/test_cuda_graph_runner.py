@@ -27,13 +27,10 @@ from radixserve.engine.attention.triton_ops.common import INTERPRETED
 from radixserve.engine.forward_batch import ForwardBatch, ForwardMode
 from radixserve.engine.graphs.cuda_graph_runner import CudaGraphRunner, capture_batch_sizes
 from tests.helpers.batches import PagedRequests
+from tests.helpers.triton_interpreter import skip_unless_interpreted_or_cuda
 from tests.unit.engine_helpers import engine_outputs, make_prompts
 
-if not INTERPRETED and not torch.cuda.is_available():
-    pytest.skip(
-        "the triton kernels were compiled in this process but there is no GPU",
-        allow_module_level=True,
-    )
+skip_unless_interpreted_or_cuda()
 
 DEVICE = "cpu" if INTERPRETED else "cuda"
 

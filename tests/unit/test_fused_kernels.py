@@ -35,13 +35,12 @@ from radixserve.engine.kernels.triton_ops.norm import fused_add_rms_norm_triton,
 from radixserve.engine.kernels.triton_ops.rotary import rotary_triton
 from tests.helpers import fused_kernel_cases as cases
 from tests.helpers.model_harness import ModelHarness
-from tests.helpers.triton_interpreter import round_bf16_to_nearest_even
+from tests.helpers.triton_interpreter import (
+    round_bf16_to_nearest_even,
+    skip_unless_interpreted_or_cuda,
+)
 
-if not INTERPRETED and not torch.cuda.is_available():
-    pytest.skip(
-        "the triton kernels were compiled in this process but there is no GPU",
-        allow_module_level=True,
-    )
+skip_unless_interpreted_or_cuda()
 if INTERPRETED:
     round_bf16_to_nearest_even()
 

@@ -30,12 +30,9 @@ from radixserve.engine.forward_batch import ForwardMode
 from radixserve.engine.runner import make_attention_backend
 from tests.helpers import attention_passes
 from tests.helpers.attention_passes import Pass
+from tests.helpers.triton_interpreter import skip_unless_interpreted_or_cuda
 
-if not INTERPRETED and not torch.cuda.is_available():
-    pytest.skip(
-        "the triton kernels were compiled in this process but there is no GPU",
-        allow_module_level=True,
-    )
+skip_unless_interpreted_or_cuda()
 
 DEVICE = torch.device("cpu" if INTERPRETED else "cuda")
 LAYER = 1  # not layer 0, so a backend that ignores layer_id reads the wrong buffers
