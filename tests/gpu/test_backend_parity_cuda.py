@@ -1,7 +1,10 @@
 """Every attention backend on CUDA, with and without CUDA graphs (and overlap scheduling
 where the engine has it), gives Hugging Face transformers' greedy tokens on the same
 random weights: a tiny float32 Llama (as the other GPU parity tests), a batch of mixed
-prompt lengths, then a second batch that extends the first one's prompts (radix hits).
+prompt lengths, then a second batch that extends the first one's prompts (radix hits),
+then a third whose prompts share a 72-token head: its decode steps run cascade
+attention where the backend has it (forced here even at graph sizes, where the engine
+leaves it off).
 
 The grid comes from EngineConfig: a backend it admits appears here when its module is
 importable, an overlap switch as soon as the config has one.
@@ -75,7 +78,10 @@ def rounds(tiny_dir: Path) -> list[tuple[list[list[int]], list[Reference]]]:
     first = make_prompts(vocab, LENGTHS, seed=11)
     tails = make_prompts(vocab, [4, 9, 1, 30], seed=12)
     second = [first[4] + tails[0], first[5][:50] + tails[1], first[1] + tails[2], tails[3]]
-    return [(p, hf_greedy(tiny_dir, p, MAX_NEW, device="cuda")) for p in (first, second)]
+    system, *questions = make_prompts(vocab, [72, 3, 8, 20, 5, 11], seed=13)
+    third = [system + q for q in questions]
+    rounds = (first, second, third)
+    return [(p, hf_greedy(tiny_dir, p, MAX_NEW, device="cuda")) for p in rounds]
 
 
 @pytest.mark.parametrize(("backend", "graphs", "overlap"), _grid())
@@ -101,6 +107,7 @@ def test_greedy_tokens_equal_hugging_face(
         if graphs and engine.runner.graphs is None:
             pytest.skip(f"the {backend} backend has no CUDA graphs")
         assert (engine.runner.graphs is not None) == graphs
+        engine.runner.cascade_beside_graphs = True
         cached = []
         for prompts, refs in rounds:
             outs = engine.generate(input_ids=prompts, sampling_params=greedy_params(MAX_NEW))
@@ -109,6 +116,8 @@ def test_greedy_tokens_equal_hugging_face(
                 assert_matches_reference(out["output_ids"], ref)
             cached.append(sum(o["meta_info"]["cached_tokens"] for o in outs))
         replays = engine.runner.graphs.num_replays if engine.runner.graphs is not None else 0
+        cascade_steps = engine.scheduler.total_cascade_steps
     # The second batch finds three of its prompts' heads in the radix cache.
     assert cached[1] >= 64 + 50 + 17
+    assert cascade_steps > 0 if backend != "torch" else cascade_steps == 0
     assert replays > 0 if graphs else replays == 0

@@ -99,6 +99,23 @@ def test_large_batch_decode_matches_torch() -> None:
     assert error_against_torch(p) < TOLERANCE
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_shared_prefix_decode_matches_torch(page_size: int) -> None:
+    # Cascade decode (Triton kernels behind the flashinfer backend): 3 groups over
+    # 2048-, 992- and 64-token prefixes, members scattered in the batch, 2 loners.
+    p = make_pass(
+        [2100, 1030, 2050, 80, 500, 2300, 993, 70, 9],
+        [1] * 9,
+        (32, 8),
+        ForwardMode.DECODE,
+        page_size,
+        seed=5,
+    )
+    groups = [(2048, [5, 0, 2]), (992, [1, 6]), (64, [3, 7])]
+    attention_passes.share_prefixes(p, groups)
+    assert error_against_torch(p, layers=(0, 1)) < TOLERANCE
+
+
 def test_float32_is_refused() -> None:
     with pytest.raises(ValueError, match="float16 or bfloat16"):
         FlashInferAttentionBackend(torch.device("cuda"), torch.float32)

@@ -105,6 +105,28 @@ def test_large_batch_decode_matches_torch() -> None:
     assert compare_with_torch(p) < TOLERANCE[torch.bfloat16]
 
 
+def shared_prefix_pass(dtype: torch.dtype, page_size: int, seed: int) -> Pass:
+    """64 decoding requests in 4 groups of 16 over 2048-token shared prefixes, in a shuffled
+    batch order, beside 8 requests outside any group (the shared-prefix benchmark's shape)."""
+    gen = torch.Generator().manual_seed(seed)
+    prefix = 2048
+    suffixes = torch.randint(1, 400, (72,), generator=gen).tolist()
+    order = torch.randperm(72, generator=gen).tolist()
+    kv_lens = [prefix + n if i < 64 else n for i, n in enumerate(suffixes)]
+    p = make_pass([kv_lens[i] for i in order], [1] * 72, dtype, ForwardMode.DECODE, page_size, seed)
+    where = {orig: pos for pos, orig in enumerate(order)}
+    groups = [(prefix, [where[g * 16 + m] for m in range(16)]) for g in range(4)]
+    attention_passes.share_prefixes(p, groups)
+    return p
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_shared_prefix_decode_matches_torch(dtype: torch.dtype, page_size: int) -> None:
+    p = shared_prefix_pass(dtype, page_size, seed=4)
+    assert compare_with_torch(p) < TOLERANCE[dtype]
+
+
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return Path(make_tiny_llama(tmp_path_factory.mktemp("tiny_llama_triton"), seed=0))

@@ -12,7 +12,7 @@ import torch
 
 from radixserve.engine.attention.base import AttentionBackend
 from radixserve.engine.attention.torch_backend import TorchAttentionBackend
-from radixserve.engine.forward_batch import ForwardBatch, ForwardMode
+from radixserve.engine.forward_batch import ForwardBatch, ForwardMode, SharedPrefix
 from radixserve.engine.kvcache.pool import KVPool, ReqToTokenPool
 
 
@@ -127,3 +127,17 @@ def compare_with_torch(p: Pass, backend: AttentionBackend, layers: tuple[int, ..
         assert torch.equal(pool.k_buffers[i], k_expected), f"layer {i} K differs"
         assert torch.equal(pool.v_buffers[i], v_expected), f"layer {i} V differs"
     return worst
+
+
+def share_prefixes(p: Pass, groups: list[tuple[int, list[int]]]) -> None:
+    """Make each group's members (batch indices) share the first `length` slots of the
+    first member's row, as requests on one radix path do, and name the groups in the
+    batch. The torch reference reads the rows as they are, so it is the reference."""
+    batch = p.batch
+    table = batch.req_to_token
+    for length, members in groups:
+        leader = int(batch.req_pool_indices[members[0]])
+        for i in members[1:]:
+            assert batch.seq_lens_cpu[i] > length
+            table[int(batch.req_pool_indices[i]), :length] = table[leader, :length]
+    batch.shared_prefixes = tuple(SharedPrefix(n, tuple(m)) for n, m in groups)

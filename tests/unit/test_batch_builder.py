@@ -18,7 +18,12 @@ import pytest
 import torch
 
 from radixserve import Engine
-from radixserve.engine.forward_batch import DECODE_INPUT_FIELDS, ForwardBatch, ForwardMode
+from radixserve.engine.forward_batch import (
+    DECODE_INPUT_FIELDS,
+    ForwardBatch,
+    ForwardMode,
+    SharedPrefix,
+)
 from radixserve.engine.kvcache.pool import KVPool, ReqToTokenPool
 from radixserve.engine.kvcache.radix_cache import RadixCache
 from radixserve.engine.request import Req
@@ -266,8 +271,13 @@ def test_engine_steps_equal_the_per_request_path(
     built = {"decode": 0, "mixed": 0}
 
     def checked_build(
-        reqs: list[Req], kv_pool: KVPool, req_pool: ReqToTokenPool, device: torch.device
+        reqs: list[Req],
+        kv_pool: KVPool,
+        req_pool: ReqToTokenPool,
+        device: torch.device,
+        shared_prefixes: tuple[SharedPrefix, ...] = (),
     ) -> ForwardBatch:
+        assert shared_prefixes == ()  # the torch backend has no cascade attention
         batch = batch_builder.build_forward_batch(reqs, kv_pool, req_pool, device)
         assert_same_batch(batch, reference_build(reqs, kv_pool, req_pool, device))
         if batch.mode == ForwardMode.DECODE:

@@ -79,6 +79,44 @@ def test_mixed_batch_matches_torch_on_every_layer() -> None:
     assert compare_with_torch(p, layers=(0, 1)) < FP32_MAX_REL_ERROR
 
 
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize(
+    "heads,kv_heads", [(8, 2), (6, 2), (4, 4)], ids=["gqa4", "group_of_3", "mha"]
+)
+def test_shared_prefix_decode_matches_torch(heads: int, kv_heads: int, page_size: int) -> None:
+    # Batch order mixes the groups with a request outside any: group A of 3 members over
+    # 300 shared slots (2 prefix splits, members with suffixes of 1 to 70 keys), group
+    # B of 2 over 8; request 2 reads its 40 keys alone. Under the reference every
+    # request reads its whole row, the shared slots included.
+    prefix_lens = [370, 8, 40, 300, 20, 331]
+    p = make_pass(
+        prefix_lens,
+        [1] * 6,
+        mode=ForwardMode.DECODE,
+        heads=heads,
+        kv_heads=kv_heads,
+        page_size=page_size,
+        seed=11 + heads + page_size,
+    )
+    attention_passes.share_prefixes(p, [(300, [3, 0, 5]), (8, [4, 1])])
+    assert compare_with_torch(p, layers=(0, 1)) < FP32_MAX_REL_ERROR
+
+
+def test_shared_prefix_group_wider_than_a_tile() -> None:
+    # 4 query heads per KV head stack 16 members in a 64-row tile: 20 members take two.
+    p = make_pass([64 + i for i in range(20)], [1] * 20, mode=ForwardMode.DECODE, seed=21)
+    attention_passes.share_prefixes(p, [(64, list(range(19, -1, -1)))])
+    assert compare_with_torch(p) < FP32_MAX_REL_ERROR
+
+
+def test_shared_prefix_groups_are_checked() -> None:
+    p = make_pass([10, 10], [1, 1], mode=ForwardMode.DECODE, seed=2)
+    attention_passes.share_prefixes(p, [(8, [0, 1])])
+    p.batch.shared_prefixes = (*p.batch.shared_prefixes, p.batch.shared_prefixes[0])
+    with pytest.raises(ValueError, match="two groups"):
+        TritonAttentionBackend(DEVICE).init_forward_metadata(p.batch)
+
+
 @pytest.mark.parametrize(
     "heads,kv_heads",
     [(4, 4), (6, 2), (32, 1)],
@@ -169,3 +207,37 @@ def test_engine_greedy_outputs_equal_the_torch_backend(tiny_llama_dir: Path) -> 
 
     prompts = make_prompts(1000, [5, 23, 40], seed=4)
     assert outputs("triton") == outputs("torch")
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_engine_cascade_steps_equal_the_torch_backend(tiny_llama_dir: Path, page_size: int) -> None:
+    # Four prompts over one 72-token system prompt and one unrelated prompt: once their
+    # prefills are cached the four share a radix node, and their decode steps run
+    # cascade attention (no graphs on the CPU, so any saving is worth it).
+    from radixserve import Engine
+    from tests.unit.engine_helpers import engine_outputs, make_prompts
+
+    system, *questions = make_prompts(1000, [72, 5, 9, 3, 12, 30], seed=6)
+    prompts = [system + q for q in questions[:4]] + [questions[4]]
+
+    def run(backend: str, disable_cascade: bool = False) -> tuple[list[list[int]], int]:
+        engine = Engine(
+            model_path=str(tiny_llama_dir),
+            device=DEVICE.type,
+            dtype="float32",
+            attention_backend=backend,
+            page_size=page_size,
+            max_total_tokens=1024,
+            disable_cascade_attention=disable_cascade,
+        )
+        try:
+            return engine_outputs(engine, prompts, 6), engine.scheduler.total_cascade_steps
+        finally:
+            engine.shutdown()
+
+    reference, none = run("torch")
+    assert none == 0  # the torch backend has no cascade
+    outputs, cascade_steps = run("triton")
+    assert cascade_steps >= 4
+    assert outputs == reference
+    assert run("triton", disable_cascade=True) == (reference, 0)

@@ -36,6 +36,9 @@ class EngineConfig:
     # Overlap scheduling (CUDA only; the CPU has nothing to overlap): the host plans and
     # launches step N+1 while the device runs step N, reading step N's tokens one step late.
     disable_overlap_schedule: bool = False
+    # Cascade attention (triton and flashinfer backends): decode requests that share a
+    # cached prefix read it once per step for the whole group (attention/cascade.py).
+    disable_cascade_attention: bool = False
     # Scheduling.
     schedule_policy: str = "lpm"
     chunked_prefill_size: int = 2048  # <= 0: no chunking

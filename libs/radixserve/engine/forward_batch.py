@@ -25,6 +25,15 @@ class ForwardMode(enum.Enum):
     DECODE = 2
 
 
+@dataclass(frozen=True)
+class SharedPrefix:
+    """Requests of a decode batch whose KV begins with the same `length` slots (one path
+    of the radix cache): cascade attention reads those slots once for all of them."""
+
+    length: int
+    members: tuple[int, ...]  # batch indices, at least two, each with seq_len > length
+
+
 @dataclass
 class ForwardBatch:
     """Flattened inputs of one forward pass.
@@ -54,6 +63,9 @@ class ForwardBatch:
     # Decode batches from the batch builder: [5, bs] int64 whose rows are the fields named
     # in DECODE_INPUT_FIELDS (those fields are views of its rows). None otherwise.
     decode_inputs: torch.Tensor | None = None
+    # Decode batches: groups of requests sharing a cached prefix, for a backend with
+    # `supports_shared_prefix` (empty: attend to each request's KV on its own).
+    shared_prefixes: tuple[SharedPrefix, ...] = ()
 
     @property
     def batch_size(self) -> int:

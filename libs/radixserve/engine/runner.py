@@ -12,7 +12,7 @@ import torch
 
 from radixserve.engine.attention.base import AttentionBackend
 from radixserve.engine.config import EngineConfig
-from radixserve.engine.forward_batch import ForwardBatch
+from radixserve.engine.forward_batch import ForwardBatch, ForwardMode, SharedPrefix
 from radixserve.engine.graphs.cuda_graph_runner import CudaGraphRunner
 from radixserve.engine.kvcache.pool import KVPool, ReqToTokenPool
 from radixserve.engine.model.config import ModelConfig
@@ -118,6 +118,11 @@ class ModelRunner:
             self.kv_pool.size,
         )
         self.graphs = self._capture_graphs()
+        self.cascade = self.attn.supports_shared_prefix and not config.disable_cascade_attention
+        # Tests: cascade also for decode batches a captured graph would run.
+        self.cascade_beside_graphs = False
+        if self.cascade and self.device.type == "cuda":
+            self._warm_up_cascade()
 
     def _capture_graphs(self) -> CudaGraphRunner | None:
         """Decode graphs, on CUDA with a backend that supports them, unless disabled."""
@@ -128,6 +133,50 @@ class ModelRunner:
             return None
         max_bs = min(self.config.cuda_graph_max_bs, self.config.max_running_requests)
         return CudaGraphRunner(self.model, self.attn, self.kv_pool, self.req_pool, max_bs)
+
+    def uses_cascade(self, batch_size: int) -> bool:
+        """Whether a decode step of `batch_size` requests runs cascade attention when they
+        share prefixes. Not where a captured graph runs it: a cascade step runs eagerly,
+        and at graph sizes the host's eager launches (some 26 ms a step for an 8B model)
+        cost more than the KV reads cascade saves (docs/performance.md). Beyond the
+        largest graph every step is eager, and cascade only saves."""
+        if not self.cascade:
+            return False
+        graphs = self.graphs
+        return graphs is None or batch_size > graphs.max_bs or self.cascade_beside_graphs
+
+    @torch.inference_mode()
+    def _warm_up_cascade(self, prefix: int = 64) -> None:
+        """Compile the cascade kernels now rather than at the first shared-prefix step (a
+        stall of seconds): one pass of two requests sharing a prefix, both on the request
+        pool's padding row, so they read and write the reserved slot 0 only."""
+        if self.context_len <= prefix:
+            return
+        row = self.req_pool.padding_row
+
+        def ints(value: int, second: int | None = None) -> torch.Tensor:
+            pair = [value, value if second is None else second]
+            return torch.tensor(pair, dtype=torch.int64, device=self.device)
+
+        batch = ForwardBatch(
+            mode=ForwardMode.DECODE,
+            input_ids=ints(0),
+            positions=ints(prefix),
+            out_cache_loc=ints(0),
+            req_pool_indices=ints(row),
+            seq_lens=ints(prefix + 1),
+            extend_prefix_lens=ints(prefix),
+            extend_seq_lens=ints(1),
+            extend_start_loc=ints(0, 1),
+            req_to_token=self.req_pool.req_to_token,
+            kv_pool=self.kv_pool,
+            seq_lens_cpu=[prefix + 1] * 2,
+            extend_prefix_lens_cpu=[prefix] * 2,
+            extend_seq_lens_cpu=[1, 1],
+            shared_prefixes=(SharedPrefix(prefix, (0, 1)),),
+        )
+        self.attn.init_forward_metadata(batch)
+        self.model(batch, self.attn)
 
     def _kv_budget_tokens(self) -> int:
         if self.config.max_total_tokens is not None:

@@ -53,6 +53,9 @@ class AttentionBackend(ABC):
     name: str = "base"
     # Whether decode passes can be captured in CUDA graphs (the methods below work).
     supports_cuda_graph: bool = False
+    # Whether decode batches with `shared_prefixes` run cascade attention (attention/
+    # cascade.py); a backend without it never gets them from the scheduler.
+    supports_shared_prefix: bool = False
 
     @abstractmethod
     def init_forward_metadata(self, batch: ForwardBatch) -> None:

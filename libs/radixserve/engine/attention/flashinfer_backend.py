@@ -22,6 +22,9 @@ work split from them. They are built here from the batch's host-side lengths, in
 pinned memory, so a plan never waits for the device (FlashInfer would copy device
 indptrs back, a sync).
 
+Decode batches with shared prefixes run cascade attention (attention/cascade.py, Triton
+kernels) instead of a wrapper: the group's prefix is read once for all its members.
+
 CUDA graphs (decode only): one wrapper per graph batch size, created with
 `use_cuda_graph=True` over views of fixed buffers (kv_indptr, kv_indices,
 last_page_len). It is planned in the warm-up passes before capture (never during the
@@ -43,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from radixserve.engine.attention.base import AttentionBackend, check_batch
+from radixserve.engine.attention.cascade import CascadeDecode
 from radixserve.engine.attention.triton_ops.indices import build_kv_indices
 from radixserve.engine.forward_batch import ForwardMode
 
@@ -104,6 +108,7 @@ class _GraphState:
 class FlashInferAttentionBackend(AttentionBackend):
     name = "flashinfer"
     supports_cuda_graph = True
+    supports_shared_prefix = True
 
     def __init__(self, device: torch.device, dtype: torch.dtype | None = None) -> None:
         self._fi = import_flashinfer()
@@ -118,6 +123,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._layout: _Layout | None = None
         self._pass: _Pass | None = None
+        self._cascade: CascadeDecode | None = None
+        self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         self._prefill: Any = None
         self._decode: Any = None
         self._graph: _GraphState | None = None
@@ -129,6 +136,11 @@ class FlashInferAttentionBackend(AttentionBackend):
     # -- per batch ------------------------------------------------------------------
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         check_batch(batch)
+        self._cascade = None
+        if batch.shared_prefixes:
+            self._pass = None
+            self._cascade = CascadeDecode(batch, self._num_sms)
+            return
         self._pass = self._new_pass(batch, decode=max(batch.extend_seq_lens_cpu) == 1)
 
     def _new_pass(self, batch: ForwardBatch, decode: bool, graph_bs: int | None = None) -> _Pass:
@@ -152,6 +164,7 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
         graph = self._graph_for(batch)
+        self._cascade = None
         bs = batch.batch_size
         if not torch.cuda.is_current_stream_capturing():
             # A warm-up pass: planned at its first layer, outside the capture.
@@ -164,6 +177,7 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def init_forward_metadata_replay(self, batch: ForwardBatch, num_real: int) -> None:
         self._graph_for(batch)
+        self._cascade = None
         if self._layout is None:
             raise RuntimeError("a decode graph is replayed only after it was captured")
         self._pass = self._new_pass(batch, decode=True, graph_bs=batch.batch_size)
@@ -188,13 +202,20 @@ class FlashInferAttentionBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         step = self._pass
-        if step is None:
+        if step is None and self._cascade is None:
             raise RuntimeError("init_forward_metadata must run before the first layer")
         num_tokens, num_heads, head_dim = q.shape
         layout = _Layout(num_heads, k.shape[1], head_dim, q.dtype, scale)
         if layout != self._layout:
             self._check_layout(layout, batch)
         batch.kv_pool.set_kv(layer_id, batch.out_cache_loc, k, v)
+        if self._cascade is not None:
+            k_buffer, v_buffer = (
+                batch.kv_pool.k_buffers[layer_id],
+                batch.kv_pool.v_buffers[layer_id],
+            )
+            return self._cascade.forward(q, k_buffer, v_buffer, scale)
+        assert step is not None
         if step.wrapper is None:
             self._plan(step, layout)
         # Pages of one slot: [slots, 1, kv_heads, head_dim] (NHD).

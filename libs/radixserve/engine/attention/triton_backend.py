@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from radixserve.engine.attention.base import AttentionBackend, check_batch
+from radixserve.engine.attention.cascade import CascadeDecode
 from radixserve.engine.attention.triton_ops.common import INTERPRETED
 from radixserve.engine.attention.triton_ops.decode import (
     MAX_SPLITS,
@@ -93,6 +94,7 @@ class _ExtendPlan:
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graph = True
+    supports_shared_prefix = True
 
     def __init__(self, device: torch.device) -> None:
         if device.type != "cuda" and not INTERPRETED:
@@ -105,14 +107,21 @@ class TritonAttentionBackend(AttentionBackend):
         self.device = device
         self._decode: _DecodePlan | None = None
         self._extend: _ExtendPlan | None = None
+        self._cascade: CascadeDecode | None = None
         # Split-KV partial results, reused by every layer and pass (grown on demand):
         # stage 1 writes every entry stage 2 reads, so stale contents are harmless.
         self._scratch: dict[str, torch.Tensor] = {}
         self._graph: _GraphState | None = None
+        self._num_sms = _num_sms(device)
 
     # -- per batch ------------------------------------------------------------------
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         check_batch(batch)
+        self._cascade = None
+        if batch.shared_prefixes:
+            self._decode = self._extend = None
+            self._cascade = CascadeDecode(batch, self._num_sms)
+            return
         extend_lens = batch.extend_seq_lens_cpu
         decode = [i for i, n in enumerate(extend_lens) if n == 1]
         extend = [i for i, n in enumerate(extend_lens) if n > 1]
@@ -123,17 +132,12 @@ class TritonAttentionBackend(AttentionBackend):
     # -- CUDA graphs ------------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_context_len: int) -> None:
         device = self.device
-        num_sms = (
-            torch.cuda.get_device_properties(device).multi_processor_count
-            if device.type == "cuda"
-            else 4  # the interpreter: any value runs the same kernels (few: it is slow)
-        )
         self._graph = _GraphState(
             max_bs=max_bs,
             kv_indptr=torch.zeros(max_bs + 1, dtype=torch.int32, device=device),
             kv_indices=torch.zeros(max_bs * max_context_len, dtype=torch.int32, device=device),
             q_rows=torch.arange(max_bs, dtype=torch.int64, device=device),
-            num_sms=num_sms,
+            num_sms=self._num_sms,
         )
 
     def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
@@ -157,6 +161,7 @@ class TritonAttentionBackend(AttentionBackend):
             BLOCK=_GATHER_BLOCK,
         )
         num_kv_heads = batch.kv_pool.k_buffers[0].shape[1]
+        self._cascade = None
         self._decode = _DecodePlan(
             q_rows=graph.q_rows[:bs],
             kv_indptr=kv_indptr,
@@ -176,7 +181,7 @@ class TritonAttentionBackend(AttentionBackend):
         batch: ForwardBatch,
         scale: float,
     ) -> torch.Tensor:
-        if self._decode is None and self._extend is None:
+        if self._decode is None and self._extend is None and self._cascade is None:
             raise RuntimeError("init_forward_metadata must run before the first layer")
         num_tokens, num_heads, head_dim = q.shape
         if INTERPRETED and q.dtype == torch.bfloat16:
@@ -191,6 +196,8 @@ class TritonAttentionBackend(AttentionBackend):
         v_buffer = batch.kv_pool.v_buffers[layer_id]
         # The kernels take token and head strides but assume a dense head_dim.
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+        if self._cascade is not None:
+            return self._cascade.forward(q, k_buffer, v_buffer, scale)
         # Each group writes its own token rows; together they cover every row.
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
         if self._decode is not None:
@@ -264,6 +271,12 @@ class TritonAttentionBackend(AttentionBackend):
             flat = torch.empty(numel, dtype=torch.float32, device=device)
             self._scratch[key] = flat
         return flat[:numel].view(shape)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter: any value runs the same kernels (few: it is slow)
 
 
 def graph_num_kv_splits(bs: int, num_kv_heads: int, num_sms: int) -> int:

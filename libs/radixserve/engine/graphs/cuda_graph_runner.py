@@ -108,7 +108,12 @@ class CudaGraphRunner:
 
     # -- replay -------------------------------------------------------------------
     def can_run(self, batch: ForwardBatch) -> bool:
-        return batch.mode == ForwardMode.DECODE and 0 < batch.batch_size <= self.max_bs
+        """Decode batches of up to max_bs requests; cascade (shared-prefix) ones run eagerly."""
+        return (
+            batch.mode == ForwardMode.DECODE
+            and 0 < batch.batch_size <= self.max_bs
+            and not batch.shared_prefixes
+        )
 
     def padded_size(self, bs: int) -> int:
         """The graph a batch of `bs` requests runs on."""

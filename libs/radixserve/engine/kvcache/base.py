@@ -54,6 +54,13 @@ class PrefixCache(ABC):
     def dec_lock_ref(self, node: Any) -> None:
         """Undo one inc_lock_ref on the same node."""
 
+    def path(self, node: Any) -> list[tuple[int, int]]:
+        """(an id, the tokens from the root to its end) for each node from the root's
+        child down to `node`: requests whose paths hold the same id share those first
+        tokens' KV slots (cascade attention groups them). Empty for a cache that keeps
+        nothing."""
+        return []
+
     @abstractmethod
     def evict(self, num_tokens: int) -> int:
         """Free at least `num_tokens` slots from unlocked leaves, least recently used first,

@@ -101,6 +101,18 @@ class RadixCache(PrefixCache):
             pos += n
         return node, pos, path
 
+    def path(self, node: Any) -> list[tuple[int, int]]:
+        nodes: list[TreeNode] = []
+        while node is not None and node is not self._root:
+            nodes.append(node)
+            node = node.parent
+        out: list[tuple[int, int]] = []
+        length = 0
+        for n in reversed(nodes):
+            length += len(n.key)
+            out.append((n.node_id, length))
+        return out
+
     def insert(self, key: Sequence[int], indices: torch.Tensor) -> int:
         self._check_insert_args(key, indices)
         node, pos, _ = self._walk(key)

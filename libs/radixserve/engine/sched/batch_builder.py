@@ -12,7 +12,12 @@ from __future__ import annotations
 
 import torch
 
-from radixserve.engine.forward_batch import DECODE_INPUT_FIELDS, ForwardBatch, ForwardMode
+from radixserve.engine.forward_batch import (
+    DECODE_INPUT_FIELDS,
+    ForwardBatch,
+    ForwardMode,
+    SharedPrefix,
+)
 from radixserve.engine.kvcache.pool import KVPool, ReqToTokenPool
 from radixserve.engine.request import Req
 from radixserve.engine.transfer import upload_int64
@@ -42,10 +47,19 @@ def future_id(req: Req) -> int:
 
 
 def build_forward_batch(
-    reqs: list[Req], kv_pool: KVPool, req_pool: ReqToTokenPool, device: torch.device
+    reqs: list[Req],
+    kv_pool: KVPool,
+    req_pool: ReqToTokenPool,
+    device: torch.device,
+    shared_prefixes: tuple[SharedPrefix, ...] = (),
 ) -> ForwardBatch:
+    """`shared_prefixes` (decode batches only): groups for cascade attention."""
     if all(req.extend_len == 1 for req in reqs):
-        return _build_decode(reqs, kv_pool, req_pool, device)
+        batch = _build_decode(reqs, kv_pool, req_pool, device)
+        batch.shared_prefixes = shared_prefixes
+        return batch
+    if shared_prefixes:
+        raise ValueError("shared prefixes are for decode batches")
     return _build_extend(reqs, kv_pool, req_pool, device)
 
 

@@ -20,7 +20,7 @@ import torch
 
 from radixserve.engine.config import EngineConfig
 from radixserve.engine.constrained import jump_forward, sample_with_grammar
-from radixserve.engine.forward_batch import ForwardBatch
+from radixserve.engine.forward_batch import ForwardBatch, SharedPrefix
 from radixserve.engine.kvcache.base import PrefixCache
 from radixserve.engine.kvcache.pool import KVPool, ReqToTokenPool
 from radixserve.engine.request import FinishReason, Req, ReqStatus, TokenLogprob
@@ -32,12 +32,15 @@ from radixserve.engine.sched.kv_manager import KVManager, KVUsage
 from radixserve.engine.sched.overlap import Launched, needs_exact_state, resolve_future_inputs
 from radixserve.engine.sched.policy import order_waiting
 from radixserve.engine.sched.prefill import AddResult, PrefillAdder, future_tokens
+from radixserve.engine.sched.shared_prefix import find_shared_prefixes
 from radixserve.engine.transfer import HostCopy, upload_int64
 
 
 class Runner(Protocol):
     device: torch.device
     vocab_size: int
+
+    def uses_cascade(self, batch_size: int) -> bool: ...
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor: ...
 
@@ -84,6 +87,7 @@ class Scheduler:
         self.total_prefill_tokens = 0
         self.total_cached_tokens = 0
         self.total_retractions = 0
+        self.total_cascade_steps = 0  # decode steps run with shared prefixes
 
     # -- requests ---------------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -252,7 +256,9 @@ class Scheduler:
         """Queue the forward and the sampling of the ready requests; nothing waits for the
         device. Prompts whose prefill completes (or a chunk of one) go into the cache."""
         device = self.runner.device
-        batch = build_forward_batch(reqs, self.kv.kv_pool, self.kv.req_pool, device)
+        batch = build_forward_batch(
+            reqs, self.kv.kv_pool, self.kv.req_pool, device, self._shared_prefixes(reqs)
+        )
         if any(r.num_pending for r in reqs):
             assert self._inflight is not None and self._inflight.next_ids is not None
             resolve_future_inputs(batch.input_ids, self._inflight.next_ids)
@@ -295,6 +301,18 @@ class Scheduler:
             ]
         )
         return Launched(ready_reqs, takes_token, result.next_token_ids, host)
+
+    def _shared_prefixes(self, reqs: list[Req]) -> tuple[SharedPrefix, ...]:
+        """Groups for cascade attention in a decode step, where the runner uses it."""
+        if len(reqs) < 2 or any(r.extend_len != 1 for r in reqs):
+            return ()
+        if not self.runner.uses_cascade(len(reqs)):
+            return ()
+        groups = find_shared_prefixes([self.kv.cache.path(r.last_node) for r in reqs])
+        if not groups:
+            return ()
+        self.total_cascade_steps += 1
+        return groups
 
     def _read(self, launched: Launched) -> list[StepOutput]:
         """Read a launched step's tokens (waiting for them alone) and finish or continue

@@ -42,7 +42,8 @@ def num_kv_splits(max_seq_len: int) -> int:
     return min(MAX_SPLITS, triton.next_power_of_2(wanted))
 
 
-@triton.jit
+# num_splits changes from batch to batch: one compiled kernel for every value.
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_split_kernel(
     Q,  # [num_tokens, num_heads, head_dim]
     q_rows,  # [bs] int64: the row of Q holding request r's one new token
@@ -131,7 +132,7 @@ def _decode_split_kernel(
         tl.store(Mid_Lse + lse, m_i + tl.log2(l_i), mask=head_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     Mid_O,
     Mid_Lse,
@@ -175,11 +176,10 @@ def _decode_reduce_kernel(
     tl.store(Out + tl.load(q_rows + req) * stride_ot + head * stride_oh + offs_d, out, mask=d_mask)
 
 
-def decode_attention(
+def decode_partials(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k_buffer: torch.Tensor,
     v_buffer: torch.Tensor,
-    out: torch.Tensor,  # [num_tokens, num_heads, head_dim]; the q_rows rows are written
     q_rows: torch.Tensor,  # [bs] int64, the token row of each decoding request
     kv_indptr: torch.Tensor,
     kv_indices: torch.Tensor,
@@ -187,6 +187,8 @@ def decode_attention(
     mid_lse: torch.Tensor,  # [bs, num_heads, num_splits] fp32 scratch, contiguous splits
     scale: float,
 ) -> None:
+    """Stage 1 alone: each (request, head, split)'s partial output and lse in mid_out and
+    mid_lse (splits past a short sequence's last are not written)."""
     bs = q_rows.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_buffer.shape[1]
@@ -228,6 +230,23 @@ def decode_attention(
         num_warps=4,
         num_stages=2,
     )
+
+
+def decode_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    out: torch.Tensor,  # [num_tokens, num_heads, head_dim]; the q_rows rows are written
+    q_rows: torch.Tensor,  # [bs] int64, the token row of each decoding request
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    mid_out: torch.Tensor,  # [bs, num_heads, num_splits, head_dim] fp32 scratch
+    mid_lse: torch.Tensor,  # [bs, num_heads, num_splits] fp32 scratch, contiguous splits
+    scale: float,
+) -> None:
+    decode_partials(q, k_buffer, v_buffer, q_rows, kv_indptr, kv_indices, mid_out, mid_lse, scale)
+    bs, num_heads, num_splits, head_dim = mid_out.shape
+    block_d = max(16, triton.next_power_of_2(head_dim))
     _decode_reduce_kernel[(bs, num_heads)](
         mid_out,
         mid_lse,

@@ -17,8 +17,10 @@ def build_kv_indices(
     req_pool_indices: torch.Tensor,  # [bs] int64, each request's row
     lens: torch.Tensor,  # [bs] int64 on the device: how many positions to take per request
     total: int,  # sum(lens), known on the host
+    starts: torch.Tensor | None = None,  # [bs] int64: first position taken (default 0)
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(kv_indptr [bs + 1] int32, kv_indices [max(total, 1)] int32)."""
+    """(kv_indptr [bs + 1] int32, kv_indices [max(total, 1)] int32): request r's
+    positions [starts[r], starts[r] + lens[r])."""
     device = req_to_token.device
     bs = lens.shape[0]
     kv_indptr = torch.zeros(bs + 1, dtype=torch.int32, device=device)
@@ -28,6 +30,8 @@ def build_kv_indices(
         # kernel argument a real allocation.
         return kv_indptr, torch.zeros(1, dtype=torch.int32, device=device)
     rows = torch.repeat_interleave(req_pool_indices, lens, output_size=total)
-    starts = torch.repeat_interleave(kv_indptr[:-1].to(torch.int64), lens, output_size=total)
-    cols = torch.arange(total, dtype=torch.int64, device=device) - starts
+    offsets = torch.repeat_interleave(kv_indptr[:-1].to(torch.int64), lens, output_size=total)
+    cols = torch.arange(total, dtype=torch.int64, device=device) - offsets
+    if starts is not None:
+        cols += torch.repeat_interleave(starts, lens, output_size=total)
     return kv_indptr, req_to_token[rows, cols]
