@@ -66,7 +66,7 @@ def _simulate(seed: int, steps: int, device: str) -> int:
     """Run the simulation; returns the largest number of rows the state held."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
-    state = PenaltyState(VOCAB, torch.device(device))
+    state = PenaltyState(VOCAB, torch.device(device), max_rows=12)  # then one by one
     running: list[Req] = []  # sampled at least once since they joined or were rebuilt
     waiting: list[Req] = []
     pending: dict[Req, int] = {}  # the token each request has on the device, not read yet
@@ -140,7 +140,7 @@ def test_state_equals_rebuild_random(seed: int) -> None:
 
 
 def test_requests_without_penalties_take_nothing() -> None:
-    state = PenaltyState(VOCAB, torch.device("cpu"))
+    state = PenaltyState(VOCAB, torch.device("cpu"), max_rows=256)
     reqs = [
         Req(str(i), [1, 2, 3], SamplingParams(temperature=0.5), i, frozenset()) for i in range(5)
     ]
@@ -149,8 +149,18 @@ def test_requests_without_penalties_take_nothing() -> None:
     assert len(state) == 0 and state.capacity == 0
 
 
+def test_growth_doubles_up_to_max_rows() -> None:
+    state = PenaltyState(VOCAB, torch.device("cpu"), max_rows=20)
+    params = SamplingParams(presence_penalty=1.0)
+    capacities = []
+    for i in range(22):
+        state.gather([Req(str(i), [i], params, i, frozenset())])
+        capacities.append(state.capacity)
+    assert capacities == [MIN_ROWS] * 8 + [16] * 8 + [20] * 4 + [21, 22]
+
+
 def test_rows_are_dropped_and_reused() -> None:
-    state = PenaltyState(VOCAB, torch.device("cpu"))
+    state = PenaltyState(VOCAB, torch.device("cpu"), max_rows=256)
     first = Req("a", [4, 4, 5], SamplingParams(frequency_penalty=1.0), 0, frozenset(), [4])
     second = Req("b", [6], SamplingParams(repetition_penalty=1.2), 0, frozenset(), [7, 7])
     penalties = state.gather([first, second])
@@ -175,7 +185,7 @@ def test_rows_are_dropped_and_reused() -> None:
 
 
 def test_check_catches_a_leak_and_a_drift() -> None:
-    state = PenaltyState(VOCAB, torch.device("cpu"))
+    state = PenaltyState(VOCAB, torch.device("cpu"), max_rows=256)
     req = Req("a", [3], SamplingParams(frequency_penalty=1.0), 0, frozenset(), [5])
     penalties = state.gather([req])
     with pytest.raises(AssertionError, match="disagree"):

@@ -10,8 +10,9 @@ scheduling before the host has read it. The scheduler drops a request's row when
 finishes, aborts or is retracted (jump-forward retracts too, after appending forced
 tokens on the host); its next sample builds the row again from the token lists.
 
-Requests without penalties take no row and cost nothing. The tensors grow (doubling)
-when rows run out and are freed with the last row.
+Requests without penalties take no row and cost nothing. The tensors grow (doubling, up
+to `max_rows`: the most requests that run at once) when rows run out and are freed with
+the last row.
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ MIN_ROWS = 8
 class PenaltyState:
     """Rows of seen tokens and output counts, one per live penalized request."""
 
-    def __init__(self, vocab_size: int, device: torch.device) -> None:
+    def __init__(self, vocab_size: int, device: torch.device, max_rows: int) -> None:
         self.vocab_size = vocab_size
         self.device = device
+        self.max_rows = max_rows  # a bound for doubling, not a limit: past it rows come one by one
         self._rows: dict[SamplingInput, int] = {}  # keyed by identity (Req has eq=False)
         self._free: list[int] = []
         self._seen: torch.Tensor | None = None  # [capacity, vocab] bool
@@ -155,7 +157,7 @@ class PenaltyState:
 
     def _grow(self, need: int) -> None:
         old = self.capacity
-        size = max(2 * old, old + need, MIN_ROWS)
+        size = max(min(max(2 * old, MIN_ROWS), self.max_rows), old + need)
         seen = torch.zeros((size, self.vocab_size), dtype=torch.bool, device=self.device)
         counts = torch.zeros((size, self.vocab_size), dtype=torch.float32, device=self.device)
         if self._seen is not None and self._counts is not None:

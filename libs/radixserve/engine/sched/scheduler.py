@@ -82,7 +82,9 @@ class Scheduler:
         self.overlap = not config.disable_overlap_schedule and runner.device.type == "cuda"
         self._inflight: Launched | None = None  # launched, tokens not read yet
         # Penalized requests' seen tokens and output counts, updated on the device.
-        self.penalty_state = PenaltyState(runner.vocab_size, runner.device)
+        self.penalty_state = PenaltyState(
+            runner.vocab_size, runner.device, config.max_running_requests
+        )
         # Counters tests and metrics read.
         self.total_prefill_tokens = 0
         self.total_cached_tokens = 0
