@@ -26,10 +26,15 @@ class Reference:
 
 
 def hf_greedy(
-    model_dir: Path, prompts: list[list[int]], max_new_tokens: int, device: str = "cpu"
+    model_dir: Path,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    device: str = "cpu",
+    repetition_penalty: float = 1.0,
 ) -> list[Reference]:
     """transformers' own generate, one prompt at a time (no padding), float32, with
-    min_new_tokens so both sides run the full length without stopping on EOS."""
+    min_new_tokens so both sides run the full length without stopping on EOS. The top-2
+    gaps are of the scores greedy chose from (after the penalty and the EOS mask)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
@@ -43,13 +48,14 @@ def hf_greedy(
                 max_new_tokens=max_new_tokens,
                 min_new_tokens=max_new_tokens,
                 do_sample=False,
-                output_logits=True,
+                repetition_penalty=repetition_penalty,
+                output_scores=True,
                 return_dict_in_generate=True,
                 pad_token_id=0,
             )
             gaps = []
-            for step_logits in out.logits:
-                top2 = torch.topk(step_logits[0].float(), 2).values
+            for step_scores in out.scores:
+                top2 = torch.topk(step_scores[0].float(), 2).values
                 gaps.append(float(top2[0] - top2[1]))
             refs.append(Reference(out.sequences[0, len(ids) :].tolist(), gaps))
     return refs

@@ -10,6 +10,7 @@ from radixserve import Engine
 from tests.unit.engine_helpers import (
     assert_matches_reference,
     engine_outputs,
+    greedy_params,
     hf_greedy,
     make_prompts,
 )
@@ -41,6 +42,27 @@ def test_tiny_llama_matches_hf(tiny_llama_dir: Path) -> None:
 
 def test_tiny_qwen3_matches_hf(tiny_qwen3_dir: Path) -> None:
     _check(tiny_qwen3_dir, [7, 30, 2, 51])
+
+
+def test_repetition_penalty_matches_hf(tiny_llama_dir: Path) -> None:
+    """HF's RepetitionPenaltyLogitsProcessor over prompt + output, with the penalty state
+    kept on the device across steps, with and without overlap scheduling."""
+    engine = Engine(
+        model_path=str(tiny_llama_dir), device="cpu", dtype="float32", debug_check_invariants=True
+    )
+    prompts = make_prompts(engine.runner.vocab_size, [5, 17, 40, 3])
+    refs = hf_greedy(tiny_llama_dir, prompts, MAX_NEW, repetition_penalty=0.7)
+    free = engine_outputs(engine, prompts, MAX_NEW)
+    for overlap in (False, True):
+        engine.scheduler.overlap = overlap
+        outs = engine.generate(
+            input_ids=prompts, sampling_params={**greedy_params(MAX_NEW), "repetition_penalty": 0.7}
+        )
+        assert isinstance(outs, list)
+        for out, ref, unpenalized in zip(outs, refs, free, strict=True):
+            assert out["output_ids"] != unpenalized  # the penalty changes every output
+            assert_matches_reference(out["output_ids"], ref)
+    assert engine.scheduler.total_exact_state_waits == 0
 
 
 @pytest.mark.slow

@@ -292,3 +292,33 @@ def test_64_constrained_and_64_unconstrained_requests_share_batches(engine: Engi
     alone = _generate(engine, free_prompts, free_params)
     assert [o["output_ids"] for o in mixed[1::2]] == [o["output_ids"] for o in alone]
     assert engine.num_tracked() == 0
+
+
+def test_penalized_state_is_rebuilt_after_jump_forward(engine: Engine) -> None:
+    """Jump-forward appends forced tokens on the host and re-prefills: the request's
+    penalty state on the device is dropped and built again from its token lists (the
+    engine checks it against a rebuild after every step: debug_check_invariants)."""
+    state = engine.scheduler.penalty_state
+    builds: list[int] = []
+    add = state._add
+
+    def counted(new: list[Any]) -> None:
+        builds.append(len(new))
+        add(new)
+
+    state._add = counted  # type: ignore[method-assign]
+    params = {
+        "json_schema": json.dumps(LONG_KEYS_SCHEMA),
+        "max_new_tokens": 256,
+        "repetition_penalty": 1.3,
+        "frequency_penalty": 0.5,
+    }
+    try:
+        engine.flush_cache()
+        with jump_forward(engine, True):
+            (out,) = _generate(engine, ["Customer record:"], [params])
+    finally:
+        del state._add
+    check_json(out["text"], LONG_KEYS_SCHEMA)
+    assert sum(builds) > 1  # built when first sampled, then again after each jump-forward
+    assert len(state) == 0 and state.capacity == 0

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from radixserve import Engine
+from radixserve.engine.request import FinishReason, Req
 from tests.unit.engine_helpers import make_prompts
 
 
@@ -23,27 +24,44 @@ def _engine(model_dir: Path, overlap: bool, **kwargs: Any) -> Engine:
     return engine
 
 
-def _comparable(out: dict[str, Any]) -> dict[str, Any]:
+Comparable = tuple[dict[str, Any], list[float]]
+
+
+def _comparable(out: dict[str, Any]) -> Comparable:
+    """The output, and its logprobs apart: batches differ between the modes, so float32
+    logprobs differ in the last bits (compared within a tolerance)."""
     meta = {k: v for k, v in out["meta_info"].items() if k not in ("id", "e2e_latency")}
-    # Batches differ between the modes, so float32 logprobs differ in the last bits.
+    values: list[float] = []
     if "output_token_logprobs" in meta:
-        meta["output_token_logprobs"] = [
-            (round(lp, 4), t) for lp, t in meta["output_token_logprobs"]
-        ]
+        values += [lp for lp, _ in meta["output_token_logprobs"]]
+        meta["output_token_logprobs"] = [t for _, t in meta["output_token_logprobs"]]
     if "output_top_logprobs" in meta:
-        meta["output_top_logprobs"] = [
-            [(t, round(lp, 4)) for t, lp in top] for top in meta["output_top_logprobs"]
-        ]
-    return {"output_ids": out["output_ids"], "text": out["text"], **meta}
+        values += [lp for top in meta["output_top_logprobs"] for _, lp in top]
+        meta["output_top_logprobs"] = [[t for t, _ in top] for top in meta["output_top_logprobs"]]
+    return {"output_ids": out["output_ids"], "text": out["text"], **meta}, values
 
 
-def _run(engine: Engine, prompts: list[list[int]], params: list[dict[str, Any]]) -> list[Any]:
-    outs = engine.generate(input_ids=prompts, sampling_params=params)
-    assert isinstance(outs, list)
+def _assert_same(got: list[Comparable], expected: list[Comparable]) -> None:
+    assert [g for g, _ in got] == [e for e, _ in expected]
+    for (_, values), (_, reference) in zip(got, expected, strict=True):
+        assert values == pytest.approx(reference, abs=1e-4)
+
+
+def _check_idle(engine: Engine) -> None:
     assert engine.num_tracked() == 0 and not engine.scheduler.has_work()
     usage = engine.scheduler.usage()
     assert usage.in_flight_tokens == 0 and usage.protected_tokens == 0
     assert usage.free_tokens + usage.evictable_tokens == usage.pool_size
+    penalties = engine.scheduler.penalty_state
+    assert len(penalties) == 0 and penalties.capacity == 0  # every row dropped, memory freed
+
+
+def _run(
+    engine: Engine, prompts: list[list[int]], params: list[dict[str, Any]]
+) -> list[Comparable]:
+    outs = engine.generate(input_ids=prompts, sampling_params=params)
+    assert isinstance(outs, list)
+    _check_idle(engine)
     return [_comparable(o) for o in outs]
 
 
@@ -96,12 +114,14 @@ def test_overlap_equals_step_by_step(tiny_llama_dir: Path, kwargs: dict[str, Any
     prompts, params = _workload(vocab, stop_id)
     prompts = [p[:limit] for p in prompts]
     expected = _run(plain, prompts, params)
-    stopped = expected[1]
+    stopped = expected[1][0]
     assert stopped["finish_reason"]["type"] == "stop" or "context_length" in kwargs
     assert stop_id not in stopped["output_ids"][:-1]
 
     overlapped = _engine(tiny_llama_dir, overlap=True, **kwargs)
-    assert _run(overlapped, prompts, params) == expected
+    _assert_same(_run(overlapped, prompts, params), expected)
+    # The penalized request (frequency_penalty) did not make any step wait for tokens.
+    assert overlapped.scheduler.total_exact_state_waits == 0
     if "max_total_tokens" in kwargs:
         assert overlapped.scheduler.total_retractions > 0
 
@@ -131,3 +151,89 @@ def test_overlap_keeps_a_step_in_flight(tiny_llama_dir: Path) -> None:
     usage = engine.scheduler.usage()
     assert usage.free_tokens + usage.evictable_tokens == usage.pool_size
     assert engine.flush_cache()
+
+
+# Negative penalties make the random-weight model repeat itself, so each of these changes
+# the output (positive ones rarely would: it seldom repeats a token on its own).
+PENALIZED: list[dict[str, Any]] = [
+    {"max_new_tokens": 28, "temperature": 0.0, "repetition_penalty": 0.6},
+    {"max_new_tokens": 24, "temperature": 0.0, "presence_penalty": -1.5, "frequency_penalty": 0.6},
+    {"max_new_tokens": 32, "temperature": 0.0, "repetition_penalty": 0.8, "frequency_penalty": 0.4},
+    {"max_new_tokens": 20, "temperature": 0.8, "seed": 4, "n": 2, "frequency_penalty": -1.0},
+    {"max_new_tokens": 22, "temperature": 0.0},  # an unpenalized neighbour
+]
+RETRACTING = {
+    "max_total_tokens": 200,
+    "chunked_prefill_size": 128,
+    "init_new_token_ratio": 0.05,
+    "min_new_token_ratio": 0.0,
+}
+
+
+def _drive(
+    engine: Engine, prompts: list[list[int]], params: list[dict[str, Any]]
+) -> tuple[list[Req], int]:
+    """Every choice's request in order, run through the step API, and how many steps
+    ended with a penalized request's token still on the device (overlapped)."""
+    rids = [engine.submit(p, q) for p, q in zip(prompts, params, strict=True)]
+    done: dict[tuple[str, int], Req] = {}
+    overlapped = 0
+    while engine.has_work():
+        done.update({(out.rid, out.index): out.req for out in engine.step() if out.finished})
+        running = engine.scheduler.running
+        overlapped += any(r.params.has_penalty and r.num_pending for r in running)
+    _check_idle(engine)
+    choices = [(rid, i) for rid, q in zip(rids, params, strict=True) for i in range(q.get("n", 1))]
+    return [done[c] for c in choices], overlapped
+
+
+@pytest.mark.parametrize("kwargs", [{}, RETRACTING], ids=["default", "retracting"])
+def test_penalized_requests_run_overlapped(tiny_llama_dir: Path, kwargs: dict[str, Any]) -> None:
+    # The plain engine checks after every step that each penalized request's device state
+    # equals a rebuild from its token lists (debug_check_invariants).
+    plain = _engine(tiny_llama_dir, overlap=False, **kwargs)
+    prompts = make_prompts(plain.runner.vocab_size, [30, 12, 60, 8, 40], seed=3)
+    expected, _ = _drive(plain, prompts, PENALIZED)
+    assert plain.flush_cache()
+    keys = ("repetition_penalty", "frequency_penalty", "presence_penalty")
+    free = [{k: v for k, v in p.items() if k not in keys} for p in PENALIZED]
+    unpenalized, _ = _drive(plain, prompts, free)
+    assert all(
+        a.output_ids != b.output_ids for a, b in zip(expected[:-1], unpenalized[:-1], strict=True)
+    )
+
+    overlapped = _engine(tiny_llama_dir, overlap=True, **kwargs)
+    got, overlapped_steps = _drive(overlapped, prompts, PENALIZED)
+    assert [r.output_ids for r in got] == [r.output_ids for r in expected]
+    assert [r.finish_reason for r in got] == [r.finish_reason for r in expected]
+    assert overlapped.scheduler.total_exact_state_waits == 0 and overlapped_steps > 0
+    if kwargs:  # penalized requests were retracted, and rebuilt their state on re-admission
+        assert any(r.num_retractions and r.params.has_penalty for r in got)
+
+
+def test_finished_and_aborted_requests_drop_their_penalty_rows(tiny_llama_dir: Path) -> None:
+    engine = _engine(tiny_llama_dir, overlap=True)
+    state = engine.scheduler.penalty_state
+    prompts = make_prompts(engine.runner.vocab_size, [20, 30, 25, 10], seed=2)
+    engine.submit(prompts[3], {"max_new_tokens": 30, "temperature": 0.0})
+    engine.step()
+    engine.step()
+    assert state.capacity == 0  # a request without penalties takes nothing
+    rids = [
+        engine.submit(p, {"max_new_tokens": m, "temperature": 0.0, "frequency_penalty": -1.0})
+        for p, m in zip(prompts[:3], [40, 3, 40], strict=True)
+    ]
+    reqs = [engine._groups[rid].choices[0] for rid in rids]
+    engine.step()  # their prefill and first sample: each gets a row
+    assert all(state.holds(r) for r in reqs) and len(state) == 3 and state.capacity > 0
+    assert engine.abort(rids[0])
+    assert not state.holds(reqs[0]) and len(state) == 2
+    while not reqs[1].finished:
+        engine.step()
+    assert reqs[1].finish_reason == FinishReason("length") and not state.holds(reqs[1])
+    assert state.holds(reqs[2]) and len(state) == 1
+    while engine.has_work():
+        engine.step()
+    assert len(reqs[2].output_ids) == 40
+    assert engine.scheduler.total_exact_state_waits == 0
+    _check_idle(engine)

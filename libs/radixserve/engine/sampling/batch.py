@@ -1,8 +1,10 @@
 """The per-step sampling tensors of a batch, built once from its requests.
 
 The builder walks the requests in Python to collect scalars and token lists (cheap); it
-then uploads them in a few tensors. Everything that touches the vocabulary happens later,
-in `sampler.sample`, as batched tensor ops.
+then uploads them in a few tensors. Penalties come from the engine's `PenaltyState` when
+one is given (rows kept on the device across steps), else from the token lists.
+Everything else that touches the vocabulary happens later, in `sampler.sample`, as
+batched tensor ops.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from radixserve.engine.sampling.noise import row_uniforms
 from radixserve.engine.sampling.params import SamplingParams
 from radixserve.engine.sampling.penalties import Penalties, StopTokenMask
+from radixserve.engine.sampling.penalty_state import PenaltyState
 from radixserve.engine.transfer import upload
 
 # Above this top-k a full sort beats torch.topk.
@@ -88,24 +91,28 @@ class SamplingBatch:
         reqs: Sequence[SamplingInput],
         vocab_size: int,
         device: torch.device | str,
+        penalty_state: PenaltyState | None = None,
     ) -> SamplingBatch:
+        """`penalty_state`: gather the penalties from it (giving new penalized requests a
+        row); without it they are rebuilt from the requests' token lists."""
         if not reqs:
             raise ValueError("cannot build a sampling batch with no requests")
         if vocab_size <= 0:
             raise ValueError(f"vocab_size must be positive (got {vocab_size})")
         device = torch.device(device)
         params = [req.params for req in reqs]
-        prompts = [req.origin_input_ids for req in reqs]
-        outputs = [req.output_ids for req in reqs]
-        penalties = Penalties.build(
-            [p.repetition_penalty for p in params],
-            [p.frequency_penalty for p in params],
-            [p.presence_penalty for p in params],
-            prompts,
-            outputs,
-            vocab_size,
-            device,
-        )
+        if penalty_state is not None:
+            penalties = penalty_state.gather(reqs)
+        else:
+            penalties = Penalties.build(
+                [p.repetition_penalty for p in params],
+                [p.frequency_penalty for p in params],
+                [p.presence_penalty for p in params],
+                [req.origin_input_ids for req in reqs],
+                [req.output_ids for req in reqs],
+                vocab_size,
+                device,
+            )
         stop_mask = StopTokenMask.build(
             [sorted(req.stop_token_ids) for req in reqs],
             [len(req.output_ids) + req.num_pending for req in reqs],

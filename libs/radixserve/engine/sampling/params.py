@@ -79,6 +79,15 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
+    @property
+    def has_penalty(self) -> bool:
+        """Repetition, frequency or presence penalty: the output so far changes the logits."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
+
     def validate(self, vocab_size: int) -> None:
         """Raise ValueError, naming the field, for any value out of range."""
         if vocab_size <= 0:

@@ -5,9 +5,11 @@
 - `StopTokenMask`: while a request has fewer than `min_new_tokens` outputs, its stop ids
   (eos unless `ignore_eos`, plus `stop_token_ids`) get -inf so that it cannot stop.
 
-Both are built once per batch as [bs, vocab] tensors (or flat index pairs) by scattering the
-token lists; applying them is a few elementwise ops over the whole batch, never a loop over
-rows. Every op is out of place: the caller's logits are never modified.
+`Penalties.build` scatters the token lists into [bs, vocab] tensors (`mark_seen`,
+`add_counts`); the engine keeps them on the device across steps instead
+(`penalty_state.PenaltyState`, built with the same two scatters). Applying them is a few
+elementwise ops over the penalized rows, never a loop over rows. Every op is out of
+place: the caller's logits are never modified.
 """
 
 from __future__ import annotations
@@ -47,15 +49,59 @@ def flat_token_index(
     return row_index, ids
 
 
+def mark_seen(
+    seen: torch.Tensor,
+    rows: Sequence[int],
+    prompt_ids: Sequence[Sequence[int]],
+    output_ids: Sequence[Sequence[int]],
+) -> None:
+    """In place: seen[row, t] = True for every prompt and output token t of each row
+    (`prompt_ids[i]`, `output_ids[i]` belong to `rows[i]`)."""
+    # Two lists per row (prompt, output): no per-row concatenation.
+    index = flat_token_index(
+        [r for r in rows for _ in range(2)],
+        [ids for pair in zip(prompt_ids, output_ids, strict=True) for ids in pair],
+        seen.shape[1],
+        "a prompt or output",
+    )
+    if index is not None:
+        seen.index_put_(
+            (upload(index[0], seen.device), upload(index[1], seen.device)),
+            torch.ones((), dtype=torch.bool, device=seen.device),
+        )
+
+
+def add_counts(
+    counts: torch.Tensor, rows: Sequence[int], output_ids: Sequence[Sequence[int]]
+) -> None:
+    """In place: counts[row, t] += occurrences of t in the row's `output_ids[i]`."""
+    index = flat_token_index(rows, output_ids, counts.shape[1], "an output")
+    if index is not None:
+        ones = torch.ones(index[1].numel(), dtype=torch.float32, device=counts.device)
+        # Counts are small integers: float32 atomics add them exactly, in any order.
+        counts.index_put_(
+            (upload(index[0], counts.device), upload(index[1], counts.device)),
+            ones,
+            accumulate=True,
+        )
+
+
 @dataclass(frozen=True)
 class Penalties:
-    """Per-row penalty factors ([bs, 1] float32) and the token sets they apply to."""
+    """Per-row penalty factors ([m, 1] float32) and the token sets they apply to, for the
+    m penalized rows of a batch (`rows`; None: m = bs, every row in order).
 
-    repetition: torch.Tensor | None  # [bs, 1]; 1.0 for rows without the penalty
-    seen_tokens: torch.Tensor | None  # [bs, vocab] bool: in prompt or output
-    frequency: torch.Tensor | None  # [bs, 1]
-    presence: torch.Tensor | None  # [bs, 1]
-    output_counts: torch.Tensor | None  # [bs, vocab] float32: occurrences in the output
+    A row without a penalty among them (repetition 1, frequency and presence 0) is left
+    exactly as it is whatever its tensors hold: x / 1, x * 1 and x - 0 * count are x.
+    """
+
+    rows: torch.Tensor | None  # [m] int64 batch rows; None: the whole batch
+    repetition: torch.Tensor | None  # [m, 1]; 1.0 for rows without the penalty
+    seen_tokens: torch.Tensor | None  # [m, vocab] bool: in prompt or output
+    frequency: torch.Tensor | None  # [m, 1]
+    presence: torch.Tensor | None  # [m, 1]
+    output_counts: torch.Tensor | None  # [m, vocab] float32: occurrences in the output
+    state_rows: torch.Tensor | None = None  # [m] int64: their rows of a PenaltyState
 
     @classmethod
     def build(
@@ -68,7 +114,7 @@ class Penalties:
         vocab_size: int,
         device: torch.device,
     ) -> Penalties | None:
-        """None when no row has a penalty (the common case costs nothing)."""
+        """From the token lists, over the whole batch; None when no row has a penalty."""
         bs = len(repetition)
         rep_rows = [r for r in range(bs) if repetition[r] != 1.0]
         count_rows = [r for r in range(bs) if frequency[r] != 0.0 or presence[r] != 0.0]
@@ -78,37 +124,26 @@ class Penalties:
         if rep_rows:
             rep = _column(repetition, device)
             seen = torch.zeros((bs, vocab_size), dtype=torch.bool, device=device)
-            # Two lists per row (prompt, output): no per-row concatenation.
-            index = flat_token_index(
-                [r for r in rep_rows for _ in range(2)],
-                [ids for r in rep_rows for ids in (prompt_ids[r], output_ids[r])],
-                vocab_size,
-                "a prompt or output",
+            mark_seen(
+                seen, rep_rows, [prompt_ids[r] for r in rep_rows], [output_ids[r] for r in rep_rows]
             )
-            if index is not None:
-                seen[index[0].to(device), index[1].to(device)] = True
         if count_rows:
             freq, pres = _column(frequency, device), _column(presence, device)
             counts = torch.zeros((bs, vocab_size), dtype=torch.float32, device=device)
-            index = flat_token_index(
-                count_rows, [output_ids[r] for r in count_rows], vocab_size, "an output"
-            )
-            if index is not None:
-                ones = torch.ones(index[1].numel(), dtype=torch.float32, device=device)
-                # Counts are small integers: float32 atomics add them exactly, in any order.
-                counts.index_put_((index[0].to(device), index[1].to(device)), ones, accumulate=True)
-        return cls(rep, seen, freq, pres, counts)
+            add_counts(counts, count_rows, [output_ids[r] for r in count_rows])
+        return cls(None, rep, seen, freq, pres, counts)
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        rows = logits if self.rows is None else logits.index_select(0, self.rows)
         if self.repetition is not None and self.seen_tokens is not None:
             # HF's RepetitionPenaltyLogitsProcessor: shrink positive logits, grow negative ones.
-            penalized = torch.where(logits > 0, logits / self.repetition, logits * self.repetition)
-            logits = torch.where(self.seen_tokens, penalized, logits)
+            penalized = torch.where(rows > 0, rows / self.repetition, rows * self.repetition)
+            rows = torch.where(self.seen_tokens, penalized, rows)
         if self.output_counts is not None:
             assert self.frequency is not None and self.presence is not None
-            logits = logits - self.frequency * self.output_counts
-            logits = logits - self.presence * (self.output_counts > 0)
-        return logits
+            rows = rows - self.frequency * self.output_counts
+            rows = rows - self.presence * (self.output_counts > 0)
+        return rows if self.rows is None else logits.index_copy(0, self.rows, rows)
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,11 @@ the host plans step N+1 without knowing step N's tokens:
   one that stops on a stop token or string was already planned into the next step: that
   step's token for it is dropped when read (nothing is emitted past a stop) and its KV
   goes back with the request's;
-- anything that needs the token values before planning (a grammar's mask, penalties
-  counted from the outputs, retraction, jump-forward) makes the step read the pending
-  tokens first (`needs_exact_state`): those batches run without overlap.
+- penalties need no token values on the host: their state lives on the device and takes
+  each step's sampled ids there (`sampling/penalty_state.py`), pending token included;
+- anything that needs the token values before planning (a grammar's mask, retraction,
+  jump-forward) makes the step read the pending tokens first (`needs_exact_state` for a
+  grammar; retraction drains itself): those batches run without overlap.
 """
 
 from __future__ import annotations
@@ -39,14 +41,9 @@ class Launched:
 
 
 def needs_exact_state(req: Req) -> bool:
-    """Whether planning the request's next step needs its previous token on the host."""
-    p = req.params
-    return (
-        req.grammar is not None
-        or p.repetition_penalty != 1.0
-        or p.frequency_penalty != 0.0
-        or p.presence_penalty != 0.0
-    )
+    """Whether planning the request's next step needs its previous token on the host:
+    a grammar's mask is filled on the host after its matcher accepted that token."""
+    return req.grammar is not None
 
 
 def resolve_future_inputs(input_ids: torch.Tensor, future: torch.Tensor) -> None:

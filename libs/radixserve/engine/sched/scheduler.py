@@ -25,6 +25,7 @@ from radixserve.engine.kvcache.base import PrefixCache
 from radixserve.engine.kvcache.pool import KVPool, ReqToTokenPool
 from radixserve.engine.request import FinishReason, Req, ReqStatus, TokenLogprob
 from radixserve.engine.sampling.batch import SamplingBatch
+from radixserve.engine.sampling.penalty_state import PenaltyState
 from radixserve.engine.sched.batch_builder import build_forward_batch
 from radixserve.engine.sched.decode import ensure_decode_memory, retract
 from radixserve.engine.sched.finish import Detokenize, check_finished
@@ -83,11 +84,16 @@ class Scheduler:
         # Overlap scheduling: on CUDA unless disabled (tests may set it on the CPU).
         self.overlap = not config.disable_overlap_schedule and runner.device.type == "cuda"
         self._inflight: Launched | None = None  # launched, tokens not read yet
+        # Penalized requests' seen tokens and output counts, updated on the device.
+        self.penalty_state = PenaltyState(
+            runner.vocab_size, runner.device, config.max_running_requests
+        )
         # Counters tests and metrics read.
         self.total_prefill_tokens = 0
         self.total_cached_tokens = 0
         self.total_retractions = 0
         self.total_cascade_steps = 0  # decode steps run with shared prefixes
+        self.total_exact_state_waits = 0  # steps that read the step in flight before planning
 
     # -- requests ---------------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -124,6 +130,7 @@ class Scheduler:
 
     def check_invariants(self) -> None:
         self.kv.check_invariants(self.holders())
+        self.penalty_state.check(self.running)
 
     def flush_cache(self) -> bool:
         """Empty the prefix cache; only when idle (running requests hold cached prefixes)."""
@@ -144,6 +151,7 @@ class Scheduler:
     def _step(self) -> list[StepOutput]:
         outputs, self._pending = self._pending, []
         if self._inflight is not None and any(needs_exact_state(r) for r in self.running):
+            self.total_exact_state_waits += 1
             outputs.extend(self._drain())
         decode_reqs = self._plan_decode(outputs)
         prefill_reqs = self._plan_prefill(decode_reqs)
@@ -205,6 +213,7 @@ class Scheduler:
         if self.chunked is not None and self.chunked in memory.retracted:
             self.chunked = None
         for req in reversed(memory.retracted):
+            self.penalty_state.release(req)  # rebuilt from the token lists when sampled again
             self.waiting.appendleft(req)
         if memory.retracted:
             self.total_retractions += len(memory.retracted)
@@ -276,10 +285,13 @@ class Scheduler:
         if not ready:
             return Launched([], [], None, None)
         ready_reqs = [reqs[i] for i in ready]
-        sampling = SamplingBatch.build(ready_reqs, self.runner.vocab_size, logits.device)
+        sampling = SamplingBatch.build(
+            ready_reqs, self.runner.vocab_size, logits.device, self.penalty_state
+        )
         rows = logits if len(ready) == len(reqs) else logits[upload_int64(ready, logits.device)]
         # Constrained rows get their grammar's token mask first (engine/constrained).
         result = sample_with_grammar(rows, sampling, ready_reqs)
+        self.penalty_state.accept(sampling.penalties, result.next_token_ids)
         takes_token = []
         for row, req in enumerate(ready_reqs):
             if not req.prefill_done:
@@ -367,6 +379,7 @@ class Scheduler:
             else:
                 self.running.remove(req)
                 retract(self.kv, req)
+                self.penalty_state.release(req)  # the forced tokens are on the host only
                 self.waiting.appendleft(req)
 
     @staticmethod
@@ -400,4 +413,5 @@ class Scheduler:
         req.status = ReqStatus.FINISHED
         req.num_pending = 0  # a token still on the device is dropped
         self.kv.release(req)
+        self.penalty_state.release(req)
         return StepOutput(req, [])
