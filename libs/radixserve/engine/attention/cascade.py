@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from radixserve.engine.attention.triton_ops.common import num_sms
 from radixserve.engine.attention.triton_ops.decode import MAX_SPLITS, decode_partials, num_kv_splits
 from radixserve.engine.attention.triton_ops.indices import build_kv_indices
 from radixserve.engine.attention.triton_ops.shared_prefix import (
@@ -46,7 +47,7 @@ class _Scratch:
 class CascadeDecode:
     """One decode pass with shared prefixes: planned at construction, run per layer."""
 
-    def __init__(self, batch: ForwardBatch, num_sms: int) -> None:
+    def __init__(self, batch: ForwardBatch) -> None:
         if batch.mode != ForwardMode.DECODE or not batch.shared_prefixes:
             raise ValueError("cascade decode runs DECODE batches with shared prefixes")
         bs = batch.batch_size
@@ -86,7 +87,6 @@ class CascadeDecode:
         )
         self.suffix_splits = num_kv_splits(max(suffix_lens))
         self.q_rows = batch.extend_start_loc  # a decode batch's token r is request r's
-        self.num_sms = num_sms
         self._scratch: _Scratch | None = None
 
     def forward(
@@ -133,7 +133,7 @@ class CascadeDecode:
         bs, num_heads, head_dim = q.shape
         tiles = triton.cdiv(self.max_members, members_per_tile(num_heads // num_kv_heads))
         programs = self.num_groups * num_kv_heads * tiles
-        wanted = triton.next_power_of_2(triton.cdiv(2 * self.num_sms, programs))
+        wanted = triton.next_power_of_2(triton.cdiv(2 * num_sms(q.device), programs))
         cap = triton.next_power_of_2(triton.cdiv(self.max_prefix, _MIN_PREFIX_TOKENS_PER_SPLIT))
         prefix_splits = max(1, min(wanted, cap, MAX_SPLITS))
         splits = prefix_splits + self.suffix_splits

@@ -124,7 +124,6 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._layout: _Layout | None = None
         self._pass: _Pass | None = None
         self._cascade: CascadeDecode | None = None
-        self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         self._prefill: Any = None
         self._decode: Any = None
         self._graph: _GraphState | None = None
@@ -139,7 +138,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._cascade = None
         if batch.shared_prefixes:
             self._pass = None
-            self._cascade = CascadeDecode(batch, self._num_sms)
+            self._cascade = CascadeDecode(batch)
             return
         self._pass = self._new_pass(batch, decode=max(batch.extend_seq_lens_cpu) == 1)
 

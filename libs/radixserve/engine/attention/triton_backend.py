@@ -41,7 +41,7 @@ import triton.language as tl
 
 from radixserve.engine.attention.base import AttentionBackend, check_batch
 from radixserve.engine.attention.cascade import CascadeDecode
-from radixserve.engine.attention.triton_ops.common import INTERPRETED
+from radixserve.engine.attention.triton_ops.common import INTERPRETED, num_sms
 from radixserve.engine.attention.triton_ops.decode import (
     MAX_SPLITS,
     decode_attention,
@@ -112,7 +112,7 @@ class TritonAttentionBackend(AttentionBackend):
         # stage 1 writes every entry stage 2 reads, so stale contents are harmless.
         self._scratch: dict[str, torch.Tensor] = {}
         self._graph: _GraphState | None = None
-        self._num_sms = _num_sms(device)
+        self._num_sms = num_sms(device)
 
     # -- per batch ------------------------------------------------------------------
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
@@ -120,7 +120,7 @@ class TritonAttentionBackend(AttentionBackend):
         self._cascade = None
         if batch.shared_prefixes:
             self._decode = self._extend = None
-            self._cascade = CascadeDecode(batch, self._num_sms)
+            self._cascade = CascadeDecode(batch)
             return
         extend_lens = batch.extend_seq_lens_cpu
         decode = [i for i, n in enumerate(extend_lens) if n == 1]
@@ -271,12 +271,6 @@ class TritonAttentionBackend(AttentionBackend):
             flat = torch.empty(numel, dtype=torch.float32, device=device)
             self._scratch[key] = flat
         return flat[:numel].view(shape)
-
-
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # the interpreter: any value runs the same kernels (few: it is slow)
 
 
 def graph_num_kv_splits(bs: int, num_kv_heads: int, num_sms: int) -> int:

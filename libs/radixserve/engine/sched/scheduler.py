@@ -316,9 +316,9 @@ class Scheduler:
 
     def _shared_prefixes(self, reqs: list[Req]) -> tuple[SharedPrefix, ...]:
         """Groups for cascade attention in a decode step, where the runner uses it."""
-        if len(reqs) < 2 or any(r.extend_len != 1 for r in reqs):
+        if len(reqs) < 2 or not self.runner.uses_cascade(len(reqs)):
             return ()
-        if not self.runner.uses_cascade(len(reqs)):
+        if any(r.extend_len != 1 for r in reqs):
             return ()
         groups = find_shared_prefixes([self.kv.cache.path(r.last_node) for r in reqs])
         if not groups:

@@ -44,6 +44,14 @@ if INTERPRETED:
     _let_interpreter_loop_to_loaded_bounds()
 
 
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors the split counts are sized for; under the interpreter any
+    value runs the same kernels (few: it is slow)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """tl.dot's input precision: full float32 for float32 inputs.
 
