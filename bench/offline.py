@@ -108,8 +108,14 @@ def run_offline(engine: Engine, requests: Sequence[BenchRequest]) -> dict[str, A
             r.prompt, {"max_new_tokens": r.output_len, "ignore_eos": True, "temperature": 0}
         )
     finished = []
+    sched = engine.scheduler
+    steps: list[tuple[float, int, int]] = []  # (seconds, prefill tokens, running after)
     while engine.has_work():
+        t0, prefilled = time.perf_counter(), sched.total_prefill_tokens
         finished += [out.req for out in engine.step() if out.finished]
+        steps.append(
+            (time.perf_counter() - t0, sched.total_prefill_tokens - prefilled, len(sched.running))
+        )
     _sync(engine)
     duration = time.perf_counter() - started
     done = [
@@ -133,6 +139,29 @@ def run_offline(engine: Engine, requests: Sequence[BenchRequest]) -> dict[str, A
         "input_throughput": input_tokens / duration,
         "output_throughput": output_tokens / duration,
         "total_throughput": (input_tokens + output_tokens) / duration,
+        **step_profile(steps),
+    }
+
+
+def step_profile(steps: Sequence[tuple[float, int, int]]) -> dict[str, Any]:
+    """Where the run's time went: steps that prefilled (mixed with decode rows or not)
+    against pure decode steps. Under overlap a step's time is its planning plus the wait
+    for the step before it, so the sums add up to the run's duration."""
+    prefill = [s for s in steps if s[1] > 0]
+    decode = [s for s in steps if s[1] == 0]
+
+    def mean(xs: Sequence[float]) -> float:
+        return sum(xs) / len(xs) if xs else 0.0
+
+    return {
+        "steps": len(steps),
+        "prefill_steps": len(prefill),
+        "prefill_steps_s": sum(s[0] for s in prefill),
+        "prefill_tokens_per_step": mean([s[1] for s in prefill]),
+        "running_in_prefill_steps": mean([s[2] for s in prefill]),
+        "decode_steps": len(decode),
+        "decode_steps_s": sum(s[0] for s in decode),
+        "running_in_decode_steps": mean([s[2] for s in decode]),
     }
 
 

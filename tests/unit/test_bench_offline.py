@@ -55,6 +55,11 @@ def test_shared_prefix_counts_and_cache_hits(offline: ModuleType, tiny_llama_dir
         assert row["total_throughput"] == pytest.approx(
             (row["input_tokens"] + row["output_tokens"]) / row["duration_s"]
         )
+        # The step profile covers the run: 5 decode rounds at least, prefill split in 16s.
+        assert row["steps"] == row["prefill_steps"] + row["decode_steps"]
+        assert row["prefill_steps"] >= 2 and row["decode_steps"] >= 1
+        assert row["prefill_steps_s"] + row["decode_steps_s"] <= row["duration_s"]
+        assert 0 < row["prefill_tokens_per_step"] <= 16
     on, off = rows
     assert on["cache_hit_rate"] > 0 and on["cached_tokens"] > 0
     assert off["cache_hit_rate"] == 0 and off["cached_tokens"] == 0

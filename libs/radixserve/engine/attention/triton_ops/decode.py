@@ -186,9 +186,14 @@ def decode_partials(
     mid_out: torch.Tensor,  # [bs, num_heads, num_splits, head_dim] fp32 scratch
     mid_lse: torch.Tensor,  # [bs, num_heads, num_splits] fp32 scratch, contiguous splits
     scale: float,
+    *,
+    block_n: int = _BLOCK_N,
+    num_warps: int = 4,
+    num_stages: int = 2,
 ) -> None:
     """Stage 1 alone: each (request, head, split)'s partial output and lse in mid_out and
-    mid_lse (splits past a short sequence's last are not written)."""
+    mid_lse (splits past a short sequence's last are not written). The launch options
+    are for bench/decode_attention.py's sweep; the defaults are what the engine runs."""
     bs = q_rows.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_buffer.shape[1]
@@ -225,10 +230,10 @@ def decode_partials(
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         BLOCK_H=_BLOCK_H,
-        BLOCK_N=_BLOCK_N,
+        BLOCK_N=block_n,
         DOT_PRECISION=precision,
-        num_warps=4,
-        num_stages=2,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
 
 

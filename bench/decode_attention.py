@@ -1,0 +1,145 @@
+"""Decode attention kernels alone: the Triton split-KV kernel's launch options swept.
+
+One layer of Llama-3.1-8B's attention (32 query heads, 8 KV heads, head dim 128, bf16)
+for a decode batch of `bs` requests over `context` tokens each, slots scattered in the
+pool as a serving pool has them after some churn (runs of 16 slots in random order).
+Every configuration runs inside a CUDA graph (as the engine's decode does), so launch
+gaps count as they do there; each figure is the median over `--reps` replays of a graph
+of 20 layers. The current configuration is `block_n 64, warps 4, stages 2` with the
+split count `graph_num_kv_splits` picks; flashinfer's paged decode runs beside it when
+installed. GB/s counts the KV each must read (K and V of every token once).
+
+    python bench/decode_attention.py [--batch-sizes 1 64 --context 528]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+from collections.abc import Callable
+
+import torch
+
+from radixserve.engine.attention.triton_backend import graph_num_kv_splits
+from radixserve.engine.attention.triton_ops.common import num_sms
+from radixserve.engine.attention.triton_ops.decode import (
+    _decode_reduce_kernel,
+    decode_partials,
+)
+
+HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+LAYERS_PER_GRAPH = 20
+
+
+def scattered_slots(bs: int, context: int, device: torch.device) -> torch.Tensor:
+    runs = torch.randperm(bs * context // 16 + 1, generator=torch.Generator().manual_seed(0))
+    slots = (runs[:, None] * 16 + torch.arange(16)).flatten()[: bs * context]
+    return slots.to(torch.int32).to(device)
+
+
+def graph_time_ms(fn: Callable[[], None], reps: int) -> float:
+    """Median ms of one call, from replays of a graph that calls it LAYERS_PER_GRAPH times."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(LAYERS_PER_GRAPH):
+            fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(reps):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / LAYERS_PER_GRAPH)
+    return statistics.median(times[2:])
+
+
+def sweep(bs: int, context: int, reps: int) -> None:
+    device = torch.device("cuda")
+    pool_slots = bs * context + 16
+    k_buf = torch.randn(pool_slots, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device)
+    v_buf = torch.randn_like(k_buf)
+    q = torch.randn(bs, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device)
+    out = torch.empty_like(q)
+    q_rows = torch.arange(bs, dtype=torch.int64, device=device)
+    kv_indptr = torch.arange(0, bs + 1, dtype=torch.int32, device=device) * context
+    kv_indices = scattered_slots(bs, context, device)
+    gb = bs * context * 2 * KV_HEADS * HEAD_DIM * 2 / 1e9
+    scale = HEAD_DIM**-0.5
+    current = graph_num_kv_splits(bs, KV_HEADS, num_sms(device))
+    results = []
+    for splits, block_n, warps, stages in itertools.product(
+        [1, 2, 4, 8, 16], [32, 64, 128], [2, 4, 8], [1, 2, 3, 4]
+    ):
+        mid_out = torch.empty(bs, HEADS, splits, HEAD_DIM, dtype=torch.float32, device=device)
+        mid_lse = torch.empty(bs, HEADS, splits, dtype=torch.float32, device=device)
+
+        def stage1(mo=mid_out, ml=mid_lse, bn=block_n, w=warps, st=stages) -> None:
+            decode_partials(
+                q, k_buf, v_buf, q_rows, kv_indptr, kv_indices, mo, ml, scale,
+                block_n=bn, num_warps=w, num_stages=st,
+            )  # fmt: skip
+
+        def both(mo=mid_out, ml=mid_lse, s1=stage1, sp=splits) -> None:
+            s1()
+            _decode_reduce_kernel[(bs, HEADS)](
+                mo, ml, out, q_rows, kv_indptr, sp,
+                mo.stride(0), mo.stride(1), mo.stride(2), ml.stride(0), ml.stride(1),
+                out.stride(0), out.stride(1), HEAD_DIM=HEAD_DIM, BLOCK_D=HEAD_DIM, num_warps=4,
+            )  # fmt: skip
+
+        try:
+            ms = graph_time_ms(both, reps)
+            ms1 = graph_time_ms(stage1, reps)
+        except Exception as exc:  # a configuration that does not compile: skipped
+            print(f"bs {bs} splits {splits} bn {block_n} w {warps} st {stages}: {exc!r:.80}")
+            continue
+        results.append((ms, ms1, splits, block_n, warps, stages))
+    results.sort()
+    now = [r for r in results if r[2:] == (current, 64, 4, 2)]
+    print(f"\nbs {bs}, context {context}: {gb * 1e3:.1f} MB of KV per layer")
+    print(f"{'':>9} {'ms':>7} {'GB/s':>6} {'stage1 ms':>9} splits block_n warps stages")
+    for tag, r in [("current", now[0])] if now else []:
+        print(f"{tag:>9} {r[0]:7.4f} {gb / r[0] * 1e3:6.0f} {r[1]:9.4f} {r[2:]}")
+    for r in results[:8]:
+        print(f"{'best':>9} {r[0]:7.4f} {gb / r[0] * 1e3:6.0f} {r[1]:9.4f} {r[2:]}")
+    try:
+        import flashinfer
+    except ImportError:
+        return
+    workspace = torch.empty(128 << 20, dtype=torch.uint8, device=device)
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD")
+    wrapper.plan(
+        kv_indptr, kv_indices, torch.ones(bs, dtype=torch.int32, device=device),
+        HEADS, KV_HEADS, HEAD_DIM, 1, q_data_type=torch.bfloat16,
+    )  # fmt: skip
+    cache = (k_buf.unsqueeze(1), v_buf.unsqueeze(1))
+    try:
+        ms = graph_time_ms(lambda: wrapper.run(q, cache, out=out), reps)
+    except RuntimeError as exc:
+        print(f"flashinfer: {exc!r:.120}")
+        return
+    print(f"{'flashinf':>9} {ms:7.4f} {gb / ms * 1e3:6.0f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--context", type=int, default=528)
+    ap.add_argument("--reps", type=int, default=12)
+    args = ap.parse_args()
+    for bs in args.batch_sizes:
+        sweep(bs, args.context, args.reps)
+
+
+if __name__ == "__main__":
+    main()
