@@ -2,9 +2,9 @@
 where the engine has it), gives Hugging Face transformers' greedy tokens on the same
 random weights: a tiny float32 Llama (as the other GPU parity tests), a batch of mixed
 prompt lengths, then a second batch that extends the first one's prompts (radix hits),
-then a third whose prompts share a 72-token head: its decode steps run cascade
-attention where the backend has it (forced here even at graph sizes, where the engine
-leaves it off).
+then a third whose prompts share a 72-token head: its decode steps (5 requests) run
+cascade attention where the backend has it, eagerly without graphs and on the graph
+of 8's cascade variant with them.
 
 The grid comes from EngineConfig: a backend it admits appears here when its module is
 importable, an overlap switch as soon as the config has one.
@@ -107,7 +107,6 @@ def test_greedy_tokens_equal_hugging_face(
         if graphs and engine.runner.graphs is None:
             pytest.skip(f"the {backend} backend has no CUDA graphs")
         assert (engine.runner.graphs is not None) == graphs
-        engine.runner.cascade_beside_graphs = True
         cached = []
         for prompts, refs in rounds:
             outs = engine.generate(input_ids=prompts, sampling_params=greedy_params(MAX_NEW))
@@ -116,6 +115,7 @@ def test_greedy_tokens_equal_hugging_face(
                 assert_matches_reference(out["output_ids"], ref)
             cached.append(sum(o["meta_info"]["cached_tokens"] for o in outs))
         replays = engine.runner.graphs.num_replays if engine.runner.graphs is not None else 0
+        assert engine.runner.graphs is None or engine.runner.graphs.cascade_sizes == [8]
         cascade_steps = engine.scheduler.total_cascade_steps
     # The second batch finds three of its prompts' heads in the radix cache.
     assert cached[1] >= 64 + 50 + 17

@@ -15,6 +15,7 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -24,7 +25,7 @@ pytest.importorskip("triton", reason="triton is not installed (the dev extra bri
 
 from radixserve import Engine
 from radixserve.engine.attention.triton_ops.common import INTERPRETED
-from radixserve.engine.forward_batch import ForwardBatch, ForwardMode
+from radixserve.engine.forward_batch import ForwardBatch, ForwardMode, SharedPrefix
 from radixserve.engine.graphs.cuda_graph_runner import CudaGraphRunner, capture_batch_sizes
 from tests.helpers.batches import PagedRequests
 from tests.helpers.triton_interpreter import skip_unless_interpreted_or_cuda
@@ -45,21 +46,27 @@ def test_capture_ladder() -> None:
 
 
 def _engine(model_dir: Path, **kwargs: object) -> Engine:
-    return Engine(
-        model_path=str(model_dir),
-        device=DEVICE,
-        dtype="float32",
-        attention_backend="triton",
-        max_total_tokens=512,
-        disable_cuda_graph=True,  # on CUDA too: the test installs its own runner
+    options: dict[str, object] = {
+        "device": DEVICE,
+        "dtype": "float32",
+        "attention_backend": "triton",
+        "max_total_tokens": 512,
+        "disable_cuda_graph": True,  # on CUDA too: the test installs its own runner
         **kwargs,
-    )
+    }
+    return Engine(model_path=str(model_dir), **options)
 
 
-def _static_runner(engine: Engine, max_bs: int) -> CudaGraphRunner:
+def _static_runner(engine: Engine, max_bs: int, cascade: bool = False) -> CudaGraphRunner:
     runner = engine.runner
     graphs = CudaGraphRunner(
-        runner.model, runner.attn, runner.kv_pool, runner.req_pool, max_bs, capture=False
+        runner.model,
+        runner.attn,
+        runner.kv_pool,
+        runner.req_pool,
+        max_bs,
+        capture=False,
+        cascade=cascade,
     )
     runner.graphs = graphs
     return graphs
@@ -108,3 +115,65 @@ def test_generation_through_the_static_pass_equals_eager(tiny_llama_dir: Path) -
     graphs = _static_runner(engine, max_bs=4)  # 3 decoders run on the graph of 4
     assert engine_outputs(engine, prompts, 5) == eager
     assert graphs.num_replays > 0
+
+
+def _share_prefix(reqs: PagedRequests, leader: int, length: int) -> int:
+    """A new request whose first `length` KV slots are `leader`'s (a radix-cache hit)."""
+    row = reqs.new_request()
+    table = reqs.req_pool.req_to_token
+    table[row, :length] = table[leader, :length]
+    reqs.kv_lens[row] = length
+    return row
+
+
+def test_cascade_replay_equals_the_plain_pass(tiny_llama_dir: Path) -> None:
+    engine = _engine(tiny_llama_dir, max_total_tokens=2048)
+    graphs = _static_runner(engine, max_bs=16, cascade=True)
+    assert graphs.cascade_sizes == [8, 16]
+    assert not graphs.runs_cascade(4) and graphs.runs_cascade(5) and graphs.runs_cascade(16)
+    reqs = PagedRequests(engine.runner.kv_pool, engine.runner.req_pool)
+    system_a, system_b, *own = make_prompts(1000, [70, 66, 3, 9, 1, 5, 12, 4, 7, 2, 6], seed=5)
+    leaders = [reqs.new_request(), reqs.new_request()]
+    _eager_logits(
+        engine,
+        reqs.build(ForwardMode.EXTEND, [(leaders[0], system_a), (leaders[1], system_b)]),
+    )
+    group_a = [leaders[0], *(_share_prefix(reqs, leaders[0], 70) for _ in range(3))]
+    group_b = [leaders[1], *(_share_prefix(reqs, leaders[1], 66) for _ in range(2))]
+    solo = [reqs.new_request() for _ in range(2)]
+    rows = group_a + group_b + solo
+    # Everyone adds tokens of its own past the shared prefix (the leaders too).
+    _eager_logits(engine, reqs.build(ForwardMode.EXTEND, list(zip(rows, own, strict=False))))
+    order = [4, 0, 7, 2, 5, 8, 1, 6, 3]  # members scattered through the batch
+    rows = [rows[i] for i in order]
+    where = {orig: pos for pos, orig in enumerate(order)}
+    a = SharedPrefix(70, tuple(sorted(where[i] for i in range(4))))
+    b = SharedPrefix(66, tuple(sorted(where[i] for i in range(4, 7))))
+    # 9 requests on the cascade graph of 16 (two groups at most there: both run); then 9
+    # again with group b alone; then 6 on the graph of 8, which holds one group: b (the
+    # smaller saving) reads its prefix as plain requests do.
+    steps = [(rows, (a, b)), (rows, (b,)), (rows[:6], (a, b))]
+    for step, (batch_rows, groups) in enumerate(steps):
+        batch = reqs.build(ForwardMode.DECODE, [(row, [11 + step]) for row in batch_rows])
+        if len(batch_rows) == 6:
+            groups = tuple(
+                SharedPrefix(g.length, tuple(i for i in g.members if i < 6)) for g in groups
+            )
+        with torch.inference_mode():
+            replayed = engine.runner.forward(replace(batch, shared_prefixes=groups)).clone()
+        plain = _eager_logits(engine, batch)
+        torch.testing.assert_close(replayed, plain, rtol=1e-4, atol=1e-4)
+    assert graphs.num_replays == 3
+
+
+def test_generation_with_cascade_graphs_equals_the_torch_backend(tiny_llama_dir: Path) -> None:
+    # Four prompts over one 72-token system prompt and two unrelated ones: their decode
+    # steps (6 requests, the graph of 8) replay the cascade variant.
+    system, *questions = make_prompts(1000, [72, 5, 9, 3, 12, 30, 7], seed=6)
+    prompts = [system + q for q in questions[:4]] + questions[4:]
+    reference = engine_outputs(_engine(tiny_llama_dir, attention_backend="torch"), prompts, 6)
+    engine = _engine(tiny_llama_dir, debug_check_invariants=True)
+    graphs = _static_runner(engine, max_bs=8, cascade=True)
+    assert engine_outputs(engine, prompts, 6) == reference
+    assert engine.scheduler.total_cascade_steps >= 4
+    assert graphs.num_replays >= 4

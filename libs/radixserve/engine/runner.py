@@ -117,11 +117,9 @@ class ModelRunner:
             self.dtype,
             self.kv_pool.size,
         )
-        self.graphs = self._capture_graphs()
         self.cascade = self.attn.supports_shared_prefix and not config.disable_cascade_attention
-        # Tests: cascade also for decode batches a captured graph would run.
-        self.cascade_beside_graphs = False
-        if self.cascade and self.device.type == "cuda":
+        self.graphs = self._capture_graphs()
+        if self.cascade and self.device.type == "cuda" and not self._cascade_captured():
             self._warm_up_cascade()
 
     def _capture_graphs(self) -> CudaGraphRunner | None:
@@ -132,23 +130,30 @@ class ModelRunner:
             log.info("the %s attention backend runs without CUDA graphs", self.attn.name)
             return None
         max_bs = min(self.config.cuda_graph_max_bs, self.config.max_running_requests)
-        return CudaGraphRunner(self.model, self.attn, self.kv_pool, self.req_pool, max_bs)
+        return CudaGraphRunner(
+            self.model, self.attn, self.kv_pool, self.req_pool, max_bs, cascade=self.cascade
+        )
+
+    def _cascade_captured(self) -> bool:
+        """Whether graph capture already compiled the cascade kernels."""
+        return self.graphs is not None and bool(self.graphs.cascade_sizes)
 
     def uses_cascade(self, batch_size: int) -> bool:
         """Whether a decode step of `batch_size` requests runs cascade attention when they
-        share prefixes. Not where a captured graph runs it: a cascade step runs eagerly,
-        and at graph sizes the host's eager launches (some 26 ms a step for an 8B model)
-        cost more than the KV reads cascade saves (docs/performance.md). Beyond the
-        largest graph every step is eager, and cascade only saves."""
+        share prefixes: where its graph size has a cascade variant, and where the step
+        runs eagerly anyway (beyond the largest graph, or without graphs). Not for the
+        small sizes whose graphs have no cascade variant: there a cascade step would run
+        eagerly, and the host's eager launches (some 26 ms a step for an 8B model) cost
+        more than the KV reads cascade saves (docs/performance.md)."""
         if not self.cascade:
             return False
         graphs = self.graphs
-        return graphs is None or batch_size > graphs.max_bs or self.cascade_beside_graphs
+        return graphs is None or batch_size > graphs.max_bs or graphs.runs_cascade(batch_size)
 
     @torch.inference_mode()
     def _warm_up_cascade(self, prefix: int = 64) -> None:
         """Compile the cascade kernels now rather than at the first shared-prefix step (a
-        stall of seconds): one pass of two requests sharing a prefix, both on the request
+        stall of seconds), where no graph capture did: one pass of two requests sharing a prefix, both on the request
         pool's padding row, so they read and write the reserved slot 0 only."""
         if self.context_len <= prefix:
             return

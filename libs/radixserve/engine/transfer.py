@@ -29,6 +29,15 @@ def upload(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.pin_memory().to(device, non_blocking=True)
 
 
+def upload_into(dst: torch.Tensor, host: torch.Tensor) -> None:
+    """Copy `host` into the device tensor `dst` without waiting for queued device work
+    (the copy runs in stream order, after the work queued before it)."""
+    if dst.device.type != "cuda":
+        dst.copy_(host)
+        return
+    dst.copy_(host.pin_memory(), non_blocking=True)
+
+
 class HostCopy:
     """Device tensors copied to the host behind the work queued so far.
 

@@ -11,13 +11,16 @@ have the same three methods):
 
 - `init_cuda_graph_state(max_bs, max_context_len)` once, before any capture: allocate
   those buffers for batches of up to `max_bs` requests.
-- `init_forward_metadata_capture(batch)` in place of `init_forward_metadata` while a
-  graph is captured (and in its warm-up runs), with the graph runner's static batch
-  padded to the graph's size. Device work it queues is recorded in the graph, so it
-  re-runs on every replay over the inputs then in the static buffers.
+- `init_forward_metadata_capture(batch, cascade)` in place of `init_forward_metadata`
+  while a graph is captured (and in its warm-up runs), with the graph runner's static
+  batch padded to the graph's size. Device work it queues is recorded in the graph, so
+  it re-runs on every replay over the inputs then in the static buffers. With
+  `cascade`, the graph is the size's cascade variant (attention/cascade.py), which
+  backends with `supports_shared_prefix` capture beside the plain one.
 - `init_forward_metadata_replay(batch, num_real)` before each replay, once the static
   inputs hold the new batch: metadata that must be computed outside the graph (a
-  host-side plan) is written into the fixed buffers here.
+  host-side plan, a cascade step's groups from `batch.shared_prefixes`) is written
+  into the fixed buffers here.
 """
 
 from __future__ import annotations
@@ -79,9 +82,10 @@ class AttentionBackend(ABC):
         of up to `max_context_len` tokens each."""
         raise NotImplementedError(f"the {self.name} attention backend has no CUDA graph support")
 
-    def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
+    def init_forward_metadata_capture(self, batch: ForwardBatch, cascade: bool = False) -> None:
         """Metadata for a decode pass over the graph runner's static, padded batch, from
-        the fixed buffers; device work queued here is part of the captured graph."""
+        the fixed buffers; device work queued here is part of the captured graph. With
+        `cascade`, a cascade pass whose groups each replay writes first."""
         raise NotImplementedError(f"the {self.name} attention backend has no CUDA graph support")
 
     def init_forward_metadata_replay(self, batch: ForwardBatch, num_real: int) -> None:

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from radixserve.engine.attention.base import AttentionBackend, check_batch
-from radixserve.engine.attention.cascade import CascadeDecode
+from radixserve.engine.attention.cascade import CascadeDecode, CascadeGraph, CascadePass
 from radixserve.engine.attention.triton_ops.indices import build_kv_indices
 from radixserve.engine.forward_batch import ForwardMode
 
@@ -103,6 +103,8 @@ class _GraphState:
     kv_indices: torch.Tensor  # [max_bs * max_context_len] int32
     last_page_len: torch.Tensor  # [max_bs] int32
     wrappers: dict[int, Any]  # graph batch size -> its planned decode wrapper
+    max_context_len: int
+    cascade: CascadeGraph | None = None  # the cascade graphs' tables, at their first capture
 
 
 class FlashInferAttentionBackend(AttentionBackend):
@@ -123,7 +125,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._layout: _Layout | None = None
         self._pass: _Pass | None = None
-        self._cascade: CascadeDecode | None = None
+        self._cascade: CascadePass | None = None
         self._prefill: Any = None
         self._decode: Any = None
         self._graph: _GraphState | None = None
@@ -159,12 +161,28 @@ class FlashInferAttentionBackend(AttentionBackend):
             kv_indices=torch.zeros(max_bs * max_context_len, dtype=torch.int32, device=device),
             last_page_len=torch.ones(max_bs, dtype=torch.int32, device=device),
             wrappers={},
+            max_context_len=max_context_len,
         )
 
-    def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
+    def init_forward_metadata_capture(self, batch: ForwardBatch, cascade: bool = False) -> None:
         graph = self._graph_for(batch)
         self._cascade = None
         bs = batch.batch_size
+        if cascade:
+            # Triton kernels over the shared kv_indices buffer (a pass runs a wrapper or
+            # cascade, never both); the suffix split count is the triton backend's rule.
+            from radixserve.engine.attention.triton_backend import graph_num_kv_splits
+            from radixserve.engine.attention.triton_ops.common import num_sms
+
+            self._pass = None
+            if graph.cascade is None:
+                graph.cascade = CascadeGraph(
+                    graph.max_bs, graph.max_context_len, graph.kv_indices, self.device
+                )
+            num_kv_heads = batch.kv_pool.k_buffers[0].shape[1]
+            splits = graph_num_kv_splits(bs, num_kv_heads, num_sms(self.device))
+            self._cascade = graph.cascade.capture(batch, splits)
+            return
         if not torch.cuda.is_current_stream_capturing():
             # A warm-up pass: planned at its first layer, outside the capture.
             self._pass = self._new_pass(batch, decode=True, graph_bs=bs)
@@ -175,8 +193,12 @@ class FlashInferAttentionBackend(AttentionBackend):
         # The capture records the kernels the warm-up planned; nothing is queued here.
 
     def init_forward_metadata_replay(self, batch: ForwardBatch, num_real: int) -> None:
-        self._graph_for(batch)
+        graph = self._graph_for(batch)
         self._cascade = None
+        if batch.shared_prefixes:
+            assert graph.cascade is not None, "a cascade graph is replayed only after capture"
+            graph.cascade.write(batch, num_real)
+            return
         if self._layout is None:
             raise RuntimeError("a decode graph is replayed only after it was captured")
         self._pass = self._new_pass(batch, decode=True, graph_bs=batch.batch_size)

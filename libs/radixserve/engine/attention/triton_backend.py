@@ -37,10 +37,9 @@ from typing import TYPE_CHECKING
 
 import torch
 import triton
-import triton.language as tl
 
 from radixserve.engine.attention.base import AttentionBackend, check_batch
-from radixserve.engine.attention.cascade import CascadeDecode
+from radixserve.engine.attention.cascade import CascadeDecode, CascadeGraph, CascadePass
 from radixserve.engine.attention.triton_ops.common import INTERPRETED, num_sms
 from radixserve.engine.attention.triton_ops.decode import (
     MAX_SPLITS,
@@ -48,7 +47,7 @@ from radixserve.engine.attention.triton_ops.decode import (
     num_kv_splits,
 )
 from radixserve.engine.attention.triton_ops.extend import extend_attention
-from radixserve.engine.attention.triton_ops.indices import build_kv_indices
+from radixserve.engine.attention.triton_ops.indices import build_kv_indices, gather_kv_rows
 from radixserve.engine.forward_batch import ForwardMode
 from radixserve.engine.transfer import upload_int64
 
@@ -76,6 +75,8 @@ class _GraphState:
     kv_indices: torch.Tensor  # [max_bs * max_context_len] int32
     q_rows: torch.Tensor  # [max_bs] int64: arange (one token per request)
     num_sms: int
+    max_context_len: int
+    cascade: CascadeGraph | None = None  # the cascade graphs' tables, at their first capture
     # Split-KV scratch for every graph size (allocated at the first graph pass, when the
     # head shape is known; never reallocated, since captured graphs hold its address).
     mid_out: torch.Tensor | None = None
@@ -107,7 +108,7 @@ class TritonAttentionBackend(AttentionBackend):
         self.device = device
         self._decode: _DecodePlan | None = None
         self._extend: _ExtendPlan | None = None
-        self._cascade: CascadeDecode | None = None
+        self._cascade: CascadePass | None = None
         # Split-KV partial results, reused by every layer and pass (grown on demand):
         # stage 1 writes every entry stage 2 reads, so stale contents are harmless.
         self._scratch: dict[str, torch.Tensor] = {}
@@ -138,38 +139,49 @@ class TritonAttentionBackend(AttentionBackend):
             kv_indices=torch.zeros(max_bs * max_context_len, dtype=torch.int32, device=device),
             q_rows=torch.arange(max_bs, dtype=torch.int64, device=device),
             num_sms=self._num_sms,
+            max_context_len=max_context_len,
         )
 
-    def init_forward_metadata_capture(self, batch: ForwardBatch) -> None:
+    def init_forward_metadata_capture(self, batch: ForwardBatch, cascade: bool = False) -> None:
         graph = self._graph
         if graph is None:
             raise RuntimeError("init_cuda_graph_state must run before a graph is captured")
         bs = batch.batch_size
         if batch.mode != ForwardMode.DECODE or bs > graph.max_bs:
             raise ValueError(f"graphs capture decode batches of up to {graph.max_bs} requests")
+        num_kv_heads = batch.kv_pool.k_buffers[0].shape[1]
+        suffix_splits = graph_num_kv_splits(bs, num_kv_heads, graph.num_sms)
+        if cascade:
+            self._decode = self._extend = None
+            self._cascade = self._cascade_graph(graph).capture(batch, suffix_splits)
+            return
         kv_indptr = graph.kv_indptr[: bs + 1]
         # Queued on the device (recorded in the graph): the tables follow whatever
         # req_pool_indices and seq_lens hold when the graph is replayed.
-        kv_indptr[1:].copy_(torch.cumsum(batch.seq_lens, 0))
-        _gather_kv_rows[(bs,)](
-            batch.req_to_token,
-            batch.req_to_token.stride(0),
-            batch.req_pool_indices,
-            batch.seq_lens,
-            kv_indptr,
-            graph.kv_indices,
-            BLOCK=_GATHER_BLOCK,
+        gather_kv_rows(
+            batch.req_to_token, batch.req_pool_indices, batch.seq_lens, kv_indptr, graph.kv_indices
         )
-        num_kv_heads = batch.kv_pool.k_buffers[0].shape[1]
         self._cascade = None
         self._decode = _DecodePlan(
             q_rows=graph.q_rows[:bs],
             kv_indptr=kv_indptr,
             kv_indices=graph.kv_indices,
-            num_splits=graph_num_kv_splits(bs, num_kv_heads, graph.num_sms),
+            num_splits=suffix_splits,
             in_graph=True,
         )
         self._extend = None
+
+    def init_forward_metadata_replay(self, batch: ForwardBatch, num_real: int) -> None:
+        if batch.shared_prefixes:
+            assert self._graph is not None
+            self._cascade_graph(self._graph).write(batch, num_real)
+
+    def _cascade_graph(self, graph: _GraphState) -> CascadeGraph:
+        if graph.cascade is None:
+            graph.cascade = CascadeGraph(
+                graph.max_bs, graph.max_context_len, graph.kv_indices, self.device
+            )
+        return graph.cascade
 
     # -- per layer ------------------------------------------------------------------
     def forward(
@@ -281,33 +293,6 @@ def graph_num_kv_splits(bs: int, num_kv_heads: int, num_sms: int) -> int:
     decode steps of 8 to 64 requests 0.5 to 0.7 ms slower than 2.)"""
     wanted = triton.cdiv(2 * num_sms, bs * num_kv_heads)
     return min(MAX_SPLITS, triton.next_power_of_2(wanted))
-
-
-_GATHER_BLOCK = 512
-
-
-@triton.jit
-def _gather_kv_rows(
-    req_to_token,  # [rows, max_context] int32
-    stride_row,
-    req_pool_indices,  # [bs] int64
-    seq_lens,  # [bs] int64
-    kv_indptr,  # [bs + 1] int32
-    kv_indices,  # int32, written at [kv_indptr[r], kv_indptr[r + 1])
-    BLOCK: tl.constexpr,
-):
-    """Request r's first seq_lens[r] slots of its req_to_token row, into its range of
-    the flat table: build_kv_indices with the lengths read on the device, so it can be
-    captured in a graph."""
-    req = tl.program_id(0)
-    row = tl.load(req_pool_indices + req).to(tl.int64)
-    seq_len = tl.load(seq_lens + req)
-    dst = tl.load(kv_indptr + req).to(tl.int64)
-    for start in range(0, seq_len, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        mask = offs < seq_len
-        slots = tl.load(req_to_token + row * stride_row + offs, mask=mask)
-        tl.store(kv_indices + dst + offs, slots, mask=mask)
 
 
 def _decode_plan(batch: ForwardBatch, members: list[int] | None) -> _DecodePlan:

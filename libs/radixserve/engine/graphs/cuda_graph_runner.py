@@ -19,6 +19,10 @@ How (SGLang's CudaGraphRunner, smaller):
   (AttentionBackend.init_cuda_graph_state and the capture/replay methods).
 - Graphs are captured largest first into one memory pool, so the smaller ones reuse
   the larger ones' memory.
+- With `cascade`, sizes from CASCADE_MIN_BS up get a second graph: the cascade
+  (shared-prefix) variant of the pass, replayed for decode batches that carry
+  `shared_prefixes`, whose groups the backend writes into its fixed tables before the
+  replay (attention/cascade.py).
 - Sampling runs outside the graph, on the logits a replay returns: a view of the
   graph's output buffer, valid until the next forward pass (the scheduler samples
   before it runs another).
@@ -57,6 +61,9 @@ _NUM_INPUTS = len(DECODE_INPUT_FIELDS)
 # Warm-up passes before each capture: they compile the kernels and size the scratch
 # buffers outside the capture (a capture may not allocate outside its pool).
 _WARMUP_PASSES = 2
+# Smallest graph with a cascade variant: below it few requests can share a prefix, and
+# each variant costs capture time and memory.
+CASCADE_MIN_BS = 8
 
 
 def capture_batch_sizes(max_bs: int) -> list[int]:
@@ -76,9 +83,12 @@ class CudaGraphRunner:
         req_pool: ReqToTokenPool,
         max_bs: int,
         capture: bool = True,
+        cascade: bool = False,
     ) -> None:
         if not attn.supports_cuda_graph:
             raise ValueError(f"the {attn.name} attention backend cannot be captured in graphs")
+        if cascade and not attn.supports_shared_prefix:
+            raise ValueError(f"the {attn.name} attention backend has no cascade attention")
         if capture and kv_pool.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         self.model = model
@@ -101,19 +111,29 @@ class CudaGraphRunner:
         self._ones_cpu, self._zeros_cpu = [1] * self.max_bs, [0] * self.max_bs
         attn.init_cuda_graph_state(self.max_bs, req_pool.max_context_len)
         self._batches = {bs: self._static_batch(bs) for bs in self.batch_sizes}
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._logits: dict[int, torch.Tensor] = {}
+        self.cascade_sizes = [bs for bs in self.batch_sizes if cascade and bs >= CASCADE_MIN_BS]
+        # The cascade variants run on batches of their own: a replay sets their groups.
+        self._cascade_batches = {bs: self._static_batch(bs) for bs in self.cascade_sizes}
+        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self._logits: dict[tuple[int, bool], torch.Tensor] = {}
         if capture:
             self._capture_all()
+        elif self.cascade_sizes:
+            # What capture would have taught the backend (its cascade tile layout).
+            with torch.inference_mode():
+                self._run(self._cascade_batches[self.cascade_sizes[-1]], cascade=True)
 
     # -- replay -------------------------------------------------------------------
     def can_run(self, batch: ForwardBatch) -> bool:
-        """Decode batches of up to max_bs requests; cascade (shared-prefix) ones run eagerly."""
-        return (
-            batch.mode == ForwardMode.DECODE
-            and 0 < batch.batch_size <= self.max_bs
-            and not batch.shared_prefixes
-        )
+        """Decode batches of up to max_bs requests; cascade (shared-prefix) ones where
+        their size has a cascade variant."""
+        if batch.mode != ForwardMode.DECODE or not 0 < batch.batch_size <= self.max_bs:
+            return False
+        return not batch.shared_prefixes or self.runs_cascade(batch.batch_size)
+
+    def runs_cascade(self, bs: int) -> bool:
+        """Whether a decode batch of `bs` requests with shared prefixes replays a graph."""
+        return 0 < bs <= self.max_bs and self.padded_size(bs) in self._cascade_batches
 
     def padded_size(self, bs: int) -> int:
         """The graph a batch of `bs` requests runs on."""
@@ -137,17 +157,19 @@ class CudaGraphRunner:
         if padded > bs:
             # A larger batch may have left real slots here: padding must write slot 0 only.
             inputs[:, bs:padded].copy_(self._padding[:, bs:padded])
-        static = self._batches[padded]
+        cascade = bool(batch.shared_prefixes)
+        static = (self._cascade_batches if cascade else self._batches)[padded]
+        static.shared_prefixes = batch.shared_prefixes
         # Host-side lengths for backends that plan on the host (flashinfer).
         pad = padded - bs
         static.seq_lens_cpu = [*batch.seq_lens_cpu, *self._ones_cpu[:pad]]
         static.extend_prefix_lens_cpu = [*batch.extend_prefix_lens_cpu, *self._zeros_cpu[:pad]]
         self.attn.init_forward_metadata_replay(static, bs)
         if self.captured:
-            self._graphs[padded].replay()
-            logits = self._logits[padded]
+            self._graphs[padded, cascade].replay()
+            logits = self._logits[padded, cascade]
         else:
-            logits = self._run(static)
+            logits = self._run(static, cascade)
         self.num_replays += 1
         return logits[:bs]
 
@@ -174,9 +196,9 @@ class CudaGraphRunner:
             extend_seq_lens_cpu=[1] * bs,
         )
 
-    def _run(self, batch: ForwardBatch) -> torch.Tensor:
+    def _run(self, batch: ForwardBatch, cascade: bool = False) -> torch.Tensor:
         """The captured pass: the backend's graph metadata, then the model."""
-        self.attn.init_forward_metadata_capture(batch)
+        self.attn.init_forward_metadata_capture(batch, cascade)
         return self.model(batch, self.attn)
 
     @torch.inference_mode()
@@ -186,24 +208,27 @@ class CudaGraphRunner:
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.kv_pool.device)
         for bs in reversed(self.batch_sizes):
-            batch = self._batches[bs]
-            # Warm up on the capture's side stream, as torch.cuda.graph captures on one.
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(_WARMUP_PASSES):
-                    self._run(batch)
-            torch.cuda.current_stream().wait_stream(stream)
-            torch.cuda.synchronize(self.kv_pool.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self._logits[bs] = self._run(batch)
-            self._graphs[bs] = graph
+            for cascade in (False, True) if bs in self._cascade_batches else (False,):
+                batch = (self._cascade_batches if cascade else self._batches)[bs]
+                # Warm up on the capture's side stream, as torch.cuda.graph captures on one.
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    for _ in range(_WARMUP_PASSES):
+                        self._run(batch, cascade)
+                torch.cuda.current_stream().wait_stream(stream)
+                torch.cuda.synchronize(self.kv_pool.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self._logits[bs, cascade] = self._run(batch, cascade)
+                self._graphs[bs, cascade] = graph
         torch.cuda.synchronize(self.kv_pool.device)
         used = free_before - torch.cuda.mem_get_info(self.kv_pool.device)[0]
         log.info(
-            "captured %d decode graphs (batch sizes %s) in %.1f s, %.0f MiB",
+            "captured %d decode graphs (batch sizes %s; cascade variants from %s) in %.1f s, "
+            "%.0f MiB",
             len(self._graphs),
             self.batch_sizes,
+            self.cascade_sizes[0] if self.cascade_sizes else "none",
             time.perf_counter() - started,
             used / 2**20,
         )

@@ -7,8 +7,8 @@ another request of the batch also passes through (so a group's prefix is as long
 its members all share); groups of one are dropped. Cascade attention then reads each
 group's prefix once per step instead of once per member (attention/cascade.py).
 
-A cascade step runs outside the CUDA graphs, so the scheduler asks for one only where
-the runner says it pays (`ModelRunner.uses_cascade`).
+The scheduler asks for groups only where the runner runs cascade for a step of that
+size (`ModelRunner.uses_cascade`: a graph size with a cascade variant, or an eager step).
 """
 
 from __future__ import annotations

@@ -7,7 +7,9 @@ ordinary split-KV decode (decode.py) over each request's own slots; the prefix p
 is this file's kernel, which stacks the query heads of EVERY member of a group that
 share a KV head into the rows of one tile, so each K/V block of the prefix is loaded
 once per group instead of once per member (a 16-member group with 4 query heads per KV
-head fills a 64-row tensor-core tile).
+head fills a 64-row tensor-core tile). Its grid runs over a list of tiles (a group's
+members cut into tiles of at most MEMBERS_PER_TILE), KV heads and splits; a tile with
+no members is padding and does nothing, so a CUDA graph can launch a fixed grid.
 
 Both parts write normalised partial outputs and log2-sum-exp2s into one scratch
 [bs, num_heads, num_splits, head_dim] array, the prefix into splits [0, prefix_splits)
@@ -18,6 +20,8 @@ once per forward pass, since every layer writes the same splits.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import torch
 import triton
@@ -42,12 +46,26 @@ def members_per_tile(group_size: int) -> int:
     return tile_rows(group_size) // group_size
 
 
+def prefix_tiles(member_indptr: list[int], per_tile: int) -> list[list[int]]:
+    """[groups, firsts, ends]: group g's members (members[member_indptr[g]:
+    member_indptr[g + 1]]) cut into tiles of at most `per_tile`."""
+    tiles: list[list[int]] = [[], [], []]
+    for group, (lo, hi) in enumerate(itertools.pairwise(member_indptr)):
+        for first in range(lo, hi, per_tile):
+            tiles[0].append(group)
+            tiles[1].append(first)
+            tiles[2].append(min(first + per_tile, hi))
+    return tiles
+
+
 # num_splits changes from pass to pass: one compiled kernel for every value.
 @triton.jit(do_not_specialize=["num_splits"])
 def _shared_prefix_kernel(
     Q,  # [bs, num_heads, head_dim]: one token per request, row = batch index
-    members,  # [num_members] int64 batch indices, grouped: group g's are
-    member_indptr,  # [num_groups + 1] int32 ... members[member_indptr[g]:member_indptr[g + 1]]
+    members,  # [num_members] int64 batch indices, grouped by prefix
+    tile_group,  # [num_tiles] int64: the group (prefix) of tile t ...
+    tile_lo,  # [num_tiles] int64 ... and its members, members[tile_lo[t]:tile_hi[t]]
+    tile_hi,  # (at most MEMBERS_PER_TILE; an empty range is a padding tile)
     K_Buffer,
     V_Buffer,
     kv_indptr,  # [num_groups + 1] int32 over the prefix lengths
@@ -75,13 +93,13 @@ def _shared_prefix_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    group = tl.program_id(0)
+    tile = tl.program_id(0)
     kv_head = tl.program_id(1)
-    member_tile = tl.program_id(2) // num_splits
-    split = tl.program_id(2) % num_splits
+    split = tl.program_id(2)
 
-    first = tl.load(member_indptr + group) + member_tile * MEMBERS_PER_TILE
-    end = tl.load(member_indptr + group + 1)
+    group = tl.load(tile_group + tile)
+    first = tl.load(tile_lo + tile)
+    end = tl.load(tile_hi + tile)
     offs_m = tl.arange(0, BLOCK_M)
     member = first + offs_m // GROUP_SIZE
     row_mask = (offs_m < MEMBERS_PER_TILE * GROUP_SIZE) & (member < end)
@@ -97,7 +115,8 @@ def _shared_prefix_kernel(
     )
 
     kv_start = tl.load(kv_indptr + group)
-    prefix_len = tl.load(kv_indptr + group + 1) - kv_start
+    # A padding tile (no members) reads nothing.
+    prefix_len = tl.where(end > first, tl.load(kv_indptr + group + 1) - kv_start, 0)
     split_len = tl.cdiv(prefix_len, num_splits)
     lo = split * split_len
     hi = tl.minimum(lo + split_len, prefix_len)
@@ -184,28 +203,28 @@ def shared_prefix_attention(
     k_buffer: torch.Tensor,
     v_buffer: torch.Tensor,
     members: torch.Tensor,
-    member_indptr: torch.Tensor,
-    max_members: int,  # the largest group
-    kv_indptr: torch.Tensor,
+    tiles: torch.Tensor,  # [3, num_tiles] int64: group, first and end member of each tile
+    kv_indptr: torch.Tensor,  # [num_groups + 1] int32 over the prefix lengths
     kv_indices: torch.Tensor,
     mid_out: torch.Tensor,  # [bs, num_heads, prefix_splits, head_dim] fp32 (a view)
     mid_lse: torch.Tensor,  # [bs, num_heads, prefix_splits] fp32 (a view)
     scale: float,
 ) -> None:
-    """Each group's members attend over its prefix: partial outputs into mid_out/mid_lse."""
-    num_groups = member_indptr.shape[0] - 1
+    """Each tile's members attend over their group's prefix: partial outputs into
+    mid_out/mid_lse (`prefix_tiles` cuts the groups into tiles)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_buffer.shape[1]
     group_size = num_heads // num_kv_heads
-    per_tile = members_per_tile(group_size)
     num_splits = mid_out.shape[2]
     assert mid_out.stride(3) == 1 and mid_lse.stride(2) == 1
     block_d = max(16, triton.next_power_of_2(head_dim))
-    grid = (num_groups, num_kv_heads, triton.cdiv(max_members, per_tile) * num_splits)
+    grid = (tiles.shape[1], num_kv_heads, num_splits)
     _shared_prefix_kernel[grid](
         q,
         members,
-        member_indptr,
+        tiles[0],
+        tiles[1],
+        tiles[2],
         k_buffer,
         v_buffer,
         kv_indptr,
@@ -226,7 +245,7 @@ def shared_prefix_attention(
         mid_lse.stride(0),
         mid_lse.stride(1),
         GROUP_SIZE=group_size,
-        MEMBERS_PER_TILE=per_tile,
+        MEMBERS_PER_TILE=members_per_tile(group_size),
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         BLOCK_M=tile_rows(group_size),
