@@ -109,11 +109,32 @@ def test_shared_prefix_group_wider_than_a_tile() -> None:
     assert compare_with_torch(p) < FP32_MAX_REL_ERROR
 
 
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_shared_prefix_decodes_beside_prefills_match_torch(page_size: int) -> None:
+    # A mixed batch: five decoding requests first (groups over 300 and 8 slots, one
+    # alone), then a 45-token prefill, a one-token chunk and a 3-token chunk after a
+    # cached prefix: the leading five run cascade, the rest the extend kernel.
+    p = make_pass(
+        [370, 8, 40, 300, 20, 0, 16, 7],
+        [1, 1, 1, 1, 1, 45, 1, 3],
+        page_size=page_size,
+        seed=31 + page_size,
+    )
+    attention_passes.share_prefixes(p, [(300, [3, 0]), (8, [4, 1])])
+    assert p.batch.cascade_rows == 5
+    assert compare_with_torch(p, layers=(0, 1)) < FP32_MAX_REL_ERROR
+
+
 def test_shared_prefix_groups_are_checked() -> None:
     p = make_pass([10, 10], [1, 1], mode=ForwardMode.DECODE, seed=2)
     attention_passes.share_prefixes(p, [(8, [0, 1])])
     p.batch.shared_prefixes = (*p.batch.shared_prefixes, p.batch.shared_prefixes[0])
     with pytest.raises(ValueError, match="two groups"):
+        TritonAttentionBackend(DEVICE).init_forward_metadata(p.batch)
+    # Members must be among the leading one-token requests of a mixed batch.
+    p = make_pass([10, 10, 10], [1, 4, 1], seed=3)
+    attention_passes.share_prefixes(p, [(8, [0, 2])])
+    with pytest.raises(ValueError, match="leading one-token"):
         TritonAttentionBackend(DEVICE).init_forward_metadata(p.batch)
 
 

@@ -63,13 +63,22 @@ class ForwardBatch:
     # Decode batches from the batch builder: [5, bs] int64 whose rows are the fields named
     # in DECODE_INPUT_FIELDS (those fields are views of its rows). None otherwise.
     decode_inputs: torch.Tensor | None = None
-    # Decode batches: groups of requests sharing a cached prefix, for a backend with
-    # `supports_shared_prefix` (empty: attend to each request's KV on its own).
+    # Groups of requests sharing a cached prefix, for a backend with
+    # `supports_shared_prefix` (empty: attend to each request's KV on its own). Members
+    # are among the `cascade_rows` leading one-token requests (a mixed batch puts its
+    # decoding requests first).
     shared_prefixes: tuple[SharedPrefix, ...] = ()
 
     @property
     def batch_size(self) -> int:
         return len(self.seq_lens_cpu)
+
+    @property
+    def cascade_rows(self) -> int:
+        """The leading requests that add one token each: the rows cascade attention runs
+        (each one's token is the row of its batch index); the rest run as extends."""
+        lens = self.extend_seq_lens_cpu
+        return next((i for i, n in enumerate(lens) if n != 1), len(lens))
 
     @property
     def num_tokens(self) -> int:

@@ -138,23 +138,27 @@ class ModelRunner:
         """Whether graph capture already compiled the cascade kernels."""
         return self.graphs is not None and bool(self.graphs.cascade_sizes)
 
-    def uses_cascade(self, batch_size: int) -> bool:
-        """Whether a decode step of `batch_size` requests runs cascade attention when they
-        share prefixes: where its graph size has a cascade variant, and where the step
-        runs eagerly anyway (beyond the largest graph, or without graphs). Not for the
-        small sizes whose graphs have no cascade variant: there a cascade step would run
-        eagerly, and the host's eager launches (some 26 ms a step for an 8B model) cost
-        more than the KV reads cascade saves (docs/performance.md)."""
+    def uses_cascade(self, batch_size: int, mixed: bool = False) -> bool:
+        """Whether a step of `batch_size` requests runs cascade attention for its decoding
+        requests that share prefixes: a decode step where its graph size has a cascade
+        variant or where it runs eagerly anyway (beyond the largest graph, or without
+        graphs); a `mixed` step (prefills beside decodes) always, being eager. Not a
+        decode step of the small sizes whose graphs have no cascade variant: it would
+        run eagerly, and the host's eager launches (some 26 ms a step for an 8B model)
+        cost more than the KV reads cascade saves (docs/performance.md)."""
         if not self.cascade:
             return False
         graphs = self.graphs
-        return graphs is None or batch_size > graphs.max_bs or graphs.runs_cascade(batch_size)
+        return (
+            mixed or graphs is None or batch_size > graphs.max_bs or graphs.runs_cascade(batch_size)
+        )
 
     @torch.inference_mode()
     def _warm_up_cascade(self, prefix: int = 64) -> None:
         """Compile the cascade kernels now rather than at the first shared-prefix step (a
-        stall of seconds), where no graph capture did: one pass of two requests sharing a prefix, both on the request
-        pool's padding row, so they read and write the reserved slot 0 only."""
+        stall of seconds), where no graph capture did: one pass of two requests sharing a
+        prefix, both on the request pool's padding row, so they read and write the
+        reserved slot 0 only."""
         if self.context_len <= prefix:
             return
         row = self.req_pool.padding_row

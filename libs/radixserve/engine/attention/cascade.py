@@ -83,6 +83,7 @@ def _attend(
     mid_out: torch.Tensor,  # [bs, num_heads, prefix_splits + suffix splits, head_dim] fp32
     mid_lse: torch.Tensor,  # -inf wherever neither part writes
     prefix_splits: int,
+    out: torch.Tensor | None = None,  # [bs, num_heads, head_dim], else a new tensor
 ) -> torch.Tensor:
     q = q if q.stride(-1) == 1 else q.contiguous()  # the kernels assume dense head_dim
     split = prefix_splits
@@ -109,19 +110,21 @@ def _attend(
         mid_lse[:, :, split:],
         scale,
     )
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     merge_splits(mid_out, mid_lse, out)
     return out
 
 
 class CascadeDecode:
-    """One eager decode pass with shared prefixes: planned at construction (the tiles
+    """The cascade rows of one eager pass (`batch.cascade_rows`: all of a decode batch,
+    the leading decoding requests of a mixed one), planned at construction (the tiles
     and the scratch at the first layer, when the head shape is known), run per layer."""
 
     def __init__(self, batch: ForwardBatch) -> None:
-        if batch.mode != ForwardMode.DECODE or not batch.shared_prefixes:
-            raise ValueError("cascade decode runs DECODE batches with shared prefixes")
-        bs = batch.batch_size
+        if not batch.shared_prefixes:
+            raise ValueError("cascade decode runs batches with shared prefixes")
+        bs = batch.cascade_rows
         device = batch.req_to_token.device
         prefix_of = [0] * bs
         members: list[int] = []
@@ -130,24 +133,29 @@ class CascadeDecode:
         lengths: list[int] = []
         for group in batch.shared_prefixes:
             for i in group.members:
-                if prefix_of[i] or group.length >= batch.seq_lens_cpu[i]:
-                    raise ValueError(f"request {i}: in two groups, or no KV past its prefix")
+                if i >= bs or prefix_of[i] or group.length >= batch.seq_lens_cpu[i]:
+                    raise ValueError(
+                        f"request {i}: not a leading one-token request, in two groups, "
+                        "or no KV past its prefix"
+                    )
                 prefix_of[i] = group.length
             members.extend(group.members)
             member_indptr.append(len(members))
             leaders.append(group.members[0])
             lengths.append(group.length)
-        suffix_lens = [n - p for n, p in zip(batch.seq_lens_cpu, prefix_of, strict=True)]
+        self.rows = bs
+        suffix_lens = [n - p for n, p in zip(batch.seq_lens_cpu[:bs], prefix_of, strict=True)]
+        req_rows = batch.req_pool_indices[:bs]
         num_groups = len(lengths)
         packed = upload_int64(members + leaders + lengths + prefix_of + suffix_lens, device)
         cut = [len(members), num_groups, num_groups, bs, bs]
         members_t, leaders_t, lengths_t, prefix_t, suffix_t = packed.split(cut)
         # Any member's row holds the group's prefix slots.
         prefix_indptr, prefix_indices = build_kv_indices(
-            batch.req_to_token, batch.req_pool_indices[leaders_t], lengths_t, sum(lengths)
+            batch.req_to_token, req_rows[leaders_t], lengths_t, sum(lengths)
         )
         suffix_indptr, suffix_indices = build_kv_indices(
-            batch.req_to_token, batch.req_pool_indices, suffix_t, sum(suffix_lens), prefix_t
+            batch.req_to_token, req_rows, suffix_t, sum(suffix_lens), prefix_t
         )
         self._member_indptr = member_indptr
         self._max_prefix = max(lengths)
@@ -159,21 +167,24 @@ class CascadeDecode:
             prefix_indices=prefix_indices,
             suffix_indptr=suffix_indptr,
             suffix_indices=suffix_indices,
-            q_rows=batch.extend_start_loc,  # a decode batch's token r is request r's
+            q_rows=batch.extend_start_loc[:bs],  # arange: request r's token is row r
         )
         self._scratch: tuple[torch.Tensor, torch.Tensor, int] | None = None
 
     def forward(
         self,
-        q: torch.Tensor,  # [bs, num_heads, head_dim]
+        q: torch.Tensor,  # [rows, num_heads, head_dim]: the cascade rows' tokens
         k_buffer: torch.Tensor,
         v_buffer: torch.Tensor,
         scale: float,
+        out: torch.Tensor | None = None,  # where to write [rows, num_heads, head_dim]
     ) -> torch.Tensor:
         if self._scratch is None:
             self._scratch = self._first_layer(q, k_buffer.shape[1])
         mid_out, mid_lse, prefix_splits = self._scratch
-        return _attend(self._tables, q, k_buffer, v_buffer, scale, mid_out, mid_lse, prefix_splits)
+        return _attend(
+            self._tables, q, k_buffer, v_buffer, scale, mid_out, mid_lse, prefix_splits, out
+        )
 
     def _first_layer(
         self, q: torch.Tensor, num_kv_heads: int

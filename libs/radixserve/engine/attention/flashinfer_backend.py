@@ -93,6 +93,7 @@ class _Pass:
     kv_indices: torch.Tensor  # int32 slots, on the device
     qo_indptr: torch.Tensor | None  # [bs + 1] int32, pinned host (extend only)
     graph_bs: int | None = None  # the graph size whose wrapper runs it
+    first: int = 0  # its first request and token row (the ones before run cascade)
     wrapper: Any = None  # set once planned
 
 
@@ -138,19 +139,27 @@ class FlashInferAttentionBackend(AttentionBackend):
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         check_batch(batch)
         self._cascade = None
+        self._pass = None
         if batch.shared_prefixes:
-            self._pass = None
+            # The leading one-token rows run cascade; the rest (a mixed batch's prefills,
+            # their tokens the tail of q) run the prefill wrapper.
             self._cascade = CascadeDecode(batch)
+            if self._cascade.rows < batch.batch_size:
+                self._pass = self._new_pass(batch, decode=False, first=self._cascade.rows)
             return
         self._pass = self._new_pass(batch, decode=max(batch.extend_seq_lens_cpu) == 1)
 
-    def _new_pass(self, batch: ForwardBatch, decode: bool, graph_bs: int | None = None) -> _Pass:
-        lens = batch.seq_lens_cpu
+    def _new_pass(
+        self, batch: ForwardBatch, decode: bool, graph_bs: int | None = None, first: int = 0
+    ) -> _Pass:
+        """The pass over requests [first:] (their tokens: q's rows from `first` on, since
+        the requests before add one token each)."""
+        lens = batch.seq_lens_cpu[first:]
         _, kv_indices = build_kv_indices(
-            batch.req_to_token, batch.req_pool_indices, batch.seq_lens, sum(lens)
+            batch.req_to_token, batch.req_pool_indices[first:], batch.seq_lens[first:], sum(lens)
         )
-        qo_indptr = None if decode else _host_indptr(batch.extend_seq_lens_cpu)
-        return _Pass(decode, _host_indptr(lens), kv_indices, qo_indptr, graph_bs)
+        qo_indptr = None if decode else _host_indptr(batch.extend_seq_lens_cpu[first:])
+        return _Pass(decode, _host_indptr(lens), kv_indices, qo_indptr, graph_bs, first)
 
     # -- CUDA graphs ------------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_context_len: int) -> None:
@@ -230,20 +239,20 @@ class FlashInferAttentionBackend(AttentionBackend):
         if layout != self._layout:
             self._check_layout(layout, batch)
         batch.kv_pool.set_kv(layer_id, batch.out_cache_loc, k, v)
-        if self._cascade is not None:
-            k_buffer, v_buffer = (
-                batch.kv_pool.k_buffers[layer_id],
-                batch.kv_pool.v_buffers[layer_id],
-            )
+        k_buffer = batch.kv_pool.k_buffers[layer_id]
+        v_buffer = batch.kv_pool.v_buffers[layer_id]
+        if self._cascade is not None and step is None:
             return self._cascade.forward(q, k_buffer, v_buffer, scale)
         assert step is not None
         if step.wrapper is None:
             self._plan(step, layout)
-        # Pages of one slot: [slots, 1, kv_heads, head_dim] (NHD).
-        k_cache = batch.kv_pool.k_buffers[layer_id].unsqueeze(1)
-        v_cache = batch.kv_pool.v_buffers[layer_id].unsqueeze(1)
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
-        step.wrapper.run(q, (k_cache, v_cache), out=out)
+        if isinstance(self._cascade, CascadeDecode):
+            rows = step.first
+            self._cascade.forward(q[:rows], k_buffer, v_buffer, scale, out=out[:rows])
+        # Pages of one slot: [slots, 1, kv_heads, head_dim] (NHD).
+        first = step.first
+        step.wrapper.run(q[first:], (k_buffer.unsqueeze(1), v_buffer.unsqueeze(1)), out=out[first:])
         return out
 
     def _check_layout(self, layout: _Layout, batch: ForwardBatch) -> None:

@@ -119,11 +119,15 @@ class TritonAttentionBackend(AttentionBackend):
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         check_batch(batch)
         self._cascade = None
-        if batch.shared_prefixes:
-            self._decode = self._extend = None
-            self._cascade = CascadeDecode(batch)
-            return
         extend_lens = batch.extend_seq_lens_cpu
+        if batch.shared_prefixes:
+            # The leading one-token rows run cascade; the rest (a mixed batch's prefills)
+            # run the extend kernel.
+            self._cascade = CascadeDecode(batch)
+            rest = list(range(self._cascade.rows, batch.batch_size))
+            self._decode = None
+            self._extend = None if not rest else _extend_plan(batch, rest)
+            return
         decode = [i for i, n in enumerate(extend_lens) if n == 1]
         extend = [i for i, n in enumerate(extend_lens) if n > 1]
         # None: the group is the whole batch, and its tensors are used as they are.
@@ -208,10 +212,13 @@ class TritonAttentionBackend(AttentionBackend):
         v_buffer = batch.kv_pool.v_buffers[layer_id]
         # The kernels take token and head strides but assume a dense head_dim.
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-        if self._cascade is not None:
+        if self._cascade is not None and self._extend is None:
             return self._cascade.forward(q, k_buffer, v_buffer, scale)
         # Each group writes its own token rows; together they cover every row.
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+        if isinstance(self._cascade, CascadeDecode):
+            rows = self._cascade.rows
+            self._cascade.forward(q[:rows], k_buffer, v_buffer, scale, out=out[:rows])
         if self._decode is not None:
             plan = self._decode
             shape = (plan.q_rows.shape[0], num_heads, plan.num_splits)

@@ -53,14 +53,17 @@ def build_forward_batch(
     device: torch.device,
     shared_prefixes: tuple[SharedPrefix, ...] = (),
 ) -> ForwardBatch:
-    """`shared_prefixes` (decode batches only): groups for cascade attention."""
+    """`shared_prefixes`: groups for cascade attention, among the batch's leading
+    one-token requests (ForwardBatch.cascade_rows)."""
     if all(req.extend_len == 1 for req in reqs):
         batch = _build_decode(reqs, kv_pool, req_pool, device)
-        batch.shared_prefixes = shared_prefixes
-        return batch
-    if shared_prefixes:
-        raise ValueError("shared prefixes are for decode batches")
-    return _build_extend(reqs, kv_pool, req_pool, device)
+    else:
+        batch = _build_extend(reqs, kv_pool, req_pool, device)
+    rows = batch.cascade_rows
+    if any(i >= rows for group in shared_prefixes for i in group.members):
+        raise ValueError("shared-prefix members must be among the leading one-token requests")
+    batch.shared_prefixes = shared_prefixes
+    return batch
 
 
 def _build_decode(

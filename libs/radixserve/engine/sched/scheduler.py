@@ -41,7 +41,7 @@ class Runner(Protocol):
     device: torch.device
     vocab_size: int
 
-    def uses_cascade(self, batch_size: int) -> bool: ...
+    def uses_cascade(self, batch_size: int, mixed: bool = False) -> bool: ...
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor: ...
 
@@ -315,12 +315,17 @@ class Scheduler:
         return Launched(ready_reqs, takes_token, result.next_token_ids, host)
 
     def _shared_prefixes(self, reqs: list[Req]) -> tuple[SharedPrefix, ...]:
-        """Groups for cascade attention in a decode step, where the runner uses it."""
-        if len(reqs) < 2 or not self.runner.uses_cascade(len(reqs)):
+        """Groups for cascade attention among the step's leading decoding requests (all
+        of a decode step; those before the prefills of a mixed one), where the runner
+        uses it."""
+        decoding = next(
+            (i for i, r in enumerate(reqs) if r.extend_len != 1 or not r.prefill_done), len(reqs)
+        )
+        mixed = decoding < len(reqs)
+        if decoding < 2 or not self.runner.uses_cascade(len(reqs), mixed):
             return ()
-        if any(r.extend_len != 1 for r in reqs):
-            return ()
-        groups = find_shared_prefixes([self.kv.cache.path(r.last_node) for r in reqs])
+        paths = [self.kv.cache.path(r.last_node) for r in reqs[:decoding]]
+        groups = find_shared_prefixes(paths)
         if not groups:
             return ()
         self.total_cascade_steps += 1
