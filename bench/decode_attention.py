@@ -5,9 +5,11 @@ for a decode batch of `bs` requests over `context` tokens each, slots scattered 
 pool as a serving pool has them after some churn (runs of 16 slots in random order).
 Every configuration runs inside a CUDA graph (as the engine's decode does), so launch
 gaps count as they do there; each figure is the median over `--reps` replays of a graph
-of 20 layers. The current configuration is `block_n 64, warps 4, stages 2` with the
-split count `graph_num_kv_splits` picks; flashinfer's paged decode runs beside it when
-installed. GB/s counts the KV each must read (K and V of every token once).
+of 20 layers. "ms" is what the engine would run with those options: at one split the
+one-pass kernel that writes the output itself, else both stages ("2-stage" times both
+stages at one split too). "current" is the engine's own choice: the split count
+`graph_num_kv_splits` picks and `launch_options` for it. FlashInfer's paged decode runs
+beside it when installed. GB/s counts the KV each must read (K and V of every token once).
 
     python bench/decode_attention.py [--batch-sizes 1 64 --context 528]
 """
@@ -15,6 +17,7 @@ installed. GB/s counts the KV each must read (K and V of every token once).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import statistics
 from collections.abc import Callable
@@ -24,8 +27,11 @@ import torch
 from radixserve.engine.attention.triton_backend import graph_num_kv_splits
 from radixserve.engine.attention.triton_ops.common import num_sms
 from radixserve.engine.attention.triton_ops.decode import (
-    _decode_reduce_kernel,
+    LaunchOptions,
+    decode_attention,
     decode_partials,
+    decode_reduce,
+    launch_options,
 )
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -73,43 +79,46 @@ def sweep(bs: int, context: int, reps: int) -> None:
     kv_indices = scattered_slots(bs, context, device)
     gb = bs * context * 2 * KV_HEADS * HEAD_DIM * 2 / 1e9
     scale = HEAD_DIM**-0.5
-    current = graph_num_kv_splits(bs, KV_HEADS, num_sms(device))
+    splits_now = graph_num_kv_splits(bs, KV_HEADS, num_sms(device))
+    current = (splits_now, *dataclasses.astuple(launch_options(splits_now)))
     results = []
     for splits, block_n, warps, stages in itertools.product(
         [1, 2, 4, 8, 16], [32, 64, 128], [2, 4, 8], [1, 2, 3, 4]
     ):
         mid_out = torch.empty(bs, HEADS, splits, HEAD_DIM, dtype=torch.float32, device=device)
         mid_lse = torch.empty(bs, HEADS, splits, dtype=torch.float32, device=device)
+        opts = LaunchOptions(block_n, warps, stages)
 
-        def stage1(mo=mid_out, ml=mid_lse, bn=block_n, w=warps, st=stages) -> None:
+        def engine(mo=mid_out, ml=mid_lse, o=opts) -> None:
+            decode_attention(
+                q, k_buf, v_buf, out, q_rows, kv_indptr, kv_indices, mo, ml, scale, options=o
+            )
+
+        def stage1(mo=mid_out, ml=mid_lse, o=opts) -> None:
             decode_partials(
-                q, k_buf, v_buf, q_rows, kv_indptr, kv_indices, mo, ml, scale,
-                block_n=bn, num_warps=w, num_stages=st,
-            )  # fmt: skip
+                q, k_buf, v_buf, q_rows, kv_indptr, kv_indices, mo, ml, scale, options=o
+            )
 
-        def both(mo=mid_out, ml=mid_lse, s1=stage1, sp=splits) -> None:
+        def both(mo=mid_out, ml=mid_lse, s1=stage1) -> None:
             s1()
-            _decode_reduce_kernel[(bs, HEADS)](
-                mo, ml, out, q_rows, kv_indptr, sp,
-                mo.stride(0), mo.stride(1), mo.stride(2), ml.stride(0), ml.stride(1),
-                out.stride(0), out.stride(1), HEAD_DIM=HEAD_DIM, BLOCK_D=HEAD_DIM, num_warps=4,
-            )  # fmt: skip
+            decode_reduce(mo, ml, out, q_rows, kv_indptr)
 
         try:
-            ms = graph_time_ms(both, reps)
+            ms = graph_time_ms(engine, reps)
+            ms2 = graph_time_ms(both, reps) if splits == 1 else ms
             ms1 = graph_time_ms(stage1, reps)
         except Exception as exc:  # a configuration that does not compile: skipped
             print(f"bs {bs} splits {splits} bn {block_n} w {warps} st {stages}: {exc!r:.80}")
             continue
-        results.append((ms, ms1, splits, block_n, warps, stages))
+        results.append((ms, ms2, ms1, splits, block_n, warps, stages))
     results.sort()
-    now = [r for r in results if r[2:] == (current, 64, 4, 2)]
+    mine = [r for r in results if r[3:] == current]
     print(f"\nbs {bs}, context {context}: {gb * 1e3:.1f} MB of KV per layer")
-    print(f"{'':>9} {'ms':>7} {'GB/s':>6} {'stage1 ms':>9} splits block_n warps stages")
-    for tag, r in [("current", now[0])] if now else []:
-        print(f"{tag:>9} {r[0]:7.4f} {gb / r[0] * 1e3:6.0f} {r[1]:9.4f} {r[2:]}")
+    print(f"{'':>9} {'ms':>7} {'GB/s':>6} {'2-stage':>7} {'stage1':>7} splits block_n warps stages")
+    for tag, r in [("current", mine[0])] if mine else []:
+        print(f"{tag:>9} {r[0]:7.4f} {gb / r[0] * 1e3:6.0f} {r[1]:7.4f} {r[2]:7.4f} {r[3:]}")
     for r in results[:8]:
-        print(f"{'best':>9} {r[0]:7.4f} {gb / r[0] * 1e3:6.0f} {r[1]:9.4f} {r[2:]}")
+        print(f"{'best':>9} {r[0]:7.4f} {gb / r[0] * 1e3:6.0f} {r[1]:7.4f} {r[2]:7.4f} {r[3:]}")
     try:
         import flashinfer
     except ImportError:

@@ -21,7 +21,7 @@ pytest.importorskip("triton", reason="triton is not installed")
 from radixserve.engine.attention.triton_backend import TritonAttentionBackend
 from radixserve.engine.attention.triton_ops.common import INTERPRETED
 from radixserve.engine.forward_batch import ForwardMode
-from tests.helpers import attention_passes
+from tests.helpers import attention_passes, decode_cases
 from tests.helpers.attention_passes import Pass
 from tests.helpers.tiny_models import make_tiny_llama
 
@@ -103,6 +103,32 @@ def test_large_batch_decode_matches_torch() -> None:
     prefix_lens = torch.randint(0, 2048, (128,), generator=gen).tolist()
     p = make_pass(prefix_lens, [1] * 128, torch.bfloat16, ForwardMode.DECODE, seed=3)
     assert compare_with_torch(p) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("num_splits", [1, 8])
+def test_decode_kernel_paths_match_torch(num_splits: int) -> None:
+    # bf16 at Llama-3-8B shapes: 48 requests as the decode rows of a mixed batch
+    # (shuffled, with rows between them no request owns), lengths from 1 to 2048.
+    # One split runs one pass (what graphs of 33+ requests run); its two-stage form
+    # and 8 splits go through stage 2.
+    gen = torch.Generator().manual_seed(5)
+    seq_lens = [1, *torch.randint(1, 2049, (47,), generator=gen).tolist()]
+    q_rows = (2 * torch.randperm(48, generator=gen)).tolist()
+    case = decode_cases.make_case(
+        seq_lens,
+        q_rows,
+        heads=HEADS,
+        kv_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        dtype=torch.bfloat16,
+        device=torch.device("cuda"),
+        seed=5,
+    )
+    out = decode_cases.run_kernel(case, num_splits)
+    assert decode_cases.relative_error(case, out) < TOLERANCE[torch.bfloat16]
+    if num_splits == 1:
+        two_stage = decode_cases.run_kernel(case, 1, two_stage=True)
+        assert decode_cases.relative_error(case, two_stage) < TOLERANCE[torch.bfloat16]
 
 
 def shared_prefix_pass(dtype: torch.dtype, page_size: int, seed: int) -> Pass:

@@ -28,7 +28,7 @@ from radixserve.engine.attention.triton_ops.decode import num_kv_splits
 from radixserve.engine.config import EngineConfig
 from radixserve.engine.forward_batch import ForwardMode
 from radixserve.engine.runner import make_attention_backend
-from tests.helpers import attention_passes
+from tests.helpers import attention_passes, decode_cases
 from tests.helpers.attention_passes import Pass
 from tests.helpers.triton_interpreter import skip_unless_interpreted_or_cuda
 
@@ -57,6 +57,34 @@ def test_decode_matches_torch(mode: ForwardMode, page_size: int) -> None:
         prefix_lens, [1] * 5, mode=mode, page_size=page_size, seed=1 + page_size + mode.value
     )
     assert compare_with_torch(p) < FP32_MAX_REL_ERROR
+
+
+@pytest.mark.parametrize(
+    "dtype,tolerance", [(torch.float32, FP32_MAX_REL_ERROR), (torch.float16, 5e-3)], ids=str
+)
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (6, 2)], ids=["gqa4", "group_of_3"])
+def test_one_split_writes_out_in_one_pass(
+    heads: int, kv_heads: int, dtype: torch.dtype, tolerance: float
+) -> None:
+    # The decode rows of a mixed batch (not 0..bs-1), ragged lengths from 1 key to
+    # several blocks (64 and 65 at a block's edge); the other rows must stay unwritten.
+    case = decode_cases.make_case(
+        [1, 37, 130, 9, 64, 65],
+        [7, 2, 0, 9, 4, 5],
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=32,
+        dtype=dtype,
+        device=DEVICE,
+        seed=heads + kv_heads,
+    )
+    one_pass = decode_cases.run_kernel(case, 1)
+    assert decode_cases.relative_error(case, one_pass) < tolerance
+    # Stage 2 over one split only copies: the two paths agree bit for bit.
+    two_stage = decode_cases.run_kernel(case, 1, two_stage=True)
+    assert torch.equal(one_pass, two_stage)
+    # Several splits (the 1-key request leaves three empty) through both stages.
+    assert decode_cases.relative_error(case, decode_cases.run_kernel(case, 4)) < tolerance
 
 
 @pytest.mark.parametrize("page_size", [1, 4])

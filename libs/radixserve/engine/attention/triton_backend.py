@@ -296,6 +296,8 @@ def graph_num_kv_splits(bs: int, num_kv_heads: int, num_sms: int) -> int:
     """Splits for a captured decode graph of `bs` requests: a power of two (at most
     MAX_SPLITS) giving at least two programs per SM, whatever the lengths at replay.
     Trailing splits of a short sequence are empty and cost a program launch each.
+    From 33 requests of 8 KV heads on an H100 (132 SMs) it is one split, which writes
+    the output in one pass (no stage 2).
     (On an H100, Llama-3.1-8B shape, 512-token prompts: 4 or 8 programs per SM made
     decode steps of 8 to 64 requests 0.5 to 0.7 ms slower than 2.)"""
     wanted = triton.cdiv(2 * num_sms, bs * num_kv_heads)

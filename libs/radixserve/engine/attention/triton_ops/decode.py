@@ -10,12 +10,17 @@ each request's KV is cut into `num_splits` ranges attended in parallel:
 - stage 2, one program per (request, query head): merges the splits' partial outputs,
   weighting each by exp(lse_split - lse_total).
 
+With one split (what CUDA graphs of many requests run) stage 2 would only copy, so
+stage 1 writes the normalised output straight into `out` instead (DIRECT).
+
 KV slots come from the flat `kv_indices` table (request r's slots are
 kv_indices[kv_indptr[r]:kv_indptr[r + 1]]), so paging is invisible here. The requests
 may be the decoding subset of a mixed batch, so each one's token row is given.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -29,7 +34,6 @@ from radixserve.engine.attention.triton_ops.common import (
 
 # tl.dot needs at least 16 rows; a GQA group smaller than this leaves rows masked.
 _BLOCK_H = 16
-_BLOCK_N = 64
 # A split shorter than this costs more in its reduction than it saves in parallelism.
 _MIN_TOKENS_PER_SPLIT = 256
 MAX_SPLITS = 16
@@ -40,6 +44,30 @@ def num_kv_splits(max_seq_len: int) -> int:
     of two so the few possible values each compile (and cache) once."""
     wanted = triton.cdiv(max_seq_len, _MIN_TOKENS_PER_SPLIT)
     return min(MAX_SPLITS, triton.next_power_of_2(wanted))
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """Stage 1's keys per loop step and Triton launch options."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def launch_options(num_splits: int) -> LaunchOptions:
+    """Stage 1's options for `num_splits` splits, from bench/decode_attention.py on an
+    H100 (bf16, 32 query / 8 KV heads, head dim 128, context 528, one layer in a CUDA
+    graph, both stages timed; (block_n, warps, stages): ms):
+
+    - 1 split (bs 64): (64, 2, 2) 0.0553 against 0.0600 for (64, 4, 2); the sweep's
+      best, (32, 4, 3), 0.0552. Each program walks a whole sequence, and there are
+      requests x KV heads of them: at two warps each, more of them stay resident.
+    - 16 splits (bs 1): (64, 4, 2) 0.0064, within 0.5 us of the sweep's best.
+    Other split counts keep (64, 4, 2), unmeasured."""
+    if num_splits == 1:
+        return LaunchOptions(block_n=64, num_warps=2, num_stages=2)
+    return LaunchOptions(block_n=64, num_warps=4, num_stages=2)
 
 
 # num_splits changes from batch to batch: one compiled kernel for every value.
@@ -53,6 +81,7 @@ def _decode_split_kernel(
     kv_indices,  # [sum(seq_lens)] int32 slots
     Mid_O,  # [bs, num_heads, num_splits, head_dim] fp32, normalised per split
     Mid_Lse,  # [bs, num_heads, num_splits] fp32, log2-sum-exp2 per split
+    Out,  # [num_tokens, num_heads, head_dim]: written instead of Mid_O/Mid_Lse if DIRECT
     sm_scale_log2,
     num_splits,
     stride_qt,
@@ -66,12 +95,15 @@ def _decode_split_kernel(
     stride_mid_s,
     stride_lse_t,
     stride_lse_h,
+    stride_ot,
+    stride_oh,
     GROUP_SIZE: tl.constexpr,  # query heads per KV head
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,  # HEAD_DIM rounded up to a power of two (>= 16)
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    DIRECT: tl.constexpr,  # one split: write the final output, in Out's dtype
 ):
     req = tl.program_id(0)
     head_block = tl.program_id(1)
@@ -125,7 +157,11 @@ def _decode_split_kernel(
             DOT_PRECISION,
         )
 
-    if hi > lo:
+    if DIRECT:
+        # The one split is the whole sequence, never empty (it holds the new token).
+        o = q_row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(Out + o, (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=q_mask)
+    elif hi > lo:
         mid = req * stride_mid_t + heads * stride_mid_h + split * stride_mid_s
         tl.store(Mid_O + mid[:, None] + offs_d[None, :], acc / l_i[:, None], mask=q_mask)
         lse = req * stride_lse_t + heads * stride_lse_h + split
@@ -176,6 +212,66 @@ def _decode_reduce_kernel(
     tl.store(Out + tl.load(q_rows + req) * stride_ot + head * stride_oh + offs_d, out, mask=d_mask)
 
 
+def _launch_split_kernel(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    q_rows: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    scale: float,
+    options: LaunchOptions | None,
+    partials: tuple[torch.Tensor, torch.Tensor] | None,
+    out: torch.Tensor | None,
+) -> None:
+    """Stage 1 into `partials` (mid_out, mid_lse), or else in one split straight into `out`."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_buffer.shape[1]
+    group_size = num_heads // num_kv_heads
+    if partials is not None:
+        mid_out, mid_lse = partials
+        assert mid_out.stride(3) == 1 and mid_lse.stride(2) == 1
+        num_splits = mid_out.shape[2]
+        strides = (*mid_out.stride()[:3], *mid_lse.stride()[:2], 0, 0)
+        out = mid_out  # a placeholder: not written with DIRECT off
+    else:
+        assert out is not None and out.stride(2) == 1
+        num_splits = 1
+        strides = (0, 0, 0, 0, 0, out.stride(0), out.stride(1))
+        mid_out = mid_lse = out  # placeholders: not written with DIRECT on
+    options = options or launch_options(num_splits)
+    grid = (q_rows.shape[0], num_kv_heads * triton.cdiv(group_size, _BLOCK_H), num_splits)
+    _decode_split_kernel[grid](
+        q,
+        q_rows,
+        k_buffer,
+        v_buffer,
+        kv_indptr,
+        kv_indices,
+        mid_out,
+        mid_lse,
+        out,
+        scale * LOG2E,
+        num_splits,
+        q.stride(0),
+        q.stride(1),
+        k_buffer.stride(0),
+        k_buffer.stride(1),
+        v_buffer.stride(0),
+        v_buffer.stride(1),
+        *strides,
+        GROUP_SIZE=group_size,
+        HEAD_DIM=head_dim,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_H=_BLOCK_H,
+        BLOCK_N=options.block_n,
+        DOT_PRECISION=dot_precision(q.dtype),
+        DIRECT=partials is None,
+        num_warps=options.num_warps,
+        num_stages=options.num_stages,
+    )
+
+
 def decode_partials(
     q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k_buffer: torch.Tensor,
@@ -187,71 +283,26 @@ def decode_partials(
     mid_lse: torch.Tensor,  # [bs, num_heads, num_splits] fp32 scratch, contiguous splits
     scale: float,
     *,
-    block_n: int = _BLOCK_N,
-    num_warps: int = 4,
-    num_stages: int = 2,
+    options: LaunchOptions | None = None,
 ) -> None:
     """Stage 1 alone: each (request, head, split)'s partial output and lse in mid_out and
-    mid_lse (splits past a short sequence's last are not written). The launch options
-    are for bench/decode_attention.py's sweep; the defaults are what the engine runs."""
-    bs = q_rows.shape[0]
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = k_buffer.shape[1]
-    group_size = num_heads // num_kv_heads
-    num_splits = mid_out.shape[2]
-    assert mid_out.stride(3) == 1 and mid_lse.stride(2) == 1
-    block_d = max(16, triton.next_power_of_2(head_dim))
-    precision = dot_precision(q.dtype)
-
-    grid = (bs, num_kv_heads * triton.cdiv(group_size, _BLOCK_H), num_splits)
-    _decode_split_kernel[grid](
-        q,
-        q_rows,
-        k_buffer,
-        v_buffer,
-        kv_indptr,
-        kv_indices,
-        mid_out,
-        mid_lse,
-        scale * LOG2E,
-        num_splits,
-        q.stride(0),
-        q.stride(1),
-        k_buffer.stride(0),
-        k_buffer.stride(1),
-        v_buffer.stride(0),
-        v_buffer.stride(1),
-        mid_out.stride(0),
-        mid_out.stride(1),
-        mid_out.stride(2),
-        mid_lse.stride(0),
-        mid_lse.stride(1),
-        GROUP_SIZE=group_size,
-        HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
-        BLOCK_H=_BLOCK_H,
-        BLOCK_N=block_n,
-        DOT_PRECISION=precision,
-        num_warps=num_warps,
-        num_stages=num_stages,
-    )
+    mid_lse (splits past a short sequence's last are not written). `options` default to
+    `launch_options(num_splits)`; others are for bench/decode_attention.py's sweep."""
+    _launch_split_kernel(
+        q, k_buffer, v_buffer, q_rows, kv_indptr, kv_indices, scale, options,
+        (mid_out, mid_lse), None,
+    )  # fmt: skip
 
 
-def decode_attention(
-    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
+def decode_reduce(
+    mid_out: torch.Tensor,  # [bs, num_heads, num_splits, head_dim] from decode_partials
+    mid_lse: torch.Tensor,  # [bs, num_heads, num_splits]
     out: torch.Tensor,  # [num_tokens, num_heads, head_dim]; the q_rows rows are written
-    q_rows: torch.Tensor,  # [bs] int64, the token row of each decoding request
+    q_rows: torch.Tensor,
     kv_indptr: torch.Tensor,
-    kv_indices: torch.Tensor,
-    mid_out: torch.Tensor,  # [bs, num_heads, num_splits, head_dim] fp32 scratch
-    mid_lse: torch.Tensor,  # [bs, num_heads, num_splits] fp32 scratch, contiguous splits
-    scale: float,
 ) -> None:
-    decode_partials(q, k_buffer, v_buffer, q_rows, kv_indptr, kv_indices, mid_out, mid_lse, scale)
+    """Stage 2 alone: each request's written splits merged into its row of `out`."""
     bs, num_heads, num_splits, head_dim = mid_out.shape
-    block_d = max(16, triton.next_power_of_2(head_dim))
     _decode_reduce_kernel[(bs, num_heads)](
         mid_out,
         mid_lse,
@@ -267,6 +318,34 @@ def decode_attention(
         out.stride(0),
         out.stride(1),
         HEAD_DIM=head_dim,
-        BLOCK_D=block_d,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         num_warps=4 if head_dim > 64 else 2,
     )
+
+
+def decode_attention(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    out: torch.Tensor,  # [num_tokens, num_heads, head_dim]; the q_rows rows are written
+    q_rows: torch.Tensor,  # [bs] int64, the token row of each decoding request
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    mid_out: torch.Tensor,  # [bs, num_heads, num_splits, head_dim] fp32 scratch
+    mid_lse: torch.Tensor,  # [bs, num_heads, num_splits] fp32 scratch, contiguous splits
+    scale: float,
+    *,
+    options: LaunchOptions | None = None,
+) -> None:
+    """Both stages; with one split (mid_out.shape[2] == 1), stage 1 alone writing `out`
+    (the scratch is then not used)."""
+    if mid_out.shape[2] == 1:
+        _launch_split_kernel(
+            q, k_buffer, v_buffer, q_rows, kv_indptr, kv_indices, scale, options, None, out
+        )
+        return
+    decode_partials(
+        q, k_buffer, v_buffer, q_rows, kv_indptr, kv_indices, mid_out, mid_lse, scale,
+        options=options,
+    )  # fmt: skip
+    decode_reduce(mid_out, mid_lse, out, q_rows, kv_indptr)
