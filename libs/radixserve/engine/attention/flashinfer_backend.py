@@ -199,6 +199,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         layer_id: int,
         batch: ForwardBatch,
         scale: float,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
         step = self._pass
         if step is None and self._cascade is None:
@@ -207,7 +208,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         layout = _Layout(num_heads, k.shape[1], head_dim, q.dtype, scale)
         if layout != self._layout:
             self._check_layout(layout, batch)
-        batch.kv_pool.set_kv(layer_id, batch.out_cache_loc, k, v)
+        if not kv_stored:
+            batch.kv_pool.set_kv(layer_id, batch.out_cache_loc, k, v)
         if self._cascade is not None:
             k_buffer, v_buffer = (
                 batch.kv_pool.k_buffers[layer_id],
