@@ -8,6 +8,7 @@ test_triton_attention_cuda.py: defining them here would fix them as compiled).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,14 +21,19 @@ pytest.importorskip("triton", reason="triton is not installed")
 from radixserve.engine.attention.triton_ops.common import INTERPRETED
 from radixserve.engine.forward_batch import ForwardMode
 from radixserve.engine.kernels.activation import silu_and_mul, silu_and_mul_torch
-from radixserve.engine.kernels.kv_store import store_kv, store_kv_torch
+from radixserve.engine.kernels.kv_store import KVWrite, store_kv, store_kv_torch
 from radixserve.engine.kernels.norm import (
     fused_add_rms_norm,
     fused_add_rms_norm_torch,
     rms_norm,
     rms_norm_torch,
 )
-from radixserve.engine.kernels.rotary import Rotation, apply_rotary, rotary_torch
+from radixserve.engine.kernels.rotary import (
+    Rotation,
+    apply_rotary,
+    apply_rotary_and_store,
+    rotary_torch,
+)
 from tests.helpers import fused_kernel_cases as cases
 from tests.helpers.model_harness import ModelHarness
 from tests.helpers.tiny_models import make_tiny_qwen3
@@ -61,7 +67,7 @@ def test_norms(dtype: torch.dtype, tokens: int) -> None:
     ref, ref_residual = fused_add_rms_norm_torch(x, residual, weight, EPS)
     assert torch.equal(new_residual, ref_residual)
     cases.assert_matches(out, ref, max_ulp)
-    q, _ = cases.qkv_views(tokens, HEADS, KV_HEADS, HEAD_DIM, dtype, CUDA)
+    q, _, _ = cases.qkv_views(tokens, HEADS, KV_HEADS, HEAD_DIM, dtype, CUDA)
     head_weight = norm_weight(HEAD_DIM, dtype)
     cases.assert_matches(
         rms_norm(q, head_weight, EPS), rms_norm_torch(q, head_weight, EPS), max_ulp
@@ -71,7 +77,7 @@ def test_norms(dtype: torch.dtype, tokens: int) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", TOKENS)
 def test_rotary_is_exact(dtype: torch.dtype, tokens: int) -> None:
-    q, k = cases.qkv_views(tokens, HEADS, KV_HEADS, HEAD_DIM, dtype, CUDA)
+    q, k, _ = cases.qkv_views(tokens, HEADS, KV_HEADS, HEAD_DIM, dtype, CUDA)
     table = cases.rotary_table(HEAD_DIM, MAX_POSITIONS, dtype, CUDA)
     positions = cases.positions(tokens, MAX_POSITIONS, CUDA)
     q_out, k_out = apply_rotary(q, k, Rotation.of(table, positions))
@@ -89,7 +95,7 @@ def test_silu_and_mul(dtype: torch.dtype, tokens: int) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", TOKENS)
 def test_store_kv_is_exact(dtype: torch.dtype, tokens: int) -> None:
-    _, k = cases.qkv_views(tokens, HEADS, KV_HEADS, HEAD_DIM, dtype, CUDA)
+    _, k, _ = cases.qkv_views(tokens, HEADS, KV_HEADS, HEAD_DIM, dtype, CUDA)
     v = 2 * k  # a strided view's copy; k itself stays strided
     loc = torch.randperm(4096, device=CUDA)[:tokens] + 1
     ours = [torch.zeros((4097, KV_HEADS, HEAD_DIM), dtype=dtype, device=CUDA) for _ in "kv"]
@@ -97,6 +103,40 @@ def test_store_kv_is_exact(dtype: torch.dtype, tokens: int) -> None:
     store_kv(ours[0], ours[1], loc, k, v)
     store_kv_torch(ref[0], ref[1], loc, k, v)
     assert torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_rotary_store_matches_rotary_then_store_kv(dtype: torch.dtype, tokens: int) -> None:
+    """The rotary kernel storing the KV (one launch) against rotary, then store_kv."""
+    q, k, v = cases.qkv_views(tokens, HEADS, KV_HEADS, HEAD_DIM, dtype, CUDA)
+    table = cases.rotary_table(HEAD_DIM, MAX_POSITIONS, dtype, CUDA)
+    rotation = Rotation.of(table, cases.positions(tokens, MAX_POSITIONS, CUDA))
+    loc = torch.randperm(4096, device=CUDA)[:tokens] + 1
+    ours = cases.kv_buffers(4097, KV_HEADS, HEAD_DIM, dtype, CUDA)
+    ref = (ours[0].clone(), ours[1].clone())
+    q_out, k_out, stored = apply_rotary_and_store(q, k, rotation, KVWrite(*ours, loc, v))
+    q_ref, k_ref = apply_rotary(q, k, rotation)
+    store_kv(ref[0], ref[1], loc, k_ref, v)
+    assert stored
+    assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
+    assert torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1])
+
+
+def capture(
+    step: Callable[[], tuple[torch.Tensor, ...]],
+) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]:
+    """`step` captured in a CUDA graph (run once before, outside, to compile), and the
+    outputs it writes on each replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step()
+    return graph, static_out
 
 
 def test_kernels_replay_in_a_cuda_graph() -> None:
@@ -119,15 +159,7 @@ def test_kernels_replay_in_a_cuda_graph() -> None:
         q_out, k_out = apply_rotary(q, k, Rotation.of(table, positions))
         return normed, new_residual, q_out, k_out, silu_and_mul(gate_up)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # compiles outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = step()
-
+    graph, static_out = capture(step)
     for seed in (10, 20):
         for i, buf in enumerate((x, residual, qkv, gate_up)):
             buf.copy_(cases.randn(tuple(buf.shape), dtype, CUDA, seed=seed + i))
@@ -136,6 +168,46 @@ def test_kernels_replay_in_a_cuda_graph() -> None:
         expected = step()
         for got, want in zip(static_out, expected, strict=True):
             assert torch.equal(got, want)
+
+
+def test_rotary_store_replays_in_a_cuda_graph() -> None:
+    """Captured once, replayed on new q/k/v, positions and slots in the static buffers:
+    the KV lands at the new slots, as rotary then store_kv put it."""
+    dtype, tokens = torch.bfloat16, 8
+    table = cases.rotary_table(HEAD_DIM, MAX_POSITIONS, dtype, CUDA)
+    qkv = cases.randn((tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM), dtype, CUDA, seed=3)
+    positions = cases.positions(tokens, MAX_POSITIONS, CUDA)
+    loc = torch.arange(1, tokens + 1, device=CUDA)
+    buffers = cases.kv_buffers(4097, KV_HEADS, HEAD_DIM, dtype, CUDA)
+
+    def split() -> tuple[torch.Tensor, ...]:
+        sizes = [HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM]
+        q, k, v = qkv.split(sizes, -1)
+        return (
+            q.view(tokens, HEADS, HEAD_DIM),
+            k.view(tokens, -1, HEAD_DIM),
+            v.view(tokens, -1, HEAD_DIM),
+        )
+
+    def step() -> tuple[torch.Tensor, ...]:
+        q, k, v = split()
+        rotation = Rotation.of(table, positions)
+        q_out, k_out, stored = apply_rotary_and_store(q, k, rotation, KVWrite(*buffers, loc, v))
+        assert stored
+        return q_out, k_out
+
+    graph, static_out = capture(step)
+    for seed in (10, 20):
+        qkv.copy_(cases.randn(tuple(qkv.shape), dtype, CUDA, seed=seed))
+        positions.copy_(cases.positions(tokens, MAX_POSITIONS, CUDA, seed=seed))
+        loc.copy_(torch.randperm(4096, device=CUDA)[:tokens] + 1)
+        expected = (buffers[0].clone(), buffers[1].clone())
+        graph.replay()
+        q, k, v = split()
+        q_ref, k_ref = apply_rotary(q, k, Rotation.of(table, positions))
+        store_kv(expected[0], expected[1], loc, k_ref, v)
+        assert torch.equal(static_out[0], q_ref) and torch.equal(static_out[1], k_ref)
+        assert torch.equal(buffers[0], expected[0]) and torch.equal(buffers[1], expected[1])
 
 
 @pytest.fixture(scope="module")

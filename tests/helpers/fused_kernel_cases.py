@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from radixserve.engine.kernels.kv_store import KVWrite
+from radixserve.engine.kernels.rotary import Rotation, apply_rotary
 from radixserve.engine.model.config import ModelConfig
 from radixserve.engine.model.rope import RotaryTable
 
@@ -42,16 +44,33 @@ def qkv_views(
     dtype: torch.dtype,
     device: torch.device,
     seed: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [tokens, heads, head_dim] and k as the model makes them: strided views of one
-    fused qkv output (split, then reshaped without a copy)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [tokens, heads, head_dim], k and v as the model makes them: strided views of
+    one fused qkv output (split, then reshaped without a copy)."""
     q_size, kv_size = heads * head_dim, kv_heads * head_dim
     qkv = randn((tokens, q_size + 2 * kv_size), dtype, device, seed)
-    q, k, _ = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
     q = q.reshape(tokens, heads, head_dim)
     k = k.reshape(tokens, kv_heads, head_dim)
+    v = v.reshape(tokens, kv_heads, head_dim)
     assert q.data_ptr() == qkv.data_ptr()  # a view: no copy
-    return q, k
+    return q, k, v
+
+
+def kv_buffers(
+    slots: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A K and a V buffer of noise, so that a missing or a stray write shows."""
+    shape = (slots, kv_heads, head_dim)
+    return randn(shape, dtype, device, seed=11), randn(shape, dtype, device, seed=12)
+
+
+def rotary_without_store(
+    q: torch.Tensor, k: torch.Tensor, rotation: Rotation, write: KVWrite
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """apply_rotary_and_store as if it could not store: the two-launch path (rotary,
+    then the backend's set_kv), for models compared with and without the fused store."""
+    return (*apply_rotary(q, k, rotation), False)
 
 
 def rotary_table(

@@ -22,17 +22,25 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed (the dev extra brings it on Linux)")
 
+from radixserve.engine.attention.triton_backend import TritonAttentionBackend
 from radixserve.engine.attention.triton_ops.common import INTERPRETED
 from radixserve.engine.forward_batch import ForwardMode
 from radixserve.engine.kernels import dispatch
 from radixserve.engine.kernels.activation import silu_and_mul_torch
-from radixserve.engine.kernels.kv_store import store_kv_torch
+from radixserve.engine.kernels.kv_store import KVWrite, store_kv_torch
 from radixserve.engine.kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
-from radixserve.engine.kernels.rotary import rotary_torch
+from radixserve.engine.kernels.rotary import (
+    Rotation,
+    apply_rotary,
+    apply_rotary_and_store,
+    rotary_torch,
+)
 from radixserve.engine.kernels.triton_ops.activation import silu_and_mul_triton
 from radixserve.engine.kernels.triton_ops.kv_store import store_kv_triton
 from radixserve.engine.kernels.triton_ops.norm import fused_add_rms_norm_triton, rms_norm_triton
 from radixserve.engine.kernels.triton_ops.rotary import rotary_triton
+from radixserve.engine.kvcache.pool import KVPool
+from radixserve.engine.model import llama
 from tests.helpers import fused_kernel_cases as cases
 from tests.helpers.model_harness import ModelHarness
 from tests.helpers.triton_interpreter import (
@@ -67,7 +75,7 @@ def test_rms_norm(dtype: torch.dtype, tokens: int, hidden: int) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm_per_head_on_a_strided_view(dtype: torch.dtype) -> None:
     """Qwen3's q/k norm: over head_dim of views into the fused qkv output."""
-    q, k = cases.qkv_views(4, 3, 1, 64, dtype, DEVICE)
+    q, k, _ = cases.qkv_views(4, 3, 1, 64, dtype, DEVICE)
     weight = norm_weight(64, dtype)
     for x in (q, k):
         out = rms_norm_triton(x, weight, EPS)
@@ -96,7 +104,7 @@ def test_fused_add_rms_norm(dtype: torch.dtype, tokens: int) -> None:
 def test_rotary_is_exact(
     dtype: torch.dtype, tokens: int, heads: int, kv_heads: int, head_dim: int, contiguous: bool
 ) -> None:
-    q, k = cases.qkv_views(tokens, heads, kv_heads, head_dim, dtype, DEVICE)
+    q, k, _ = cases.qkv_views(tokens, heads, kv_heads, head_dim, dtype, DEVICE)
     if contiguous:  # as after Qwen3's q/k norm
         q, k = q.contiguous(), k.contiguous()
     table = cases.rotary_table(head_dim, 100, dtype, DEVICE)
@@ -132,6 +140,56 @@ def test_store_kv_is_exact(dtype: torch.dtype, tokens: int, kv_heads: int, head_
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 6])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(3, 1, 64), (4, 2, 24)])
+def test_rotary_store_matches_rotary_then_store_kv(
+    dtype: torch.dtype, tokens: int, heads: int, kv_heads: int, head_dim: int
+) -> None:
+    """One launch (rotary with the store) against two (rotary, then store_kv): the same
+    q and k, and the same buffers: the rotated k and v (a strided slice of qkv) at
+    scattered slots, cast to the buffers' dtype, every other slot untouched."""
+    q, k, v = cases.qkv_views(tokens, heads, kv_heads, head_dim, dtype, DEVICE)
+    table = cases.rotary_table(head_dim, 100, dtype, DEVICE)
+    positions = cases.positions(tokens, 100, DEVICE)
+    loc = torch.randperm(20, device=DEVICE)[:tokens] + 1
+    q_ref, k_ref = rotary_triton(q, k, positions, table.cos, table.sin)
+    for buffer_dtype in {dtype, torch.float32}:
+        ours = cases.kv_buffers(21, kv_heads, head_dim, buffer_dtype, DEVICE)
+        ref = (ours[0].clone(), ours[1].clone())
+        write = KVWrite(ours[0], ours[1], loc, v)
+        q_out, k_out = rotary_triton(q, k, positions, table.cos, table.sin, write)
+        store_kv_triton(ref[0], ref[1], loc, k_ref, v)
+        assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
+        assert torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1])
+    noise = cases.kv_buffers(21, kv_heads, head_dim, dtype, DEVICE)
+    assert not torch.equal(ours[0], noise[0]) and not torch.equal(ours[1], noise[1])
+
+
+@pytest.mark.parametrize("triton", [False, True])
+def test_rotary_store_falls_back_where_the_kernel_cannot_store(
+    triton: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Off the Triton path, or with a v whose head_dim is strided (only on the Triton
+    path: the model's v never is), the rotary stores nothing and says so."""
+    monkeypatch.setattr(dispatch, "use_triton", lambda x: triton)
+    q, k, v = cases.qkv_views(3, 4, 2, 16, torch.float32, DEVICE)
+    if triton:
+        v = torch.stack([v, v], dim=-1)[..., 0]
+        assert v.stride(-1) == 2
+    table = cases.rotary_table(16, 100, torch.float32, DEVICE)
+    rotation = Rotation.of(table, cases.positions(3, 100, DEVICE))
+    assert (rotation.cos_sin is None) == triton
+    buffers = cases.kv_buffers(8, 2, 16, torch.float32, DEVICE)
+    before = (buffers[0].clone(), buffers[1].clone())
+    write = KVWrite(buffers[0], buffers[1], torch.tensor([5, 1, 3], device=DEVICE), v)
+    q_out, k_out, stored = apply_rotary_and_store(q, k, rotation, write)
+    q_ref, k_ref = apply_rotary(q, k, rotation)
+    assert not stored
+    assert torch.equal(q_out, q_ref) and torch.equal(k_out, k_ref)
+    assert torch.equal(buffers[0], before[0]) and torch.equal(buffers[1], before[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("tokens", "n"), [(1, 1536), (5, 1536), (3, 40)])
 def test_silu_and_mul(dtype: torch.dtype, tokens: int, n: int) -> None:
     gate_up = 2 * cases.randn((tokens, 2 * n), dtype, DEVICE, seed=4)
@@ -157,3 +215,42 @@ def test_model_on_the_kernels_matches_hf(
     logits = harness.run(batch)
     expected = torch.stack([harness.reference_logits(ids)[-1] for ids in seqs])
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_model_storing_kv_in_the_rotary_kernel_is_exact(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The model on the kernels (the CUDA path, interpreted) with the triton backend, in
+    float16 (test_triton_attention.py runs the engine in float32): the rotary kernel
+    storing each layer's K/V gives the same logits and the same KV pool, bit for bit,
+    as rotary then the backend's set_kv, over a prefill and a decode."""
+    monkeypatch.setattr(dispatch, "use_triton", lambda x: True)
+    stores: list[int] = []
+    set_kv = KVPool.set_kv
+    monkeypatch.setattr(KVPool, "set_kv", lambda *args: stores.append(1) or set_kv(*args))
+
+    def run() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        harness = ModelHarness(
+            tiny_llama_dir,
+            device=str(DEVICE),
+            dtype=torch.float16,
+            backend=TritonAttentionBackend(DEVICE),
+        )
+        gen = torch.Generator().manual_seed(0)
+        seqs = [torch.randint(100, 1000, (n,), generator=gen).tolist() for n in (5, 1, 9)]
+        rows = [harness.requests.new_request() for _ in seqs]
+        build = harness.requests.build
+        logits = [harness.run(build(ForwardMode.EXTEND, list(zip(rows, seqs, strict=True))))]
+        decode = build(ForwardMode.DECODE, [(row, [7 + row]) for row in rows])
+        logits.append(harness.run(decode))
+        pool = harness.requests.kv_pool
+        return logits, pool.k_buffers + pool.v_buffers
+
+    fused = run()
+    assert not stores
+    monkeypatch.setattr(llama, "apply_rotary_and_store", cases.rotary_without_store)
+    unfused = run()
+    num_layers = len(unfused[1]) // 2
+    assert len(stores) == 2 * num_layers  # every layer of both passes
+    for got, want in zip([*fused[0], *fused[1]], [*unfused[0], *unfused[1]], strict=True):
+        assert torch.equal(got, want)

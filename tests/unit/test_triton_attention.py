@@ -258,6 +258,38 @@ def test_engine_greedy_outputs_equal_the_torch_backend(tiny_llama_dir: Path) -> 
     assert outputs("triton") == outputs("torch")
 
 
+def test_engine_greedy_outputs_with_kv_stored_by_the_rotary_kernel(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every fused op on its kernel (the CUDA path, interpreted): the rotary kernel
+    # storing each layer's K/V gives the tokens of rotary then the backend's store.
+    from radixserve import Engine
+    from radixserve.engine.kernels import dispatch
+    from radixserve.engine.model import llama
+    from tests.helpers.fused_kernel_cases import rotary_without_store
+    from tests.unit.engine_helpers import engine_outputs, make_prompts
+
+    def outputs() -> list[list[int]]:
+        engine = Engine(
+            model_path=str(tiny_llama_dir),
+            device=DEVICE.type,
+            dtype="float32",
+            attention_backend="triton",
+            chunked_prefill_size=16,
+            max_total_tokens=512,
+        )
+        try:
+            return engine_outputs(engine, prompts, 3)
+        finally:
+            engine.shutdown()
+
+    prompts = make_prompts(1000, [4, 18], seed=4)
+    monkeypatch.setattr(dispatch, "use_triton", lambda x: True)
+    fused = outputs()
+    monkeypatch.setattr(llama, "apply_rotary_and_store", rotary_without_store)
+    assert fused == outputs()
+
+
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_engine_cascade_steps_equal_the_torch_backend(tiny_llama_dir: Path, page_size: int) -> None:
     # Four prompts over one 72-token system prompt and one unrelated prompt: once their

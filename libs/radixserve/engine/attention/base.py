@@ -1,9 +1,10 @@
 """The one seam between the model and attention kernels.
 
 The model calls `forward` once per layer; the backend stores the new K/V into the
-pool and attends over each request's whole KV (cached prefix + new tokens, causal
-within the new tokens). Backends own their per-batch metadata: `init_forward_metadata`
-runs once per pass, before the first layer, so per-layer calls stay cheap.
+pool (unless the model has: `kv_stored`) and attends over each request's whole KV
+(cached prefix + new tokens, causal within the new tokens). Backends own their
+per-batch metadata: `init_forward_metadata` runs once per pass, before the first
+layer, so per-layer calls stay cheap.
 
 CUDA graphs (engine/graphs) replay decode passes over fixed buffers, so a backend that
 supports them keeps its metadata in buffers of fixed size as well (SGLang's backends
@@ -73,8 +74,10 @@ class AttentionBackend(ABC):
         layer_id: int,
         batch: ForwardBatch,
         scale: float,
+        kv_stored: bool = False,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """Write k/v to batch.kv_pool at batch.out_cache_loc, then attend."""
+        """Write k/v to batch.kv_pool at batch.out_cache_loc (unless `kv_stored`: the
+        caller has written them, e.g. the rotary kernel did), then attend."""
 
     # -- CUDA graphs (decode only) -------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_context_len: int) -> None:

@@ -230,6 +230,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         layer_id: int,
         batch: ForwardBatch,
         scale: float,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
         step = self._pass
         if step is None and self._cascade is None:
@@ -238,7 +239,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         layout = _Layout(num_heads, k.shape[1], head_dim, q.dtype, scale)
         if layout != self._layout:
             self._check_layout(layout, batch)
-        batch.kv_pool.set_kv(layer_id, batch.out_cache_loc, k, v)
+        if not kv_stored:
+            batch.kv_pool.set_kv(layer_id, batch.out_cache_loc, k, v)
         k_buffer = batch.kv_pool.k_buffers[layer_id]
         v_buffer = batch.kv_pool.v_buffers[layer_id]
         if self._cascade is not None and step is None:

@@ -85,8 +85,10 @@ class TorchAttentionBackend(AttentionBackend):
         layer_id: int,
         batch: ForwardBatch,
         scale: float,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
-        batch.kv_pool.set_kv(layer_id, batch.out_cache_loc, k, v)
+        if not kv_stored:
+            batch.kv_pool.set_kv(layer_id, batch.out_cache_loc, k, v)
         k_buffer = batch.kv_pool.k_buffers[layer_id]
         v_buffer = batch.kv_pool.v_buffers[layer_id]
         if len(self._groups) == 1 and self._groups[0].token_index is None:

@@ -196,6 +196,7 @@ class TritonAttentionBackend(AttentionBackend):
         layer_id: int,
         batch: ForwardBatch,
         scale: float,
+        kv_stored: bool = False,
     ) -> torch.Tensor:
         if self._decode is None and self._extend is None and self._cascade is None:
             raise RuntimeError("init_forward_metadata must run before the first layer")
@@ -207,7 +208,8 @@ class TritonAttentionBackend(AttentionBackend):
             )
         if num_heads % k.shape[1]:
             raise ValueError(f"{num_heads} query heads do not split over {k.shape[1]} KV heads")
-        batch.kv_pool.set_kv(layer_id, batch.out_cache_loc, k, v)
+        if not kv_stored:
+            batch.kv_pool.set_kv(layer_id, batch.out_cache_loc, k, v)
         k_buffer = batch.kv_pool.k_buffers[layer_id]
         v_buffer = batch.kv_pool.v_buffers[layer_id]
         # The kernels take token and head strides but assume a dense head_dim.

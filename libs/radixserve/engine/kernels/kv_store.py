@@ -7,9 +7,28 @@ slice of the fused qkv output). The torch reference runs elsewhere. A copy: exac
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from radixserve.engine.kernels import dispatch
+
+
+@dataclass(frozen=True)
+class KVWrite:
+    """One layer's store of a step's new rows, k still to come: k and `v` rows go to
+    slots `loc` of `k_buffer` and `v_buffer` (the rotary kernel takes it, see
+    kernels/rotary.apply_rotary_and_store)."""
+
+    k_buffer: torch.Tensor
+    v_buffer: torch.Tensor
+    loc: torch.Tensor
+    v: torch.Tensor
+
+
+def triton_stores(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the Triton kernels store these rows: on CUDA, each row's head_dim contiguous."""
+    return dispatch.use_triton(k) and k.stride(-1) == 1 and v.stride(-1) == 1
 
 
 def store_kv(
@@ -21,7 +40,7 @@ def store_kv(
 ) -> None:
     """k_buffer[loc] = k and v_buffer[loc] = v ([tokens, kv_heads, head_dim] rows, cast
     to the buffers' dtype)."""
-    if dispatch.use_triton(k) and k.stride(-1) == 1 and v.stride(-1) == 1:
+    if triton_stores(k, v):
         from radixserve.engine.kernels.triton_ops.kv_store import store_kv_triton
 
         store_kv_triton(k_buffer, v_buffer, loc, k, v)

@@ -3,7 +3,8 @@
 The Triton kernel reads each token's cos/sin row from the table by its position and
 rounds each product and the sum to the input dtype, as `q * cos + rotate_half(q) *
 sin` does in torch: it matches the reference bit for bit (float32 included: no fused
-multiply-adds).
+multiply-adds). It can also store the layer's new K/V rows in the same launch
+(`apply_rotary_and_store`), which the attention backend would otherwise do.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from radixserve.engine.kernels import dispatch
+from radixserve.engine.kernels.kv_store import KVWrite, triton_stores
 
 if TYPE_CHECKING:
     from radixserve.engine.model.rope import RotaryTable
@@ -41,12 +43,29 @@ def apply_rotary(
     """Rotated q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim], as new
     contiguous tensors; q and k may be strided views (of the fused qkv output)."""
     if rotation.cos_sin is None:
-        from radixserve.engine.kernels.triton_ops.rotary import rotary_triton
-
-        table = rotation.table
-        return rotary_triton(q, k, rotation.positions, table.cos, table.sin)
+        return _rotary_triton(q, k, rotation, None)
     cos, sin = rotation.cos_sin
     return rotary_torch(q, k, cos, sin)
+
+
+def apply_rotary_and_store(
+    q: torch.Tensor, k: torch.Tensor, rotation: Rotation, write: KVWrite
+) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """apply_rotary, and where the Triton kernels run, `write` with the rotated k in the
+    same launch: (q, k, whether it stored). Elsewhere nothing is stored (False) and
+    the caller stores k and write.v (the attention backend's set_kv)."""
+    if rotation.cos_sin is None and triton_stores(k, write.v):
+        return (*_rotary_triton(q, k, rotation, write), True)
+    return (*apply_rotary(q, k, rotation), False)
+
+
+def _rotary_triton(
+    q: torch.Tensor, k: torch.Tensor, rotation: Rotation, write: KVWrite | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    from radixserve.engine.kernels.triton_ops.rotary import rotary_triton
+
+    table = rotation.table
+    return rotary_triton(q, k, rotation.positions, table.cos, table.sin, write)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from radixserve.engine.kernels.kv_store import store_kv
+from radixserve.engine.kernels.kv_store import KVWrite, store_kv
 
 
 class KVPool:
@@ -169,6 +169,11 @@ class KVPool:
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         store_kv(self.k_buffers[layer_id], self.v_buffers[layer_id], loc, k, v)
+
+    def kv_write(self, layer_id: int, loc: torch.Tensor, v: torch.Tensor) -> KVWrite:
+        """set_kv(layer_id, loc, k, v) with k still to come: for a kernel that makes k
+        and stores it in the same launch (kernels/rotary.apply_rotary_and_store)."""
+        return KVWrite(self.k_buffers[layer_id], self.v_buffers[layer_id], loc, v)
 
     @staticmethod
     def bytes_per_token_for(

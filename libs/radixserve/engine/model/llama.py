@@ -18,7 +18,7 @@ from torch import nn
 
 from radixserve.engine.kernels.activation import silu_and_mul
 from radixserve.engine.kernels.norm import fused_add_rms_norm, rms_norm
-from radixserve.engine.kernels.rotary import Rotation, apply_rotary
+from radixserve.engine.kernels.rotary import Rotation, apply_rotary_and_store
 from radixserve.engine.model.config import ModelConfig
 from radixserve.engine.model.rope import RotaryTable
 from radixserve.engine.model.weights import iter_safetensors
@@ -92,8 +92,10 @@ class LlamaAttention(nn.Module):
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, rotation)
-        out = attn.forward(q, k, v, self.layer_id, batch, self.scale)
+        # On the Triton path the rotary kernel stores the new K/V too (one launch fewer).
+        write = batch.kv_pool.kv_write(self.layer_id, batch.out_cache_loc, v)
+        q, k, stored = apply_rotary_and_store(q, k, rotation, write)
+        out = attn.forward(q, k, v, self.layer_id, batch, self.scale, kv_stored=stored)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 

@@ -35,6 +35,26 @@ def _store_kv_kernel(
     tl.store(VBuf + dst, v.to(VBuf.dtype.element_ty), mask=mask)
 
 
+def check_store(
+    k_buffer: torch.Tensor, v_buffer: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> None:
+    """The layouts the store kernels write: k/v rows of the buffers' row shape, each
+    row's head_dim contiguous, into contiguous buffers."""
+    heads, dim = k.shape[1:]
+    if (
+        v.shape != k.shape
+        or k_buffer.shape[1:] != (heads, dim)
+        or v_buffer.shape != k_buffer.shape
+        or k.stride(-1) != 1
+        or v.stride(-1) != 1
+    ):
+        raise ValueError(
+            f"store_kv: k {tuple(k.shape)}, v {tuple(v.shape)}, buffer {tuple(k_buffer.shape)}"
+        )
+    if not (k_buffer.is_contiguous() and v_buffer.is_contiguous()):
+        raise ValueError("store_kv writes contiguous KV buffers")
+
+
 def store_kv_triton(
     k_buffer: torch.Tensor,
     v_buffer: torch.Tensor,
@@ -42,13 +62,8 @@ def store_kv_triton(
     k: torch.Tensor,
     v: torch.Tensor,
 ) -> None:
+    check_store(k_buffer, v_buffer, k, v)
     tokens, heads, dim = k.shape
-    if v.shape != k.shape or k_buffer.shape[1:] != (heads, dim):
-        raise ValueError(
-            f"store_kv: k {tuple(k.shape)}, v {tuple(v.shape)}, buffer {tuple(k_buffer.shape)}"
-        )
-    if not (k_buffer.is_contiguous() and v_buffer.is_contiguous()):
-        raise ValueError("store_kv writes contiguous KV buffers")
     if tokens == 0:
         return
     _store_kv_kernel[(tokens,)](
