@@ -23,8 +23,10 @@ How (SGLang's CudaGraphRunner, smaller):
   (shared-prefix) variant of the pass, replayed for decode batches that carry
   `shared_prefixes`, whose groups the backend writes into its fixed tables before the
   replay (attention/cascade.py).
-- Sampling runs outside the graph, on the logits a replay returns: a view of the
-  graph's output buffer, valid until the next forward pass (the scheduler samples
+- Sampling runs outside the graph, on the logits a replay returns: a view of the one
+  float32 [max_bs, vocab] output buffer every graph writes its logits into (a buffer
+  per graph would hold the sum of the ladder's sizes: 17 GB for an 8B model's
+  vocabulary up to 1024), valid until the next forward pass (the scheduler samples
   before it runs another).
 
 With `capture=False` the runner replays by running the same padded static pass
@@ -50,7 +52,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-Model = Callable[[ForwardBatch, "AttentionBackend"], torch.Tensor]
+Model = Callable[[ForwardBatch, "AttentionBackend", torch.Tensor | None], torch.Tensor]
 
 # Rows of the static input buffer: a decode batch's `decode_inputs` rows, in one copy.
 _IDS, _POS, _LOC, _ROWS, _LENS = (
@@ -115,9 +117,16 @@ class CudaGraphRunner:
         # The cascade variants run on batches of their own: a replay sets their groups.
         self._cascade_batches = {bs: self._static_batch(bs) for bs in self.cascade_sizes}
         self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
-        self._logits: dict[tuple[int, bool], torch.Tensor] = {}
+        self._logits: torch.Tensor | None = None  # [max_bs, vocab], at the first pass
         if capture:
-            self._capture_all()
+            try:
+                self._capture_all()
+            except torch.OutOfMemoryError as exc:
+                raise RuntimeError(
+                    f"out of GPU memory capturing decode graphs of up to {self.max_bs} "
+                    "requests: lower cuda_graph_max_bs or mem_fraction_static, or disable "
+                    "CUDA graphs"
+                ) from exc
         elif self.cascade_sizes:
             # What capture would have taught the backend (its cascade tile layout).
             with torch.inference_mode():
@@ -167,7 +176,8 @@ class CudaGraphRunner:
         self.attn.init_forward_metadata_replay(static, bs)
         if self.captured:
             self._graphs[padded, cascade].replay()
-            logits = self._logits[padded, cascade]
+            assert self._logits is not None
+            logits = self._logits
         else:
             logits = self._run(static, cascade)
         self.num_replays += 1
@@ -197,9 +207,17 @@ class CudaGraphRunner:
         )
 
     def _run(self, batch: ForwardBatch, cascade: bool = False) -> torch.Tensor:
-        """The captured pass: the backend's graph metadata, then the model."""
+        """The captured pass: the backend's graph metadata, then the model, its logits into
+        the shared output buffer (sized at the first pass, the largest, outside any
+        capture)."""
         self.attn.init_forward_metadata_capture(batch, cascade)
-        return self.model(batch, self.attn)
+        if self._logits is None:
+            logits = self.model(batch, self.attn, None)
+            self._logits = torch.empty(
+                (self.max_bs, logits.shape[1]), dtype=logits.dtype, device=logits.device
+            )
+            return logits
+        return self.model(batch, self.attn, self._logits[: batch.batch_size])
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -219,7 +237,7 @@ class CudaGraphRunner:
                 torch.cuda.synchronize(self.kv_pool.device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self._logits[bs, cascade] = self._run(batch, cascade)
+                    self._run(batch, cascade)
                 self._graphs[bs, cascade] = graph
         torch.cuda.synchronize(self.kv_pool.device)
         used = free_before - torch.cuda.mem_get_info(self.kv_pool.device)[0]

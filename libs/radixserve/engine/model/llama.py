@@ -180,8 +180,11 @@ class LlamaForCausalLM(nn.Module):
             weight.device,
         )
 
-    def forward(self, batch: ForwardBatch, attn: AttentionBackend) -> torch.Tensor:
-        """float32 logits [batch_size, vocab] at each request's last new token."""
+    def forward(
+        self, batch: ForwardBatch, attn: AttentionBackend, logits_out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """float32 logits [batch_size, vocab] at each request's last new token, written
+        into `logits_out` when given (the CUDA graphs' one shared output buffer)."""
         if self.rotary is None:
             raise RuntimeError("call init_rotary() (load_model does) before the first forward")
         rotation = Rotation.of(self.rotary, batch.positions)
@@ -196,7 +199,9 @@ class LlamaForCausalLM(nn.Module):
             hidden = self.model.norm(hidden[last])
         else:
             hidden, _ = self.model.norm(hidden[last], residual[last])
-        return self.lm_head(hidden).float()
+        if logits_out is None:
+            return self.lm_head(hidden).float()
+        return logits_out.copy_(self.lm_head(hidden))
 
     @torch.no_grad()
     def load_weights(self, path: str | Path) -> None:
