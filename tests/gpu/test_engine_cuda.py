@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from radixserve import Engine
 from tests.helpers.tiny_models import make_tiny_llama
@@ -36,6 +38,9 @@ def test_cuda_float32_matches_hf(tiny_dir: Path) -> None:
     ours = engine_outputs(engine, prompts, 32)
     for out, ref in zip(ours, hf_greedy(tiny_dir, prompts, 32, device="cuda"), strict=True):
         assert_matches_reference(out, ref)
+    # The runner routed the GEMMs above through cuBLASLt unless the process chose.
+    if "TORCH_BLAS_PREFER_CUBLASLT" not in os.environ:
+        assert "Cublaslt" in str(torch.backends.cuda.preferred_blas_library())
 
 
 @pytest.mark.parametrize(

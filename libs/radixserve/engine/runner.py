@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 
 import torch
 
@@ -68,6 +69,15 @@ def _auto_backend(device: torch.device, dtype: torch.dtype | None) -> str:
     return "triton" if importlib.util.find_spec("triton") is not None else "torch"
 
 
+def prefer_cublaslt() -> None:
+    """Route torch's GEMMs through cuBLASLt (process-wide), unless the process chose with
+    TORCH_BLAS_PREFER_CUBLASLT. On the H100 its kernels made an 8B decode step at batch
+    64 0.12 ms shorter (8.05 against 8.17 ms, three runs each) and left batch 1 and
+    prefill as they were (docs/performance.md)."""
+    if "TORCH_BLAS_PREFER_CUBLASLT" not in os.environ:
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -75,6 +85,8 @@ class ModelRunner:
         self.model_path = resolve_model_path(config.model_path)
         model_config = ModelConfig.from_pretrained(self.model_path)
         self.dtype = resolve_dtype(config.dtype, self.device, model_config)
+        if self.device.type == "cuda":
+            prefer_cublaslt()
         trained_len = model_config.max_position_embeddings
         self.context_len = config.context_length or trained_len
         if self.context_len > trained_len:
