@@ -322,3 +322,57 @@ def test_engine_cascade_steps_equal_the_torch_backend(tiny_llama_dir: Path, page
     assert cascade_steps >= 4
     assert outputs == reference
     assert run("triton", disable_cascade=True) == (reference, 0)
+
+
+def test_engine_cascade_beside_a_chunked_prefill_equals_the_torch_backend(
+    tiny_llama_dir: Path,
+) -> None:
+    # Four requests over one 72-token system prompt decode while a 40-token prompt
+    # arrives and is prefilled 8 tokens a step beside them: those mixed steps run cascade
+    # for the decoding rows (the leading ones) and the extend kernel for the chunk.
+    from radixserve import Engine
+    from radixserve.engine.attention import cascade
+    from tests.unit.engine_helpers import greedy_params, make_prompts
+
+    system, *questions = make_prompts(1000, [72, 5, 9, 3, 12, 40], seed=8)
+    early = [system + q for q in questions[:4]]
+    late = questions[4]
+
+    def run(backend: str) -> tuple[dict[str, list[int]], list[tuple[int, int]]]:
+        engine = Engine(
+            model_path=str(tiny_llama_dir),
+            device=DEVICE.type,
+            dtype="float32",
+            attention_backend=backend,
+            max_total_tokens=1024,
+            chunked_prefill_size=8,
+            debug_check_invariants=True,
+        )
+        rows: list[tuple[int, int]] = []  # (cascade rows, batch size) of each cascade pass
+        original = cascade.CascadeDecode.__init__
+
+        def record(self: cascade.CascadeDecode, batch: Any) -> None:
+            original(self, batch)
+            rows.append((self.rows, batch.batch_size))
+
+        outputs: dict[str, list[int]] = {}
+        try:
+            cascade.CascadeDecode.__init__ = record  # type: ignore[method-assign]
+            rids = [engine.submit(p, greedy_params(12)) for p in early]
+            while not any(outputs.get(rid) for rid in rids):  # until the first decodes
+                for out in engine.step():
+                    outputs.setdefault(out.rid, []).extend(out.new_token_ids)
+            rids.append(engine.submit(late, greedy_params(4)))
+            while engine.has_work():
+                for out in engine.step():
+                    outputs.setdefault(out.rid, []).extend(out.new_token_ids)
+        finally:
+            cascade.CascadeDecode.__init__ = original  # type: ignore[method-assign]
+            engine.shutdown()
+        return {f"r{i}": outputs[rid] for i, rid in enumerate(rids)}, rows
+
+    reference, _ = run("torch")
+    outputs, passes = run("triton")
+    assert outputs == reference
+    assert all(len(ids) == (12 if i < 4 else 4) for i, ids in enumerate(outputs.values()))
+    assert any(rows < bs for rows, bs in passes), "no mixed step ran cascade"
