@@ -9,11 +9,12 @@ request attends over the rest of its own KV with the split-KV decode kernel, and
 partial results are merged by their log-sum-exps: the same softmax, fewer bytes.
 Each layer runs three kernels over tables built once per pass:
 
-- `CascadeDecode`, an eager pass: the tables are uploaded and built for this batch.
+- `CascadeDecode`, an eager pass (a decode batch, or the leading decoding rows of a
+  mixed one): the tables are uploaded and built for this batch.
 - `CascadeGraph`, passes captured in CUDA graphs (one per graph size, beside the plain
   decode graphs): the tables live in fixed buffers. Before a replay, `write` puts the
   step's groups there in one host-to-device copy (members, each group's prefix length
-  and request row, the tiles of members the prefix kernel runs, each request's prefix
+  and leader, the tiles of members the prefix kernel runs, each request's prefix
   length); the captured pass builds the slot tables from them on the device and runs
   the kernels over fixed grids, padding tiles and groups doing nothing. The split
   counts are fixed per graph size. A graph of `bs` requests holds at most
