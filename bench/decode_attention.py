@@ -24,13 +24,13 @@ from collections.abc import Callable
 
 import torch
 
-from radixserve.engine.attention.triton_backend import graph_num_kv_splits
 from radixserve.engine.attention.triton_ops.common import num_sms
 from radixserve.engine.attention.triton_ops.decode import (
     LaunchOptions,
     decode_attention,
     decode_partials,
     decode_reduce,
+    graph_num_kv_splits,
     launch_options,
 )
 

@@ -30,7 +30,12 @@ import torch
 import triton
 
 from radixserve.engine.attention.triton_ops.common import num_sms
-from radixserve.engine.attention.triton_ops.decode import MAX_SPLITS, decode_partials, num_kv_splits
+from radixserve.engine.attention.triton_ops.decode import (
+    MAX_SPLITS,
+    decode_partials,
+    graph_num_kv_splits,
+    num_kv_splits,
+)
 from radixserve.engine.attention.triton_ops.indices import build_kv_indices, gather_kv_rows
 from radixserve.engine.attention.triton_ops.shared_prefix import (
     members_per_tile,
@@ -287,9 +292,10 @@ class CascadeGraph:
         upload_into(self.tables, torch.tensor(values, dtype=torch.int64))
 
     # -- capture (device work recorded in the graph) -------------------------------
-    def capture(self, batch: ForwardBatch, suffix_splits: int) -> CascadeGraphPass:
+    def capture(self, batch: ForwardBatch) -> CascadeGraphPass:
         """A cascade pass over the graph runner's static batch: the slot tables built on
-        the device from the fixed buffers, as the graph will at every replay."""
+        the device from the fixed buffers, as the graph will at every replay; the suffix
+        splits are the plain decode graph's of this size."""
         bs = batch.batch_size
         if batch.mode != ForwardMode.DECODE or bs > self.max_bs:
             raise ValueError(f"cascade graphs run decode batches of up to {self.max_bs} requests")
@@ -319,6 +325,8 @@ class CascadeGraph:
             suffix_indices=self.suffix_indices,
             q_rows=self.q_rows[:bs],
         )
+        num_kv_heads = batch.kv_pool.k_buffers[0].shape[1]
+        suffix_splits = graph_num_kv_splits(bs, num_kv_heads, num_sms(self.device))
         return CascadeGraphPass(self, tables, suffix_splits)
 
     def scratch(

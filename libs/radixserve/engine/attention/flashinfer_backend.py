@@ -179,18 +179,13 @@ class FlashInferAttentionBackend(AttentionBackend):
         bs = batch.batch_size
         if cascade:
             # Triton kernels over the shared kv_indices buffer (a pass runs a wrapper or
-            # cascade, never both); the suffix split count is the triton backend's rule.
-            from radixserve.engine.attention.triton_backend import graph_num_kv_splits
-            from radixserve.engine.attention.triton_ops.common import num_sms
-
+            # cascade, never both).
             self._pass = None
             if graph.cascade is None:
                 graph.cascade = CascadeGraph(
                     graph.max_bs, graph.max_context_len, graph.kv_indices, self.device
                 )
-            num_kv_heads = batch.kv_pool.k_buffers[0].shape[1]
-            splits = graph_num_kv_splits(bs, num_kv_heads, num_sms(self.device))
-            self._cascade = graph.cascade.capture(batch, splits)
+            self._cascade = graph.cascade.capture(batch)
             return
         if not torch.cuda.is_current_stream_capturing():
             # A warm-up pass: planned at its first layer, outside the capture.

@@ -36,14 +36,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import triton
 
 from radixserve.engine.attention.base import AttentionBackend, check_batch
 from radixserve.engine.attention.cascade import CascadeDecode, CascadeGraph, CascadePass
 from radixserve.engine.attention.triton_ops.common import INTERPRETED, num_sms
 from radixserve.engine.attention.triton_ops.decode import (
-    MAX_SPLITS,
     decode_attention,
+    graph_num_kv_splits,
     num_kv_splits,
 )
 from radixserve.engine.attention.triton_ops.extend import extend_attention
@@ -153,11 +152,9 @@ class TritonAttentionBackend(AttentionBackend):
         bs = batch.batch_size
         if batch.mode != ForwardMode.DECODE or bs > graph.max_bs:
             raise ValueError(f"graphs capture decode batches of up to {graph.max_bs} requests")
-        num_kv_heads = batch.kv_pool.k_buffers[0].shape[1]
-        suffix_splits = graph_num_kv_splits(bs, num_kv_heads, graph.num_sms)
         if cascade:
             self._decode = self._extend = None
-            self._cascade = self._cascade_graph(graph).capture(batch, suffix_splits)
+            self._cascade = self._cascade_graph(graph).capture(batch)
             return
         kv_indptr = graph.kv_indptr[: bs + 1]
         # Queued on the device (recorded in the graph): the tables follow whatever
@@ -170,7 +167,7 @@ class TritonAttentionBackend(AttentionBackend):
             q_rows=graph.q_rows[:bs],
             kv_indptr=kv_indptr,
             kv_indices=graph.kv_indices,
-            num_splits=suffix_splits,
+            num_splits=graph_num_kv_splits(bs, batch.kv_pool.k_buffers[0].shape[1], graph.num_sms),
             in_graph=True,
         )
         self._extend = None
@@ -292,18 +289,6 @@ class TritonAttentionBackend(AttentionBackend):
             flat = torch.empty(numel, dtype=torch.float32, device=device)
             self._scratch[key] = flat
         return flat[:numel].view(shape)
-
-
-def graph_num_kv_splits(bs: int, num_kv_heads: int, num_sms: int) -> int:
-    """Splits for a captured decode graph of `bs` requests: a power of two (at most
-    MAX_SPLITS) giving at least two programs per SM, whatever the lengths at replay.
-    Trailing splits of a short sequence are empty and cost a program launch each.
-    From 33 requests of 8 KV heads on an H100 (132 SMs) it is one split, which writes
-    the output in one pass (no stage 2).
-    (On an H100, Llama-3.1-8B shape, 512-token prompts: 4 or 8 programs per SM made
-    decode steps of 8 to 64 requests 0.5 to 0.7 ms slower than 2.)"""
-    wanted = triton.cdiv(2 * num_sms, bs * num_kv_heads)
-    return min(MAX_SPLITS, triton.next_power_of_2(wanted))
 
 
 def _decode_plan(batch: ForwardBatch, members: list[int] | None) -> _DecodePlan:

@@ -82,11 +82,11 @@ def online_softmax_step(qk, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
-def attend_paged_block(
+def attend_paged_range(
     q,
     kv_indices,
-    offs_n,
-    n_mask,
+    lo,
+    hi,
     K_Buffer,
     V_Buffer,
     stride_kt,
@@ -100,23 +100,30 @@ def attend_paged_block(
     m_i,
     l_i,
     acc,
+    BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """One block of keys read through the slot table (`kv_indices + offs_n`), folded
-    into the running softmax: the loop body the decode and extend kernels share."""
-    # int64 before scaling by the row stride: slot * stride overflows int32 in large pools.
-    slots = tl.load(kv_indices + offs_n, mask=n_mask, other=0).to(tl.int64)
-    kv_mask = n_mask[:, None] & d_mask[None, :]
-    k = tl.load(
-        K_Buffer + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
-        mask=kv_mask,
-        other=0.0,
-    ).to(q.dtype)
-    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2
-    qk = tl.where(n_mask[None, :], qk, float("-inf"))
-    v = tl.load(
-        V_Buffer + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
-        mask=kv_mask,
-        other=0.0,
-    ).to(q.dtype)
-    return online_softmax_step(qk, v, m_i, l_i, acc, DOT_PRECISION)
+    """Keys [lo, hi) read through the slot table `kv_indices`, BLOCK_N at a time, folded
+    into the running softmax: the loop the decode, extend and shared-prefix kernels
+    share (an empty range leaves m_i, l_i and acc as they are)."""
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < hi
+        # int64 before scaling by the row stride: slot * stride overflows int32 in large
+        # pools.
+        slots = tl.load(kv_indices + offs_n, mask=n_mask, other=0).to(tl.int64)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(
+            K_Buffer + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        ).to(q.dtype)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2
+        qk = tl.where(n_mask[None, :], qk, float("-inf"))
+        v = tl.load(
+            V_Buffer + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        ).to(q.dtype)
+        m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, DOT_PRECISION)
+    return m_i, l_i, acc

@@ -21,7 +21,7 @@ import triton.language as tl
 
 from radixserve.engine.attention.triton_ops.common import (
     LOG2E,
-    attend_paged_block,
+    attend_paged_range,
     dot_precision,
     online_softmax_step,
 )
@@ -94,29 +94,27 @@ def _extend_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     # 1) the cached prefix, through the slot table.
-    for start in range(0, prefix_len, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < prefix_len
-        m_i, l_i, acc = attend_paged_block(
-            q,
-            kv_indices + kv_start,
-            offs_n,
-            n_mask,
-            K_Buffer,
-            V_Buffer,
-            stride_kt,
-            stride_kh,
-            stride_vt,
-            stride_vh,
-            kv_head,
-            offs_d,
-            d_mask,
-            sm_scale_log2,
-            m_i,
-            l_i,
-            acc,
-            DOT_PRECISION,
-        )
+    m_i, l_i, acc = attend_paged_range(
+        q,
+        kv_indices + kv_start,
+        0,
+        prefix_len,
+        K_Buffer,
+        V_Buffer,
+        stride_kt,
+        stride_kh,
+        stride_vt,
+        stride_vh,
+        kv_head,
+        offs_d,
+        d_mask,
+        sm_scale_log2,
+        m_i,
+        l_i,
+        acc,
+        BLOCK_N,
+        DOT_PRECISION,
+    )
 
     # 2) the new tokens, causal: query i sees new keys j <= i.
     new_hi = tl.minimum(extend_len, (block_m + 1) * BLOCK_M)

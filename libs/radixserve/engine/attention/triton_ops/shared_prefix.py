@@ -29,7 +29,7 @@ import triton.language as tl
 
 from radixserve.engine.attention.triton_ops.common import (
     LOG2E,
-    attend_paged_block,
+    attend_paged_range,
     dot_precision,
 )
 
@@ -124,29 +124,27 @@ def _shared_prefix_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < hi
-        m_i, l_i, acc = attend_paged_block(
-            q,
-            kv_indices + kv_start,
-            offs_n,
-            n_mask,
-            K_Buffer,
-            V_Buffer,
-            stride_kt,
-            stride_kh,
-            stride_vt,
-            stride_vh,
-            kv_head,
-            offs_d,
-            d_mask,
-            sm_scale_log2,
-            m_i,
-            l_i,
-            acc,
-            DOT_PRECISION,
-        )
+    m_i, l_i, acc = attend_paged_range(
+        q,
+        kv_indices + kv_start,
+        lo,
+        hi,
+        K_Buffer,
+        V_Buffer,
+        stride_kt,
+        stride_kh,
+        stride_vt,
+        stride_vh,
+        kv_head,
+        offs_d,
+        d_mask,
+        sm_scale_log2,
+        m_i,
+        l_i,
+        acc,
+        BLOCK_N,
+        DOT_PRECISION,
+    )
 
     if hi > lo:
         mid = req * stride_mid_t + heads * stride_mid_h + split * stride_mid_s
