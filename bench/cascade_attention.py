@@ -9,16 +9,26 @@ batch: triton and flashinfer (when installed) read every request's whole KV; cas
 Median of CUDA-event timings; bytes are the KV each one must read at the least.
 
     python bench/cascade_attention.py [--groups 16 --members 16 --prefix 2048 --suffix 256]
+
+With --sweep it times the cascade's two kernels alone over their launch options (the
+prefix kernel also over its split count; the suffix kernel at one split, folding the
+prefix partials in), median of CUDA-event timings of 20 launches each, best first.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import itertools
 import statistics
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
 
+from radixserve.engine.attention.cascade import CascadeDecode
+from radixserve.engine.attention.triton_ops.decode import LaunchOptions, decode_merged
+from radixserve.engine.attention.triton_ops.shared_prefix import shared_prefix_attention
 from radixserve.engine.forward_batch import ForwardBatch, ForwardMode, SharedPrefix
 from radixserve.engine.kvcache.pool import KVPool, ReqToTokenPool
 
@@ -100,6 +110,86 @@ def time_ms(
     return statistics.median(layer[2:]), statistics.median(plan[2:])
 
 
+def _time_launches(launch: Callable[[], None], iters: int = 20) -> float:
+    """Median ms of one launch, from `iters` back-to-back launches timed 5 times."""
+    launch()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(5):
+        start.record()
+        for _ in range(iters):
+            launch()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / iters)
+    return statistics.median(times)
+
+
+def sweep(groups: int, members: int, prefix: int, suffix: int) -> None:
+    """The prefix and suffix kernels of one cascade layer over their launch options."""
+    batch, q = build(groups, members, prefix, suffix)
+    cascade = CascadeDecode(batch)
+    cascade.forward(q, batch.kv_pool.k_buffers[0], batch.kv_pool.v_buffers[0], 1.0)  # tiles
+    t = cascade._tables  # the pass's device tables (private: a bench reaches in)
+    kb, vb = batch.kv_pool.k_buffers[0], batch.kv_pool.v_buffers[0]
+    bs = batch.batch_size
+    kv_bytes = 2 * KV_HEADS * HEAD_DIM * 2
+    prefix_gb = groups * prefix * kv_bytes / 1e9
+    suffix_gb = bs * suffix * kv_bytes / 1e9
+    rows = []
+    for splits in (1, 2, 4, 8):
+        mid_out = torch.empty((bs, HEADS, splits, HEAD_DIM), dtype=torch.float32, device=q.device)
+        mid_lse = torch.full((bs, HEADS, splits), float("-inf"), device=q.device)
+        for block_n, warps, stages in itertools.product((32, 64, 128), (4, 8), (2, 3, 4)):
+            opts = LaunchOptions(block_n, warps, stages)
+
+            prefix_pass = functools.partial(
+                shared_prefix_attention,
+                *(q, kb, vb, t.members, t.tiles, t.prefix_indptr, t.prefix_indices),
+                *(mid_out, mid_lse, HEAD_DIM**-0.5),
+                options=opts,
+            )
+            try:
+                ms = _time_launches(prefix_pass)
+            except Exception as exc:  # an option the compiler refuses
+                print(f"prefix {splits} {opts}: {type(exc).__name__}")
+                continue
+            rows.append((ms, f"prefix splits {splits} {opts}", prefix_gb / ms * 1e3))
+    merged_out = torch.empty((bs, HEADS, 2, HEAD_DIM), dtype=torch.float32, device=q.device)
+    merged_lse = torch.full((bs, HEADS, 2), float("-inf"), device=q.device)
+    out = torch.empty_like(q)
+    for block_n, warps, stages in itertools.product((16, 32, 64, 128), (1, 2, 4), (1, 2, 3, 4)):
+        opts = LaunchOptions(block_n, warps, stages)
+
+        suffix_pass = functools.partial(
+            decode_merged,
+            *(q, kb, vb, out, t.q_rows, t.suffix_indptr, t.suffix_indices),
+            *(merged_out, merged_lse, HEAD_DIM**-0.5),
+            options=opts,
+        )
+        try:
+            ms = _time_launches(suffix_pass)
+        except Exception as exc:
+            print(f"suffix {opts}: {type(exc).__name__}")
+            continue
+        rows.append((ms, f"suffix merged {opts}", suffix_gb / ms * 1e3))
+    print(
+        f"bs {bs}, {groups} groups over {prefix} + {suffix}: prefix {prefix_gb:.3f} GB, suffix {suffix_gb:.3f} GB"
+    )
+    for kind in ("prefix", "suffix"):
+        best = sorted(r for r in rows if r[1].startswith(kind))
+        for ms, name, gbs in best[:8]:
+            print(f"{ms:8.4f} ms {gbs:7.0f} GB/s  {name}")
+        default = [
+            r
+            for r in best
+            if "block_n=64, num_warps=4, num_stages=2" in r[1]
+            or "block_n=64, num_warps=2, num_stages=2" in r[1]
+        ]
+        for ms, name, gbs in default:
+            print(f"  (now) {ms:8.4f} ms {gbs:7.0f} GB/s  {name}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -109,7 +199,12 @@ def main() -> None:
     ap.add_argument("--prefix", type=int, default=2048)
     ap.add_argument("--suffix", type=int, nargs="+", default=[128, 256, 384])
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--sweep", action="store_true", help="launch options of the two kernels")
     args = ap.parse_args()
+    if args.sweep:
+        for suffix in args.suffix:
+            sweep(args.groups, args.members, args.prefix, suffix)
+        return
     from radixserve.engine.attention.triton_backend import TritonAttentionBackend
 
     device = torch.device("cuda")

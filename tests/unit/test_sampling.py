@@ -261,11 +261,13 @@ def test_uniform_extremes_stay_inside_and_any_int_seed_works() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_greedy_equals_argmax(dtype: torch.dtype, device: str) -> None:
     logits = torch.randn(8, 50, generator=torch.Generator().manual_seed(0)).to(dtype)
+    logits[0, 7] = logits[0, 3] = 10.0  # a tie takes the first index
     reqs = [make_req(seed=i, temperature=0.0) for i in range(4)]
     reqs += [make_req(seed=i, temperature=0.9, top_k=1) for i in range(4)]
     got = run(logits, reqs, device).next_token_ids
     assert got.dtype == torch.int64
     assert torch.equal(got, logits.float().argmax(dim=-1))
+    assert got[0] == 3
 
 
 FILTERS = [

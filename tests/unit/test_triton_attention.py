@@ -130,6 +130,15 @@ def test_shared_prefix_decode_matches_torch(heads: int, kv_heads: int, page_size
     assert compare_with_torch(p, layers=(0, 1)) < FP32_MAX_REL_ERROR
 
 
+def test_shared_prefix_with_long_suffixes_merges_in_its_own_kernel() -> None:
+    # Suffixes past 256 keys take several splits: the partials of both parts are then
+    # folded by the merge kernel (with one suffix split the decode kernel folds the
+    # prefix partials itself, as in the test above).
+    p = make_pass([40 + 600, 40 + 3, 700], [1] * 3, mode=ForwardMode.DECODE, seed=23)
+    attention_passes.share_prefixes(p, [(40, [1, 0])])
+    assert compare_with_torch(p) < FP32_MAX_REL_ERROR
+
+
 def test_shared_prefix_group_wider_than_a_tile() -> None:
     # 4 query heads per KV head stack 16 members in a 64-row tile: 20 members take two.
     p = make_pass([64 + i for i in range(20)], [1] * 20, mode=ForwardMode.DECODE, seed=21)

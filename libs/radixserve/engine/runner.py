@@ -230,8 +230,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """float32 logits [batch_size, vocab]; a decode batch that fits a captured graph
-        replays it (the logits are then valid until the next forward)."""
+        """Logits [batch_size, vocab] in the model's dtype; a decode batch that fits a
+        captured graph replays it (the logits are then valid until the next forward)."""
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.replay(batch)
         self.attn.init_forward_metadata(batch)

@@ -24,8 +24,8 @@ How (SGLang's CudaGraphRunner, smaller):
   `shared_prefixes`, whose groups the backend writes into its fixed tables before the
   replay (attention/cascade.py).
 - Sampling runs outside the graph, on the logits a replay returns: a view of the one
-  float32 [max_bs, vocab] output buffer every graph writes its logits into (a buffer
-  per graph would hold the sum of the ladder's sizes: 17 GB for an 8B model's
+  [max_bs, vocab] output buffer (model dtype) every graph writes its logits into (a
+  float32 buffer per graph held the sum of the ladder's sizes: 17 GB for an 8B model's
   vocabulary up to 1024), valid until the next forward pass (the scheduler samples
   before it runs another).
 
@@ -149,7 +149,7 @@ class CudaGraphRunner:
         return self.batch_sizes[bisect.bisect_left(self.batch_sizes, bs)]
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
-        """float32 logits [bs, vocab] of a DECODE batch (a view of the graph's output)."""
+        """Logits [bs, vocab] of a DECODE batch (a view of the graph's output)."""
         if not self.can_run(batch):
             raise ValueError(
                 f"graphs run decode batches of 1 to {self.max_bs} requests, "

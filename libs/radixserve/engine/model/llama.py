@@ -183,7 +183,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(
         self, batch: ForwardBatch, attn: AttentionBackend, logits_out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """float32 logits [batch_size, vocab] at each request's last new token, written
+        """Logits [batch_size, vocab] at each request's last new token, in the model's dtype
+        (what the head computes: a float32 copy would cost a pass over them that greedy
+        rows never need; the sampler widens them where it computes on them), written
         into `logits_out` when given (the CUDA graphs' one shared output buffer)."""
         if self.rotary is None:
             raise RuntimeError("call init_rotary() (load_model does) before the first forward")
@@ -200,8 +202,8 @@ class LlamaForCausalLM(nn.Module):
         else:
             hidden, _ = self.model.norm(hidden[last], residual[last])
         if logits_out is None:
-            return self.lm_head(hidden).float()
-        return logits_out.copy_(self.lm_head(hidden))
+            return self.lm_head(hidden)
+        return torch.matmul(hidden, self.lm_head.weight.t(), out=logits_out)
 
     @torch.no_grad()
     def load_weights(self, path: str | Path) -> None:

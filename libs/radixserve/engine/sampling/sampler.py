@@ -48,6 +48,14 @@ class SampleResult:
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
     """Next token per row; `logits` [bs, vocab] of any float dtype, left unmodified."""
     _check_logits(logits, batch)
+    if (
+        batch.penalties is None
+        and batch.stop_mask is None
+        and batch.sampled is None
+        and not batch.return_logprob
+    ):
+        # All greedy: the argmax of 16-bit logits is that of their exact float32 copy.
+        return SampleResult(next_token_ids=logits.argmax(dim=-1))
     raw = logits.float()
     processed = raw
     if batch.penalties is not None:

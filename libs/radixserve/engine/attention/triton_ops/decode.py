@@ -11,7 +11,10 @@ each request's KV is cut into `num_splits` ranges attended in parallel:
   weighting each by exp(lse_split - lse_total).
 
 With one split (what CUDA graphs of many requests run) stage 2 would only copy, so
-stage 1 writes the normalised output straight into `out` instead (DIRECT).
+stage 1 writes the normalised output straight into `out` instead (DIRECT). A
+one-split pass can also fold in partials other kernels wrote before it (the cascade's
+shared-prefix splits, `decode_merged`): it merges them by their log-sum-exps before
+writing, so no merge kernel runs.
 
 KV slots come from the flat `kv_indices` table (request r's slots are
 kv_indices[kv_indptr[r]:kv_indptr[r + 1]]), so paging is invisible here. The requests
@@ -116,6 +119,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DIRECT: tl.constexpr,  # one split: write the final output, in Out's dtype
+    MERGE_SPLITS: tl.constexpr,  # with DIRECT: fold Mid_O/Mid_Lse splits [0, MERGE_SPLITS) in
 ):
     req = tl.program_id(0)
     head_block = tl.program_id(1)
@@ -168,7 +172,28 @@ def _decode_split_kernel(
     )
 
     if DIRECT:
-        # The one split is the whole sequence, never empty (it holds the new token).
+        # The one split is the whole sequence, never empty (it holds the new token), so
+        # m_i is finite and an unwritten (-inf) partial weighs exp2(-inf) = 0.
+        for s in tl.static_range(MERGE_SPLITS):
+            lse = tl.load(
+                Mid_Lse + req * stride_lse_t + heads * stride_lse_h + s,
+                mask=head_mask,
+                other=float("-inf"),
+            )
+            written = lse > float("-inf")
+            mid = req * stride_mid_t + heads * stride_mid_h + s * stride_mid_s
+            # Masked, not weighted: an unwritten partial is stale scratch (maybe NaN).
+            part = tl.load(
+                Mid_O + mid[:, None] + offs_d[None, :],
+                mask=q_mask & written[:, None],
+                other=0.0,
+            )
+            m_new = tl.maximum(m_i, lse)
+            alpha = tl.exp2(m_i - m_new)
+            weight = tl.exp2(lse - m_new)
+            acc = acc * alpha[:, None] + weight[:, None] * part
+            l_i = l_i * alpha + weight
+            m_i = m_new
         o = q_row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(Out + o, (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=q_mask)
     elif hi > lo:
@@ -233,8 +258,10 @@ def _launch_split_kernel(
     options: LaunchOptions | None,
     partials: tuple[torch.Tensor, torch.Tensor] | None,
     out: torch.Tensor | None,
+    merged: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """Stage 1 into `partials` (mid_out, mid_lse), or else in one split straight into `out`."""
+    """Stage 1 into `partials` (mid_out, mid_lse), or else in one split straight into `out`,
+    folding in the `merged` (mid_out, mid_lse) partials first where given."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_buffer.shape[1]
     group_size = num_heads // num_kv_heads
@@ -244,6 +271,12 @@ def _launch_split_kernel(
         num_splits = mid_out.shape[2]
         strides = (*mid_out.stride()[:3], *mid_lse.stride()[:2], 0, 0)
         out = mid_out  # a placeholder: not written with DIRECT off
+    elif merged is not None:
+        assert out is not None and out.stride(2) == 1
+        mid_out, mid_lse = merged
+        assert mid_out.stride(3) == 1 and mid_lse.stride(2) == 1
+        num_splits = 1
+        strides = (*mid_out.stride()[:3], *mid_lse.stride()[:2], out.stride(0), out.stride(1))
     else:
         assert out is not None and out.stride(2) == 1
         num_splits = 1
@@ -277,6 +310,7 @@ def _launch_split_kernel(
         BLOCK_N=options.block_n,
         DOT_PRECISION=dot_precision(q.dtype),
         DIRECT=partials is None,
+        MERGE_SPLITS=0 if merged is None else merged[0].shape[2],
         num_warps=options.num_warps,
         num_stages=options.num_stages,
     )
@@ -301,6 +335,28 @@ def decode_partials(
     _launch_split_kernel(
         q, k_buffer, v_buffer, q_rows, kv_indptr, kv_indices, scale, options,
         (mid_out, mid_lse), None,
+    )  # fmt: skip
+
+
+def decode_merged(
+    q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    out: torch.Tensor,  # [num_tokens, num_heads, head_dim]; the q_rows rows are written
+    q_rows: torch.Tensor,  # [bs] int64
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    mid_out: torch.Tensor,  # [bs, num_heads, splits, head_dim] fp32: partials written before
+    mid_lse: torch.Tensor,  # [bs, num_heads, splits] fp32, -inf where a split was not written
+    scale: float,
+    *,
+    options: LaunchOptions | None = None,
+) -> None:
+    """One split over each request's KV, merged with the partials already in mid_out /
+    mid_lse (e.g. a shared prefix's), written to `out`: attention over both parts."""
+    _launch_split_kernel(
+        q, k_buffer, v_buffer, q_rows, kv_indptr, kv_indices, scale, options, None, out,
+        (mid_out, mid_lse),
     )  # fmt: skip
 
 

@@ -32,9 +32,13 @@ from radixserve.engine.attention.triton_ops.common import (
     attend_paged_range,
     dot_precision,
 )
+from radixserve.engine.attention.triton_ops.decode import LaunchOptions
 
 _BLOCK_M = 64  # query rows per tile: members x query heads of one KV head
-_BLOCK_N = 64
+# Keys per loop step and launch options of the prefix kernel. From bench/cascade_attention.py
+# --sweep on an H100 (32 groups x 16 members over 2048 + 192 tokens, 32/8 heads, bf16):
+# 0.104 ms at one split (2.6 TB/s) against 0.116 with two stages and 0.123 at two splits.
+PREFIX_OPTIONS = LaunchOptions(block_n=64, num_warps=4, num_stages=3)
 
 
 def tile_rows(group_size: int) -> int:
@@ -207,15 +211,19 @@ def shared_prefix_attention(
     mid_out: torch.Tensor,  # [bs, num_heads, prefix_splits, head_dim] fp32 (a view)
     mid_lse: torch.Tensor,  # [bs, num_heads, prefix_splits] fp32 (a view)
     scale: float,
+    *,
+    options: LaunchOptions | None = None,
 ) -> None:
     """Each tile's members attend over their group's prefix: partial outputs into
-    mid_out/mid_lse (`prefix_tiles` cuts the groups into tiles)."""
+    mid_out/mid_lse (`prefix_tiles` cuts the groups into tiles). `options` default to
+    PREFIX_OPTIONS; others are for bench/cascade_attention.py's sweep."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_buffer.shape[1]
     group_size = num_heads // num_kv_heads
     num_splits = mid_out.shape[2]
     assert mid_out.stride(3) == 1 and mid_lse.stride(2) == 1
     block_d = max(16, triton.next_power_of_2(head_dim))
+    options = options or PREFIX_OPTIONS
     grid = (tiles.shape[1], num_kv_heads, num_splits)
     _shared_prefix_kernel[grid](
         q,
@@ -247,10 +255,10 @@ def shared_prefix_attention(
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         BLOCK_M=tile_rows(group_size),
-        BLOCK_N=_BLOCK_N,
+        BLOCK_N=options.block_n,
         DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=4,
-        num_stages=2,
+        num_warps=options.num_warps,
+        num_stages=options.num_stages,
     )
 
 
