@@ -48,6 +48,8 @@ HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 4096, 32, 8, 128, 14336
 MAX_POSITIONS = 8192
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 TOKENS = [1, 64, 333]
+# Llama-3.1-8B's heads, and SmolLM2-135M's (head counts not powers of two).
+ROTARY_SHAPES = [(HEADS, KV_HEADS, HEAD_DIM), (9, 3, 64)]
 EPS = 1e-5
 
 
@@ -76,9 +78,12 @@ def test_norms(dtype: torch.dtype, tokens: int) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", TOKENS)
-def test_rotary_is_exact(dtype: torch.dtype, tokens: int) -> None:
-    q, k, _ = cases.qkv_views(tokens, HEADS, KV_HEADS, HEAD_DIM, dtype, CUDA)
-    table = cases.rotary_table(HEAD_DIM, MAX_POSITIONS, dtype, CUDA)
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), ROTARY_SHAPES)
+def test_rotary_is_exact(
+    dtype: torch.dtype, tokens: int, heads: int, kv_heads: int, head_dim: int
+) -> None:
+    q, k, _ = cases.qkv_views(tokens, heads, kv_heads, head_dim, dtype, CUDA)
+    table = cases.rotary_table(head_dim, MAX_POSITIONS, dtype, CUDA)
     positions = cases.positions(tokens, MAX_POSITIONS, CUDA)
     q_out, k_out = apply_rotary(q, k, Rotation.of(table, positions))
     q_ref, k_ref = rotary_torch(q, k, *table.lookup(positions))
@@ -107,13 +112,16 @@ def test_store_kv_is_exact(dtype: torch.dtype, tokens: int) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", TOKENS)
-def test_rotary_store_matches_rotary_then_store_kv(dtype: torch.dtype, tokens: int) -> None:
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), ROTARY_SHAPES)
+def test_rotary_store_matches_rotary_then_store_kv(
+    dtype: torch.dtype, tokens: int, heads: int, kv_heads: int, head_dim: int
+) -> None:
     """The rotary kernel storing the KV (one launch) against rotary, then store_kv."""
-    q, k, v = cases.qkv_views(tokens, HEADS, KV_HEADS, HEAD_DIM, dtype, CUDA)
-    table = cases.rotary_table(HEAD_DIM, MAX_POSITIONS, dtype, CUDA)
+    q, k, v = cases.qkv_views(tokens, heads, kv_heads, head_dim, dtype, CUDA)
+    table = cases.rotary_table(head_dim, MAX_POSITIONS, dtype, CUDA)
     rotation = Rotation.of(table, cases.positions(tokens, MAX_POSITIONS, CUDA))
     loc = torch.randperm(4096, device=CUDA)[:tokens] + 1
-    ours = cases.kv_buffers(4097, KV_HEADS, HEAD_DIM, dtype, CUDA)
+    ours = cases.kv_buffers(4097, kv_heads, head_dim, dtype, CUDA)
     ref = (ours[0].clone(), ours[1].clone())
     q_out, k_out, stored = apply_rotary_and_store(q, k, rotation, KVWrite(*ours, loc, v))
     q_ref, k_ref = apply_rotary(q, k, rotation)

@@ -99,7 +99,7 @@ def test_fused_add_rms_norm(dtype: torch.dtype, tokens: int) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", [1, 7])
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(3, 1, 64), (4, 2, 16)])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(3, 1, 64), (4, 2, 16), (9, 3, 16)])
 @pytest.mark.parametrize("contiguous", [False, True])
 def test_rotary_is_exact(
     dtype: torch.dtype, tokens: int, heads: int, kv_heads: int, head_dim: int, contiguous: bool
@@ -141,7 +141,7 @@ def test_store_kv_is_exact(dtype: torch.dtype, tokens: int, kv_heads: int, head_
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", [1, 6])
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(3, 1, 64), (4, 2, 24)])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(3, 1, 64), (4, 2, 24), (9, 3, 16)])
 def test_rotary_store_matches_rotary_then_store_kv(
     dtype: torch.dtype, tokens: int, heads: int, kv_heads: int, head_dim: int
 ) -> None:

@@ -1,9 +1,11 @@
-"""Rotary kernel: one program per (token, head) of q and k together, in one launch.
+"""Rotary kernel: one program per token and part, in one launch: part 0 rotates the
+token's q heads, part 1 its k heads, each as one [heads, head_dim / 2] block per
+half, with the token's cos/sin row read once.
 
-With STORE the same launch also writes the step's KV: the programs of k's heads
-store their rotated rows into the layer's K buffer at the token's slot as well, and
-one more program per KV head copies the token's v row into the V buffer, each cast to
-the buffer's dtype (what store_kv does after the rotary kernel, one launch fewer).
+With STORE the same launch also writes the step's KV: part 1 stores the rotated k
+rows into the layer's K buffer at the token's slot and copies the token's v rows into
+the V buffer, each cast to the buffer's dtype (what store_kv does after the rotary
+kernel, one launch fewer).
 """
 
 from __future__ import annotations
@@ -14,6 +16,22 @@ import triton.language as tl
 
 from radixserve.engine.kernels.kv_store import KVWrite
 from radixserve.engine.kernels.triton_ops.kv_store import check_store
+
+
+@triton.jit
+def _rotate(src, dst, mask, cos1, cos2, sin1, sin2, HALF: tl.constexpr):
+    """Rotates the rows at src ([heads, half] pointers to their first halves) into
+    dst; returns the two rotated halves in dst's dtype."""
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    # x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1], every product and
+    # the sum rounded to the input dtype as torch rounds them.
+    dtype = dst.dtype.element_ty
+    out1 = ((x1 * cos1).to(dtype).to(tl.float32) + (-x2 * sin1).to(dtype).to(tl.float32)).to(dtype)
+    out2 = ((x2 * cos2).to(dtype).to(tl.float32) + (x1 * sin2).to(dtype).to(tl.float32)).to(dtype)
+    tl.store(dst, out1, mask=mask)
+    tl.store(dst + HALF, out2, mask=mask)
+    return out1, out2
 
 
 @triton.jit
@@ -38,51 +56,43 @@ def _rotary_kernel(
     VBuf,
     NUM_Q_HEADS: tl.constexpr,
     NUM_K_HEADS: tl.constexpr,
+    BLOCK_Q_HEADS: tl.constexpr,
+    BLOCK_K_HEADS: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK: tl.constexpr,
     STORE: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    offs = tl.arange(0, BLOCK)
+    part = tl.program_id(1)
+    offs = tl.arange(0, BLOCK)[None, :]
     mask = offs < HALF
-    if head < NUM_Q_HEADS + NUM_K_HEADS:
-        if head < NUM_Q_HEADS:
-            src = Q + token * stride_qt + head * stride_qh
-            dst = QOut + (token * NUM_Q_HEADS + head) * (2 * HALF)
-        else:
-            src = K + token * stride_kt + (head - NUM_Q_HEADS) * stride_kh
-            dst = KOut + (token * NUM_K_HEADS + head - NUM_Q_HEADS) * (2 * HALF)
-        row = tl.load(Positions + token).to(tl.int64) * stride_table
-        cos1 = tl.load(Cos + row + offs, mask=mask, other=0.0).to(tl.float32)
-        cos2 = tl.load(Cos + row + HALF + offs, mask=mask, other=0.0).to(tl.float32)
-        sin1 = tl.load(Sin + row + offs, mask=mask, other=0.0).to(tl.float32)
-        sin2 = tl.load(Sin + row + HALF + offs, mask=mask, other=0.0).to(tl.float32)
-        x1 = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(src + HALF + offs, mask=mask, other=0.0).to(tl.float32)
-        # x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1], every product and
-        # the sum rounded to the input dtype as torch rounds them.
-        dtype = QOut.dtype.element_ty
-        out1 = (x1 * cos1).to(dtype).to(tl.float32) + (-x2 * sin1).to(dtype).to(tl.float32)
-        out2 = (x2 * cos2).to(dtype).to(tl.float32) + (x1 * sin2).to(dtype).to(tl.float32)
-        tl.store(dst + offs, out1.to(dtype), mask=mask)
-        tl.store(dst + HALF + offs, out2.to(dtype), mask=mask)
+    row = tl.load(Positions + token).to(tl.int64) * stride_table
+    cos1 = tl.load(Cos + row + offs, mask=mask, other=0.0).to(tl.float32)
+    cos2 = tl.load(Cos + row + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    sin1 = tl.load(Sin + row + offs, mask=mask, other=0.0).to(tl.float32)
+    sin2 = tl.load(Sin + row + HALF + offs, mask=mask, other=0.0).to(tl.float32)
+    # Names apart in the two branches: Triton merges names bound in both.
+    if part == 0:
+        q_heads = tl.arange(0, BLOCK_Q_HEADS)[:, None]
+        q_src = Q + token * stride_qt + q_heads * stride_qh + offs
+        q_dst = QOut + (token * NUM_Q_HEADS + q_heads) * (2 * HALF) + offs
+        _rotate(q_src, q_dst, (q_heads < NUM_Q_HEADS) & mask, cos1, cos2, sin1, sin2, HALF)
+    else:
+        k_heads = tl.arange(0, BLOCK_K_HEADS)[:, None]
+        k_mask = (k_heads < NUM_K_HEADS) & mask
+        k_src = K + token * stride_kt + k_heads * stride_kh + offs
+        k_dst = KOut + (token * NUM_K_HEADS + k_heads) * (2 * HALF) + offs
+        out1, out2 = _rotate(k_src, k_dst, k_mask, cos1, cos2, sin1, sin2, HALF)
         if STORE:
-            if head >= NUM_Q_HEADS:
-                slot = tl.load(Loc + token).to(tl.int64)
-                k_cache = KBuf + (slot * NUM_K_HEADS + head - NUM_Q_HEADS) * (2 * HALF)
-                cache_dtype = KBuf.dtype.element_ty
-                tl.store(k_cache + offs, out1.to(dtype).to(cache_dtype), mask=mask)
-                tl.store(k_cache + HALF + offs, out2.to(dtype).to(cache_dtype), mask=mask)
-    elif STORE:  # the v programs (names apart: Triton merges names bound in both branches)
-        v_head = head - NUM_Q_HEADS - NUM_K_HEADS
-        v_slot = tl.load(Loc + token).to(tl.int64)
-        v_src = V + token * stride_vt + v_head * stride_vh
-        v_cache = VBuf + (v_slot * NUM_K_HEADS + v_head) * (2 * HALF)
-        v1 = tl.load(v_src + offs, mask=mask)
-        v2 = tl.load(v_src + HALF + offs, mask=mask)
-        tl.store(v_cache + offs, v1.to(VBuf.dtype.element_ty), mask=mask)
-        tl.store(v_cache + HALF + offs, v2.to(VBuf.dtype.element_ty), mask=mask)
+            slot = tl.load(Loc + token).to(tl.int64)
+            k_cache = KBuf + (slot * NUM_K_HEADS + k_heads) * (2 * HALF) + offs
+            tl.store(k_cache, out1.to(KBuf.dtype.element_ty), mask=k_mask)
+            tl.store(k_cache + HALF, out2.to(KBuf.dtype.element_ty), mask=k_mask)
+            dim = tl.arange(0, 2 * BLOCK)[None, :]  # whole v rows
+            v_mask = (k_heads < NUM_K_HEADS) & (dim < 2 * HALF)
+            v = tl.load(V + token * stride_vt + k_heads * stride_vh + dim, mask=v_mask)
+            v_cache = VBuf + (slot * NUM_K_HEADS + k_heads) * (2 * HALF) + dim
+            tl.store(v_cache, v.to(VBuf.dtype.element_ty), mask=v_mask)
 
 
 def rotary_triton(
@@ -116,13 +126,14 @@ def rotary_triton(
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     if store is None:  # the store arguments are never read: any tensors will do
-        v, loc, k_buffer, v_buffer, heads = k, positions, k_out, k_out, q_heads + k_heads
+        v, loc, k_buffer, v_buffer = k, positions, k_out, k_out
     else:
         check_store(store.k_buffer, store.v_buffer, k, store.v)
         v, loc, k_buffer, v_buffer = store.v, store.loc, store.k_buffer, store.v_buffer
-        heads = q_heads + 2 * k_heads
     half = head_dim // 2
-    _rotary_kernel[(tokens, heads)](
+    block = triton.next_power_of_2(half)
+    block_q_heads = triton.next_power_of_2(q_heads)
+    _rotary_kernel[(tokens, 2)](
         q,
         q.stride(0),
         q.stride(1),
@@ -143,10 +154,13 @@ def rotary_triton(
         v_buffer,
         NUM_Q_HEADS=q_heads,
         NUM_K_HEADS=k_heads,
+        BLOCK_Q_HEADS=block_q_heads,
+        BLOCK_K_HEADS=triton.next_power_of_2(k_heads),
         HALF=half,
-        BLOCK=triton.next_power_of_2(half),
+        BLOCK=block,
         STORE=store is not None,
-        num_warps=1,
+        # The q block is the larger: 4 warps for Llama's 32 heads x 64, fewer below.
+        num_warps=min(max(block_q_heads * block // 512, 1), 4),
         enable_fp_fusion=False,  # float32: a fused multiply-add would round differently
     )
     return q_out, k_out
