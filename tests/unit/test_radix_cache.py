@@ -8,13 +8,13 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from radixserve.engine.kvcache.naive_cache import NaiveCache
 from radixserve.engine.kvcache.pool import KVPool
-from radixserve.engine.kvcache.radix_cache import RadixCache, TreeNode
+from radixserve.engine.kvcache.radix_cache import RadixCache, TreeNode, common_prefix_len
 
 
 def make_pool(num_slots: int, page_size: int = 1) -> KVPool:
@@ -476,3 +476,20 @@ TestPagedRadixMachine = PagedRadixMachine.TestCase
 TestPagedRadixMachine.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
 TestNaiveMachine = NaiveMachine.TestCase
 TestNaiveMachine.settings = settings(max_examples=50, stateful_step_count=30, deadline=None)
+
+
+@given(
+    st.lists(st.integers(0, 3), max_size=300),
+    st.lists(st.integers(0, 3), max_size=300),
+    st.integers(0, 300),
+)
+def test_common_prefix_len_matches_a_token_by_token_scan(
+    a: list[int], b: list[int], cut: int
+) -> None:
+    # Long shared runs (b starts with a's first `cut` tokens) cross the block compares.
+    b = a[:cut] + b
+    expected = 0
+    while expected < min(len(a), len(b)) and a[expected] == b[expected]:
+        expected += 1
+    assert common_prefix_len(a, b) == expected
+    assert common_prefix_len(a, tuple(b)) == expected
