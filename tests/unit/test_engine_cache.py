@@ -6,6 +6,7 @@ from pathlib import Path
 
 from radixserve import Engine
 from radixserve.engine.request import ReqStatus
+from radixserve.engine.sched.prefill import IN_BATCH_SHARE_MIN
 from tests.unit.engine_helpers import engine_outputs, greedy_params, make_prompts
 
 
@@ -107,9 +108,12 @@ def test_prefix_is_shared_while_its_first_request_decodes(tiny_llama_dir: Path) 
 
 def test_one_batch_of_one_prefix_keeps_one_copy(tiny_llama_dir: Path) -> None:
     """Requests of one prefix prefilled in the same step each compute it, but once their
-    prefill completes the duplicates go back to the pool: one cached copy remains."""
+    prefill completes the duplicates go back to the pool: one cached copy remains. (A
+    prefix shorter than IN_BATCH_SHARE_MIN: longer ones wait a step for the cache.)"""
     engine = _engine(tiny_llama_dir)
-    prefix, *tails = make_prompts(engine.runner.vocab_size, [200, 5, 6, 7], seed=4)
+    prefix, *tails = make_prompts(
+        engine.runner.vocab_size, [IN_BATCH_SHARE_MIN - 4, 5, 6, 7], seed=4
+    )
     for tail in tails:
         engine.submit(prefix + tail, greedy_params(20))
     engine.step()  # all three prefilled together
@@ -121,3 +125,26 @@ def test_one_batch_of_one_prefix_keeps_one_copy(tiny_llama_dir: Path) -> None:
     while engine.has_work():
         engine.step()
     assert engine.num_tracked() == 0
+
+
+def test_prompts_sharing_an_uncached_prefix_prefill_it_once(tiny_llama_dir: Path) -> None:
+    # Three prompts over one new 300-token prefix arrive together and one step's chunk
+    # could hold them all: the first computes the prefix, the others wait a step for it
+    # in the cache instead of computing it again; a prompt sharing nothing is admitted.
+    engine = _engine(tiny_llama_dir, chunked_prefill_size=4096)
+    prefix, *tails = make_prompts(engine.runner.vocab_size, [300, 20, 25, 30], seed=13)
+    (other,) = make_prompts(engine.runner.vocab_size, [40], seed=14)
+    prompts = [prefix + tails[0], prefix + tails[1], other, prefix + tails[2]]
+    rids = [engine.submit(p, greedy_params(6)) for p in prompts]
+    engine.step()
+    states = [engine._groups[rid].choices[0].status for rid in rids]
+    assert states == [ReqStatus.RUNNING, ReqStatus.WAITING, ReqStatus.RUNNING, ReqStatus.WAITING]
+    finals = {}
+    while engine.has_work():
+        finals.update({out.rid: out.req for out in engine.step() if out.finished})
+    assert [finals[rid].cached_tokens >= 299 for rid in rids] == [False, True, False, True]
+    assert engine.scheduler.total_prefill_tokens == sum(map(len, prompts)) - sum(
+        finals[rid].cached_tokens for rid in rids
+    )
+    reference = engine_outputs(_engine(tiny_llama_dir, disable_radix_cache=True), prompts, 6)
+    assert [finals[rid].output_ids for rid in rids] == reference

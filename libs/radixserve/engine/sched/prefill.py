@@ -4,6 +4,12 @@ Budgets: KV tokens (what is free or evictable, minus what running requests are
 expected to still need; new KV is counted in whole pages), prefill tokens per step
 (max_prefill_tokens), and the chunk size; a request longer than the remaining chunk
 is split, and only one request is ever mid-chunk.
+
+A request whose prompt shares an uncached prefix with one admitted in the same step
+waits a step (`DEFERRED`): the other's KV enters the cache when its prefill (or chunk)
+runs, and this one then reuses it instead of computing it a second time (SGLang's
+in-batch prefix check). Several prompts sharing a new system prompt that arrive
+together would otherwise all prefill it in one step when the chunk holds them.
 """
 
 from __future__ import annotations
@@ -11,11 +17,15 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from radixserve.engine.kvcache.radix_cache import common_prefix_len
 from radixserve.engine.request import Req, ReqStatus
 from radixserve.engine.sched.kv_manager import KVManager
 
 # Long max_new_tokens would otherwise reserve the whole pool for one request.
 CLIP_MAX_NEW_TOKENS_ESTIMATE = 4096
+# Tokens a request must share past its cached prefix with one admitted this step to
+# wait for it (SGLang's in-batch threshold); fewer are not worth a step's delay.
+IN_BATCH_SHARE_MIN = 32
 
 
 def future_tokens(req: Req, new_token_ratio: float, page_size: int) -> int:
@@ -29,6 +39,7 @@ class AddResult(enum.Enum):
     ADDED = 1
     NO_TOKENS = 2  # out of KV or prefill budget: stop admitting this step
     NO_ROWS = 3
+    DEFERRED = 4  # shares an uncached prefix with a request admitted this step
 
 
 @dataclass
@@ -85,6 +96,8 @@ class PrefillAdder:
         if self.kv.req_pool.available() == 0:
             return AddResult.NO_ROWS
         prefix_len = self.kv.match(req)
+        if self._shares_uncached_prefix(req, prefix_len):
+            return AddResult.DEFERRED
         extend_len = req.seq_len - prefix_len
         if self.admitted and extend_len > self.rem_input_tokens:
             return AddResult.NO_TOKENS
@@ -101,3 +114,14 @@ class PrefillAdder:
             req.cached_tokens = prefix_len
         self._take(req, extend_len)
         return AddResult.ADDED
+
+    def _shares_uncached_prefix(self, req: Req, prefix_len: int) -> bool:
+        """Whether a request admitted this step computes at least IN_BATCH_SHARE_MIN (and
+        a page) of req's tokens past its cached prefix."""
+        if not self.admitted or not self.kv.cache.reuses_prefixes:
+            return False
+        wanted = prefix_len + max(IN_BATCH_SHARE_MIN, self.kv.page_size)
+        ids = req.fill_ids
+        if len(ids) <= wanted:
+            return False
+        return any(common_prefix_len(other.fill_ids, ids) >= wanted for other in self.admitted)

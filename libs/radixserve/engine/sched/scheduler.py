@@ -36,6 +36,10 @@ from radixserve.engine.sched.prefill import AddResult, PrefillAdder, future_toke
 from radixserve.engine.sched.shared_prefix import find_shared_prefixes
 from radixserve.engine.transfer import HostCopy, upload_int64
 
+# Requests passed over in one step for sharing a prefix admitted in it; past this the
+# step stops admitting (scanning a long queue of one group would cost host time).
+MAX_DEFERRED_PER_STEP = 128
+
 
 class Runner(Protocol):
     device: torch.device
@@ -254,8 +258,13 @@ class Scheduler:
         ordered = order_waiting(
             self.config.schedule_policy, list(self.waiting), self.kv, self.config.lpm_max_waiting
         )
+        deferred = 0
         for req in ordered:
-            if adder.add_one(req) is not AddResult.ADDED:
+            result = adder.add_one(req)
+            if result is AddResult.DEFERRED and deferred < MAX_DEFERRED_PER_STEP:
+                deferred += 1  # waits for a prefix admitted this step to be cached
+                continue
+            if result is not AddResult.ADDED:
                 break
             self.waiting.remove(req)
         self.chunked = adder.chunked
