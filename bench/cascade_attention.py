@@ -27,8 +27,15 @@ from dataclasses import replace
 import torch
 
 from radixserve.engine.attention.cascade import CascadeDecode
-from radixserve.engine.attention.triton_ops.decode import LaunchOptions, decode_merged
-from radixserve.engine.attention.triton_ops.shared_prefix import shared_prefix_attention
+from radixserve.engine.attention.triton_ops.decode import (
+    LaunchOptions,
+    decode_merged,
+    launch_options,
+)
+from radixserve.engine.attention.triton_ops.shared_prefix import (
+    PREFIX_OPTIONS,
+    shared_prefix_attention,
+)
 from radixserve.engine.forward_batch import ForwardBatch, ForwardMode, SharedPrefix
 from radixserve.engine.kvcache.pool import KVPool, ReqToTokenPool
 
@@ -176,18 +183,13 @@ def sweep(groups: int, members: int, prefix: int, suffix: int) -> None:
     print(
         f"bs {bs}, {groups} groups over {prefix} + {suffix}: prefix {prefix_gb:.3f} GB, suffix {suffix_gb:.3f} GB"
     )
-    for kind in ("prefix", "suffix"):
+    for kind, default in (("prefix", PREFIX_OPTIONS), ("suffix", launch_options(1))):
         best = sorted(r for r in rows if r[1].startswith(kind))
         for ms, name, gbs in best[:8]:
             print(f"{ms:8.4f} ms {gbs:7.0f} GB/s  {name}")
-        default = [
-            r
-            for r in best
-            if "block_n=64, num_warps=4, num_stages=2" in r[1]
-            or "block_n=64, num_warps=2, num_stages=2" in r[1]
-        ]
-        for ms, name, gbs in default:
-            print(f"  (now) {ms:8.4f} ms {gbs:7.0f} GB/s  {name}")
+        for ms, name, gbs in best:
+            if name.endswith(str(default)):
+                print(f"  (default) {ms:8.4f} ms {gbs:7.0f} GB/s  {name}")
 
 
 def main() -> None:
