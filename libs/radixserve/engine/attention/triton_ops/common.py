@@ -82,6 +82,21 @@ def online_softmax_step(qk, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def fold_partial(m, total, acc, lse, part):
+    """Fold a normalised partial output `part` with its log2-sum-exp2 `lse` into a running
+    merge: m is the largest lse so far, total the sum of exp2(lse - m), acc the sum of
+    parts weighted by it (one row: scalars and [D]; or rows: [R] and [R, D]). An lse of
+    -inf weighs 0 (its part must not be NaN: callers drop unwritten scratch); while m
+    is still -inf the shift is 0, so exp2 gives 0, not NaN."""
+    m_new = tl.maximum(m, lse)
+    shift = tl.where(m_new > float("-inf"), m_new, 0.0)
+    alpha = tl.exp2(m - shift)
+    weight = tl.exp2(lse - shift)
+    acc = acc * tl.expand_dims(alpha, -1) + tl.expand_dims(weight, -1) * part
+    return m_new, total * alpha + weight, acc
+
+
+@triton.jit
 def attend_paged_range(
     q,
     kv_indices,

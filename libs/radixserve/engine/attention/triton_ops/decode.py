@@ -33,6 +33,7 @@ from radixserve.engine.attention.triton_ops.common import (
     LOG2E,
     attend_paged_range,
     dot_precision,
+    fold_partial,
 )
 
 # tl.dot needs at least 16 rows; a GQA group smaller than this leaves rows masked.
@@ -172,8 +173,7 @@ def _decode_split_kernel(
     )
 
     if DIRECT:
-        # The one split is the whole sequence, never empty (it holds the new token), so
-        # m_i is finite and an unwritten (-inf) partial weighs exp2(-inf) = 0.
+        # Fold in the partials written before this kernel (-inf where none was).
         for s in tl.static_range(MERGE_SPLITS):
             lse = tl.load(
                 Mid_Lse + req * stride_lse_t + heads * stride_lse_h + s,
@@ -188,12 +188,7 @@ def _decode_split_kernel(
                 mask=q_mask & written[:, None],
                 other=0.0,
             )
-            m_new = tl.maximum(m_i, lse)
-            alpha = tl.exp2(m_i - m_new)
-            weight = tl.exp2(lse - m_new)
-            acc = acc * alpha[:, None] + weight[:, None] * part
-            l_i = l_i * alpha + weight
-            m_i = m_new
+            m_i, l_i, acc = fold_partial(m_i, l_i, acc, lse, part)
         o = q_row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(Out + o, (acc / l_i[:, None]).to(Out.dtype.element_ty), mask=q_mask)
     elif hi > lo:
@@ -237,12 +232,7 @@ def _decode_reduce_kernel(
         mid = req * stride_mid_t + head * stride_mid_h + split * stride_mid_s
         lse = tl.load(Mid_Lse + req * stride_lse_t + head * stride_lse_h + split)
         part = tl.load(Mid_O + mid + offs_d, mask=d_mask, other=0.0)
-        m_new = tl.maximum(m, lse)
-        alpha = tl.exp2(m - m_new)
-        weight = tl.exp2(lse - m_new)
-        acc = acc * alpha + weight * part
-        total = total * alpha + weight
-        m = m_new
+        m, total, acc = fold_partial(m, total, acc, lse, part)
     out = (acc / total).to(Out.dtype.element_ty)
     tl.store(Out + tl.load(q_rows + req) * stride_ot + head * stride_oh + offs_d, out, mask=d_mask)
 

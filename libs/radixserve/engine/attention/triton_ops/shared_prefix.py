@@ -31,6 +31,7 @@ from radixserve.engine.attention.triton_ops.common import (
     LOG2E,
     attend_paged_range,
     dot_precision,
+    fold_partial,
 )
 from radixserve.engine.attention.triton_ops.decode import LaunchOptions
 
@@ -188,14 +189,7 @@ def _merge_splits_kernel(
         part = tl.load(Mid_O + mid + offs_d, mask=d_mask, other=0.0)
         # An unwritten split's output is stale scratch (maybe NaN): dropped, not weighted.
         part = tl.where(written, part, 0.0)
-        m_new = tl.maximum(m, lse)
-        # Until a written split is seen m_new is -inf: shift by 0 so exp2 gives 0, not NaN.
-        shift = tl.where(m_new > float("-inf"), m_new, 0.0)
-        alpha = tl.exp2(m - shift)
-        weight = tl.exp2(lse - shift)
-        acc = acc * alpha + weight * part
-        total = total * alpha + weight
-        m = m_new
+        m, total, acc = fold_partial(m, total, acc, lse, part)
     out = (acc / total).to(Out.dtype.element_ty)
     tl.store(Out + req * stride_ot + head * stride_oh + offs_d, out, mask=d_mask)
 
