@@ -27,9 +27,12 @@ from radixserve import Engine
 from radixserve.engine.attention.triton_ops.common import INTERPRETED
 from radixserve.engine.forward_batch import ForwardBatch, ForwardMode, SharedPrefix
 from radixserve.engine.graphs.cuda_graph_runner import CudaGraphRunner, capture_batch_sizes
+from radixserve.engine.request import Req
+from radixserve.engine.sched import scheduler as scheduler_module
+from radixserve.engine.sched.scheduler import Scheduler
 from tests.helpers.batches import PagedRequests
 from tests.helpers.triton_interpreter import skip_unless_interpreted_or_cuda
-from tests.unit.engine_helpers import engine_outputs, make_prompts
+from tests.unit.engine_helpers import engine_outputs, greedy_params, make_prompts
 
 skip_unless_interpreted_or_cuda()
 
@@ -177,3 +180,49 @@ def test_generation_with_cascade_graphs_equals_the_torch_backend(tiny_llama_dir:
     assert engine_outputs(engine, prompts, 6) == reference
     assert engine.scheduler.total_cascade_steps >= 4
     assert graphs.num_replays >= 4
+
+
+def test_cascade_groups_are_reused_only_while_the_decode_batch_keeps_its_members(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Five prompts over one system prompt, ending after 3 to 9 tokens: the decode batch
+    # loses a member every few steps. Without graphs every decode step runs cascade
+    # eagerly; each step's groups must equal those found afresh from the radix paths.
+    system, *questions = make_prompts(1000, [72, 5, 9, 3, 12, 7], seed=7)
+    prompts = [system + q for q in questions]
+    lengths = [3, 9, 5, 9, 7]
+    params = [greedy_params(n) for n in lengths]
+    reference = _engine(tiny_llama_dir, attention_backend="torch").generate(
+        input_ids=prompts, sampling_params=params
+    )
+    engine = _engine(tiny_llama_dir, debug_check_invariants=True)
+    searches = []
+    real_find = scheduler_module.find_shared_prefixes
+    monkeypatch.setattr(
+        scheduler_module,
+        "find_shared_prefixes",
+        lambda paths: searches.append(len(paths)) or real_find(paths),
+    )
+    steps = []
+    real_groups = Scheduler._shared_prefixes
+
+    def checked(self: Scheduler, reqs: list[Req]) -> tuple[SharedPrefix, ...]:
+        groups = real_groups(self, reqs)
+        lead = next(
+            (i for i, r in enumerate(reqs) if r.extend_len != 1 or not r.prefill_done), len(reqs)
+        )
+        fresh = (
+            real_find([self.kv.cache.path(r.last_node) for r in reqs[:lead]]) if lead > 1 else ()
+        )
+        assert groups == fresh
+        steps.append(lead)
+        return groups
+
+    monkeypatch.setattr(Scheduler, "_shared_prefixes", checked)
+    outs = engine.generate(input_ids=prompts, sampling_params=params)
+    assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in reference]
+    assert [len(o["output_ids"]) for o in outs] == lengths
+    # Searched only when the members changed: fewer searches than cascade steps.
+    assert engine.scheduler.total_cascade_steps >= 6
+    assert 0 < len(searches) < engine.scheduler.total_cascade_steps
+    assert len(set(steps)) >= 3  # the batch shrank at least twice

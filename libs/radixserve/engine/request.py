@@ -78,8 +78,9 @@ class Req:
 
     @property
     def fill_ids(self) -> list[int]:
-        """Every token whose KV the request needs before its next sample."""
-        return self.origin_input_ids + self.output_ids
+        """Every token whose KV the request needs before its next sample. Read-only: before
+        the first output token it is the prompt list itself (no copy per call)."""
+        return self.origin_input_ids + self.output_ids if self.output_ids else self.origin_input_ids
 
     @property
     def seq_len(self) -> int:

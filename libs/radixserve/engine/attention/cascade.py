@@ -165,7 +165,7 @@ class CascadeDecode:
         )
         self._member_indptr = member_indptr
         self._max_prefix = max(lengths)
-        self._suffix_splits = num_kv_splits(max(suffix_lens))
+        self._max_suffix = max(suffix_lens)
         self._tables = _Tables(
             members=members_t,
             tiles=members_t,  # replaced by the real tiles at the first layer
@@ -201,7 +201,13 @@ class CascadeDecode:
         tiles = prefix_tiles(self._member_indptr, members_per_tile(num_heads // num_kv_heads))
         self._tables.tiles = upload(torch.tensor(tiles, dtype=torch.int64), q.device)
         prefix_splits = _prefix_splits(len(tiles[0]) * num_kv_heads, q.device, self._max_prefix)
-        splits = prefix_splits + self._suffix_splits
+        # As few suffix splits as fill the GPU: a large batch (a mixed step's ~500
+        # decoders) takes one, folding the prefix partials in with no merge kernel.
+        suffix_splits = min(
+            num_kv_splits(self._max_suffix),
+            graph_num_kv_splits(bs, num_kv_heads, num_sms(q.device)),
+        )
+        splits = prefix_splits + suffix_splits
         mid_out = torch.empty(
             (bs, num_heads, splits, head_dim), dtype=torch.float32, device=q.device
         )

@@ -98,6 +98,10 @@ class Scheduler:
         self.total_retractions = 0
         self.total_cascade_steps = 0  # decode steps run with shared prefixes
         self.total_exact_state_waits = 0  # steps that read the step in flight before planning
+        # The last cascade groups and the decoding requests they were found for: a decode
+        # batch keeps its members for many steps, and their prefixes stay locked (same
+        # slots) while they run, so the groups hold until the membership changes.
+        self._groups_for: tuple[tuple[str, ...], tuple[SharedPrefix, ...]] = ((), ())
 
     # -- requests ---------------------------------------------------------------
     def add_request(self, req: Req) -> None:
@@ -241,6 +245,11 @@ class Scheduler:
     def _plan_prefill(self, decode_reqs: list[Req]) -> list[Req]:
         if not self.waiting and self.chunked is None:
             return []
+        if self.chunked is None and (
+            len(self.running) >= self.config.max_running_requests
+            or self.kv.req_pool.available() == 0
+        ):
+            return []  # no row for a new request (PrefillAdder.add_one's NO_ROWS)
         chunk = self.config.chunked_prefill_size
         adder = PrefillAdder(
             kv=self.kv,
@@ -333,8 +342,13 @@ class Scheduler:
         mixed = decoding < len(reqs)
         if decoding < 2 or not self.runner.uses_cascade(len(reqs), mixed):
             return ()
-        paths = [self.kv.cache.path(r.last_node) for r in reqs[:decoding]]
-        groups = find_shared_prefixes(paths)
+        members = tuple(r.rid for r in reqs[:decoding])
+        if self._groups_for[0] == members:
+            groups = self._groups_for[1]
+        else:
+            paths = [self.kv.cache.path(r.last_node) for r in reqs[:decoding]]
+            groups = find_shared_prefixes(paths)
+            self._groups_for = (members, groups)
         if not groups:
             return ()
         self.total_cascade_steps += 1
