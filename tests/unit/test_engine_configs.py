@@ -72,3 +72,40 @@ def test_retraction_keeps_outputs(
     assert outs == baseline
     usage = engine.scheduler.usage()
     assert usage.free_tokens + usage.evictable_tokens == usage.pool_size
+
+
+def test_batch_limits_follow_the_device_unless_set(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    from radixserve.engine import runner
+    from radixserve.engine.config import EngineConfig
+
+    # On the CPU: 256 running; the resolved values are what the config then shows.
+    engine = Engine(model_path=str(tiny_llama_dir), device="cpu", dtype="float32")
+    assert engine.runner.max_running_requests == engine.config.max_running_requests == 256
+    assert engine.config.cuda_graph_max_bs == 256
+    engine.shutdown()
+    # A set value stays, the other follows the device.
+    engine = Engine(
+        model_path=str(tiny_llama_dir), device="cpu", dtype="float32", max_running_requests=3
+    )
+    assert engine.runner.max_running_requests == 3 and engine.config.cuda_graph_max_bs == 256
+    assert engine.runner.req_pool.max_reqs == 4  # one spare row for the request mid-chunk
+    engine.shutdown()
+
+    # A GPU by its memory (the device properties stand in for one here).
+    class Props:
+        total_memory = 0
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props)
+    cuda = torch.device("cuda", 0)
+    for gib, limit in [(80, 512), (141, 512), (70, 512), (48, 256), (24, 256)]:
+        Props.total_memory = gib * 1024**3
+        assert runner.batch_limit(cuda) == limit
+        config = EngineConfig(cuda_graph_max_bs=64)
+        assert runner.resolve_batch_limits(config, cuda) == (limit, 64)
+        assert (config.max_running_requests, config.cuda_graph_max_bs) == (limit, 64)
+    with pytest.raises(ValueError, match="max_running_requests must be >= 1"):
+        EngineConfig(max_running_requests=0)

@@ -27,12 +27,15 @@ class EngineConfig:
     cpu_kv_tokens: int = 32768
     max_total_tokens: int | None = None
     page_size: int = 1
-    max_running_requests: int = 256
+    # None (the default): by the device (runner.batch_limit): 512 on a GPU of 70 GiB or
+    # more, else 256; resolved when the model runner starts.
+    max_running_requests: int | None = None
     context_length: int | None = None  # default: the model's max_position_embeddings
     # CUDA graphs for decode batches (CUDA and a backend that supports them only): captured
-    # at start-up for batch sizes up to cuda_graph_max_bs (capped by max_running_requests).
+    # at start-up for batch sizes up to cuda_graph_max_bs (capped by max_running_requests;
+    # None: by the device, as max_running_requests).
     disable_cuda_graph: bool = False
-    cuda_graph_max_bs: int = 256
+    cuda_graph_max_bs: int | None = None
     # Overlap scheduling (CUDA only; the CPU has nothing to overlap): the host plans and
     # launches step N+1 while the device runs step N, reading step N's tokens one step late.
     disable_overlap_schedule: bool = False
@@ -82,7 +85,8 @@ class EngineConfig:
             "cpu_kv_tokens",
             "cuda_graph_max_bs",
         ):
-            if getattr(self, name) < 1:
+            value = getattr(self, name)
+            if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1")
         if self.max_total_tokens is not None and self.max_total_tokens < 2:
             raise ValueError("max_total_tokens must be >= 2")

@@ -92,7 +92,7 @@ class WorkerService:
         config = engine.config
         self.telemetry.metrics.set_cache_config(config.page_size, engine.runner.kv_pool.num_pages)
         self.capacity = protocol.WorkerCapacity(
-            max_running_requests=config.max_running_requests,
+            max_running_requests=engine.runner.max_running_requests,
             max_total_num_tokens=engine.runner.kv_pool.size,
             max_context_len=engine.context_len,
             page_size=config.page_size,

@@ -44,6 +44,7 @@ MAX_DEFERRED_PER_STEP = 128
 class Runner(Protocol):
     device: torch.device
     vocab_size: int
+    max_running_requests: int  # the config's, resolved for the device
 
     def uses_cascade(self, batch_size: int, mixed: bool = False) -> bool: ...
 
@@ -90,7 +91,7 @@ class Scheduler:
         self._inflight: Launched | None = None  # launched, tokens not read yet
         # Penalized requests' seen tokens and output counts, updated on the device.
         self.penalty_state = PenaltyState(
-            runner.vocab_size, runner.device, config.max_running_requests
+            runner.vocab_size, runner.device, runner.max_running_requests
         )
         # Counters tests and metrics read.
         self.total_prefill_tokens = 0
@@ -246,7 +247,7 @@ class Scheduler:
         if not self.waiting and self.chunked is None:
             return []
         if self.chunked is None and (
-            len(self.running) >= self.config.max_running_requests
+            len(self.running) >= self.runner.max_running_requests
             or self.kv.req_pool.available() == 0
         ):
             return []  # no row for a new request (PrefillAdder.add_one's NO_ROWS)
@@ -259,7 +260,7 @@ class Scheduler:
             rem_input_tokens=self.config.max_prefill_tokens,
             rem_chunk_tokens=chunk if chunk > 0 else -1,
             new_token_ratio=self.new_token_ratio,
-            max_running=self.config.max_running_requests,
+            max_running=self.runner.max_running_requests,
             num_running=len(self.running),
         )
         if self.chunked is not None:
