@@ -10,6 +10,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import torch
 
 from radixserve import Engine
 from radixserve.benchmark.datasets import generated_shared_prefix
@@ -83,3 +84,14 @@ def test_cli_on_a_dummy_tiny_model(
         assert row["input_tokens"] == sum(r.prompt_len for r in expected)
         assert row["output_tokens"] == sum(r.output_len for r in expected)
     assert set(result["radix_on_over_off"]) == {"sharegpt"}
+
+
+def test_gpu_busy_counts_overlapping_kernels_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(BENCH_DIR))
+    gpu_busy = importlib.import_module("gpu_busy")
+    # Kernels 0-10 and 5-12 overlap (7 busy past 5), a gap to 20, then 20-25: busy 17 of 25.
+    assert gpu_busy.busy_and_span([(20, 25), (0, 10), (5, 12)]) == (17.0, 25.0)
+    assert gpu_busy.busy_and_span([(3, 4)]) == (1.0, 1.0)
+    assert gpu_busy.busy_and_span([]) == (0.0, 0.0)
+    if not torch.cuda.is_available():
+        assert gpu_busy.main(["--at", "1"]) == 2  # refuses cleanly without CUDA
