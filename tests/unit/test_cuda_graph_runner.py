@@ -226,3 +226,17 @@ def test_cascade_groups_are_reused_only_while_the_decode_batch_keeps_its_members
     assert engine.scheduler.total_cascade_steps >= 6
     assert 0 < len(searches) < engine.scheduler.total_cascade_steps
     assert len(set(steps)) >= 3  # the batch shrank at least twice
+
+
+def test_cascade_steps_through_retraction_equal_the_torch_backend(tiny_llama_dir: Path) -> None:
+    # A pool that holds the shared system prompt and only some of the questions and
+    # outputs: requests are retracted and come back; their cascade groups are searched
+    # again (a request back from retraction may hold other slots).
+    system, *questions = make_prompts(1000, [72, 9, 12, 10, 11, 13, 8], seed=8)
+    prompts = [system + q for q in questions]
+    options = {"max_total_tokens": 130, "chunked_prefill_size": 32}
+    reference = engine_outputs(_engine(tiny_llama_dir, attention_backend="torch"), prompts, 12)
+    engine = _engine(tiny_llama_dir, debug_check_invariants=True, **options)
+    assert engine_outputs(engine, prompts, 12) == reference
+    assert engine.scheduler.total_retractions > 0, "the pool was meant to force retraction"
+    assert engine.scheduler.total_cascade_steps > 0

@@ -101,7 +101,9 @@ class Scheduler:
         self.total_exact_state_waits = 0  # steps that read the step in flight before planning
         # The last cascade groups and the decoding requests they were found for: a decode
         # batch keeps its members for many steps, and their prefixes stay locked (same
-        # slots) while they run, so the groups hold until the membership changes.
+        # slots) while they run, so the groups hold until the membership changes. Every
+        # launched step updates or drops it; a request leaves the decode rows for at
+        # least one such step (its prefill) before it could come back with other slots.
         self._groups_for: tuple[tuple[str, ...], tuple[SharedPrefix, ...]] = ((), ())
 
     # -- requests ---------------------------------------------------------------
@@ -342,6 +344,9 @@ class Scheduler:
         )
         mixed = decoding < len(reqs)
         if decoding < 2 or not self.runner.uses_cascade(len(reqs), mixed):
+            # Kept only from one searched step to the next: a request that left the
+            # decode rows (retracted, say) and came back with other slots is searched.
+            self._groups_for = ((), ())
             return ()
         members = tuple(r.rid for r in reqs[:decoding])
         if self._groups_for[0] == members:
