@@ -109,3 +109,17 @@ def test_batch_limits_follow_the_device_unless_set(
         assert (config.max_running_requests, config.cuda_graph_max_bs) == (limit, 64)
     with pytest.raises(ValueError, match="max_running_requests must be >= 1"):
         EngineConfig(max_running_requests=0)
+
+
+def test_flags_say_what_an_unset_option_means() -> None:
+    import argparse
+
+    from radixserve.engine.flags import add_engine_arguments
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    helps = {action.dest: action.help for action in parser._actions}
+    assert helps["max_running_requests"] == "default: 512 on a GPU of 70 GiB or more, else 256"
+    assert helps["cuda_graph_max_bs"] == "default: as max_running_requests"
+    assert helps["chunked_prefill_size"] == "default 2048"
+    assert "SmolLM2" in (helps["model_path"] or "")

@@ -16,6 +16,14 @@ from typing import Any
 from radixserve.engine.config import EngineConfig
 
 _HIDDEN = {"debug_check_invariants"}  # tests only
+# What an unset option (None) means, for --help.
+_UNSET_HELP = {
+    "model_path": "HF folder or .gguf (default: embedded SmolLM2-135M-Instruct)",
+    "max_total_tokens": "KV pool size in tokens (default: from mem_fraction_static on a GPU)",
+    "max_running_requests": "default: 512 on a GPU of 70 GiB or more, else 256",
+    "cuda_graph_max_bs": "default: as max_running_requests",
+    "context_length": "default: the model's max_position_embeddings",
+}
 
 
 def _flag(name: str) -> str:
@@ -47,7 +55,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     for field in dataclasses.fields(EngineConfig):
         if field.name in _HIDDEN:
             continue
-        help_text = f"default {field.default!r}" if field.default is not None else None
+        help_text = (
+            f"default {field.default!r}"
+            if field.default is not None
+            else _UNSET_HELP.get(field.name)
+        )
         if "bool" in str(field.type):
             group.add_argument(
                 _flag(field.name),
@@ -62,9 +74,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
                 dest=field.name,
                 type=_converter(field),
                 default=None,
-                help="HF folder or .gguf (default: embedded SmolLM2-135M-Instruct)"
-                if field.name == "model_path"
-                else help_text,
+                help=help_text,
             )
 
 
