@@ -23,10 +23,11 @@ log = logging.getLogger(__name__)
 
 
 # Batch limits by device (max_running_requests and cuda_graph_max_bs left at None in
-# engine/config.py). On an H100 80 GB, Llama-3.1-8B shape: 512 running with graphs to 512 against 256/256 gave
-# 131.2k against 120.5k tok/s on the shared-prefix workload and 20.6k against 18.7k on
-# ShareGPT-like (docs/performance.md); 512 running with graphs only to 256 gave 100.9k
-# (decode steps past 256 run eagerly), so the two move together.
+# engine/config.py). On an H100 80 GB, Llama-3.1-8B shape, same machine: 512 running with
+# graphs to 512 gave 128.9k against 117.7k tok/s at 256/256 on the shared-prefix workload
+# and 19.0k against 15.1k on ShareGPT-like; 512 running with graphs only to 256 gave
+# 100.9k (decode steps past 256 run eagerly), so the two move together
+# (docs/performance.md).
 LARGE_GPU_BYTES = 70 * 1024**3
 LARGE_GPU_BATCH = 512
 DEFAULT_BATCH = 256
