@@ -228,8 +228,11 @@ def engine_factory(args: argparse.Namespace) -> Callable[[bool], Engine]:
     def make(radix: bool) -> Engine:
         started = time.perf_counter()
         engine = Engine(model_path=model, disable_radix_cache=not radix, **options)
+        config = engine.config
         print(
             f"radix {'on' if radix else 'off'}: engine up in {time.perf_counter() - started:.1f} s"
+            f" ({config.max_running_requests} running at most, decode graphs to "
+            f"{'none' if engine.runner.graphs is None else engine.runner.graphs.max_bs})"
         )
         return engine
 
