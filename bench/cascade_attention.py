@@ -132,6 +132,15 @@ def _time_launches(launch: Callable[[], None], iters: int = 20) -> float:
     return statistics.median(times)
 
 
+def _time_option(label: str, launch: Callable[[], None]) -> float | None:
+    """Median ms of `launch`, or None (said) where the compiler refuses its options."""
+    try:
+        return _time_launches(launch)
+    except Exception as exc:
+        print(f"{label}: {type(exc).__name__}")
+        return None
+
+
 def sweep(groups: int, members: int, prefix: int, suffix: int) -> None:
     """The prefix and suffix kernels of one cascade layer over their launch options."""
     batch, q = build(groups, members, prefix, suffix)
@@ -149,37 +158,29 @@ def sweep(groups: int, members: int, prefix: int, suffix: int) -> None:
         mid_lse = torch.full((bs, HEADS, splits), float("-inf"), device=q.device)
         for block_n, warps, stages in itertools.product((32, 64, 128), (4, 8), (2, 3, 4)):
             opts = LaunchOptions(block_n, warps, stages)
-
             prefix_pass = functools.partial(
                 shared_prefix_attention,
                 *(q, kb, vb, t.members, t.tiles, t.prefix_indptr, t.prefix_indices),
                 *(mid_out, mid_lse, HEAD_DIM**-0.5),
                 options=opts,
             )
-            try:
-                ms = _time_launches(prefix_pass)
-            except Exception as exc:  # an option the compiler refuses
-                print(f"prefix {splits} {opts}: {type(exc).__name__}")
-                continue
-            rows.append((ms, f"prefix splits {splits} {opts}", prefix_gb / ms * 1e3))
+            name = f"prefix splits {splits} {opts}"
+            if (ms := _time_option(name, prefix_pass)) is not None:
+                rows.append((ms, name, prefix_gb / ms * 1e3))
     merged_out = torch.empty((bs, HEADS, 2, HEAD_DIM), dtype=torch.float32, device=q.device)
     merged_lse = torch.full((bs, HEADS, 2), float("-inf"), device=q.device)
     out = torch.empty_like(q)
     for block_n, warps, stages in itertools.product((16, 32, 64, 128), (1, 2, 4), (1, 2, 3, 4)):
         opts = LaunchOptions(block_n, warps, stages)
-
         suffix_pass = functools.partial(
             decode_merged,
             *(q, kb, vb, out, t.q_rows, t.suffix_indptr, t.suffix_indices),
             *(merged_out, merged_lse, HEAD_DIM**-0.5),
             options=opts,
         )
-        try:
-            ms = _time_launches(suffix_pass)
-        except Exception as exc:
-            print(f"suffix {opts}: {type(exc).__name__}")
-            continue
-        rows.append((ms, f"suffix merged {opts}", suffix_gb / ms * 1e3))
+        name = f"suffix merged {opts}"
+        if (ms := _time_option(name, suffix_pass)) is not None:
+            rows.append((ms, name, suffix_gb / ms * 1e3))
     print(
         f"bs {bs}, {groups} groups over {prefix} + {suffix}: prefix {prefix_gb:.3f} GB, suffix {suffix_gb:.3f} GB"
     )

@@ -21,7 +21,14 @@ import time
 from pathlib import Path
 
 import torch
-from offline import CONTEXT_LEN, SHAPES, WORKLOADS, default_tokenizer_dir, write_model_folder
+from offline import (
+    CONTEXT_LEN,
+    SHAPES,
+    WORKLOADS,
+    default_tokenizer_dir,
+    submit_all,
+    write_model_folder,
+)
 from torch.profiler import ProfilerActivity, profile
 
 from radixserve import Engine
@@ -82,10 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         context_length=CONTEXT_LEN,
         **json.loads(args.engine_args),
     )
-    for r in WORKLOADS[args.workload](1.0, 0).requests:
-        engine.submit(
-            r.prompt, {"max_new_tokens": r.output_len, "ignore_eos": True, "temperature": 0}
-        )
+    submit_all(engine, WORKLOADS[args.workload](1.0, 0).requests)
     started, step = time.perf_counter(), 0
     marks = sorted(args.at)
     while engine.has_work():

@@ -96,6 +96,14 @@ def _sync(engine: Engine) -> None:
         torch.cuda.synchronize(engine.runner.device)
 
 
+def submit_all(engine: Engine, requests: Sequence[BenchRequest]) -> None:
+    """Queue every request: greedy, exactly its output length (EOS ignored)."""
+    for r in requests:
+        engine.submit(
+            r.prompt, {"max_new_tokens": r.output_len, "ignore_eos": True, "temperature": 0}
+        )
+
+
 def run_offline(engine: Engine, requests: Sequence[BenchRequest]) -> dict[str, Any]:
     """Submit all `requests` at once on an empty cache, step until done; counts and rates."""
     if not engine.flush_cache():
@@ -103,10 +111,7 @@ def run_offline(engine: Engine, requests: Sequence[BenchRequest]) -> dict[str, A
     retractions = engine.scheduler.total_retractions
     _sync(engine)
     started = time.perf_counter()
-    for r in requests:
-        engine.submit(
-            r.prompt, {"max_new_tokens": r.output_len, "ignore_eos": True, "temperature": 0}
-        )
+    submit_all(engine, requests)
     finished = []
     sched = engine.scheduler
     steps: list[tuple[float, int, int]] = []  # (seconds, prefill tokens, running after)

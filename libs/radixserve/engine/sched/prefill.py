@@ -35,6 +35,11 @@ def future_tokens(req: Req, new_token_ratio: float, page_size: int) -> int:
     return max(expected, page_size)
 
 
+def has_free_row(kv: KVManager, num_running: int, max_running: int) -> bool:
+    """Whether one more request may start: under the running limit, with a request row."""
+    return num_running < max_running and kv.req_pool.available() > 0
+
+
 class AddResult(enum.Enum):
     ADDED = 1
     NO_TOKENS = 2  # out of KV or prefill budget: stop admitting this step
@@ -91,9 +96,7 @@ class PrefillAdder:
     def add_one(self, req: Req) -> AddResult:
         if self.chunked is not None or self.rem_chunk_tokens == 0:
             return AddResult.NO_TOKENS
-        if self.num_running + len(self.admitted) >= self.max_running:
-            return AddResult.NO_ROWS
-        if self.kv.req_pool.available() == 0:
+        if not has_free_row(self.kv, self.num_running + len(self.admitted), self.max_running):
             return AddResult.NO_ROWS
         prefix_len = self.kv.match(req)
         if self._shares_uncached_prefix(req, prefix_len):

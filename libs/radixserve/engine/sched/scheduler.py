@@ -32,7 +32,7 @@ from radixserve.engine.sched.finish import Detokenize, check_finished
 from radixserve.engine.sched.kv_manager import KVManager, KVUsage
 from radixserve.engine.sched.overlap import Launched, needs_exact_state, resolve_future_inputs
 from radixserve.engine.sched.policy import order_waiting
-from radixserve.engine.sched.prefill import AddResult, PrefillAdder, future_tokens
+from radixserve.engine.sched.prefill import AddResult, PrefillAdder, future_tokens, has_free_row
 from radixserve.engine.sched.shared_prefix import find_shared_prefixes
 from radixserve.engine.transfer import HostCopy, upload_int64
 
@@ -248,11 +248,10 @@ class Scheduler:
     def _plan_prefill(self, decode_reqs: list[Req]) -> list[Req]:
         if not self.waiting and self.chunked is None:
             return []
-        if self.chunked is None and (
-            len(self.running) >= self.runner.max_running_requests
-            or self.kv.req_pool.available() == 0
+        if self.chunked is None and not has_free_row(
+            self.kv, len(self.running), self.runner.max_running_requests
         ):
-            return []  # no row for a new request (PrefillAdder.add_one's NO_ROWS)
+            return []  # nothing could be admitted: skip the adder's setup
         chunk = self.config.chunked_prefill_size
         adder = PrefillAdder(
             kv=self.kv,
