@@ -12,7 +12,10 @@ Workloads, synthetic and seeded (the generators of `radixserve.benchmark.dataset
 Each runs with the radix cache on and/or off (`--radix on|off|both`, one engine per
 mode, both workloads on it, the cache emptied before each); `both` adds the on/off
 throughput ratio. `--scale` keeps that fraction of each workload (of its groups for
-`shared-prefix`). A few short requests warm each engine up first (kernel compiles).
+`shared-prefix`). A slice of each workload warms each engine up first: its first
+`WARMUP_REQUESTS` requests at their own prompts with short outputs, so the Triton
+kernels of mixed prefill and decode steps compile (on a fresh machine, several seconds)
+outside the timed run.
 
 Model: a Llama-3.1-8B-shaped model with random weights built on the device
 (`load_format="dummy"`, as bench/one_batch.py) by default; `--shape tiny` a small
@@ -59,6 +62,8 @@ TINY_LLAMA: dict[str, Any] = {
 }
 SHAPES = {"llama-3.1-8b": LLAMA_31_8B, "tiny": TINY_LLAMA}
 CONTEXT_LEN = 4096  # fits both workloads (2048 + 128 + 256 the longest)
+WARMUP_REQUESTS = 64  # four groups of the shared-prefix workload
+WARMUP_OUTPUT_LEN = 16
 
 
 @dataclass(frozen=True)
@@ -170,6 +175,16 @@ def step_profile(steps: Sequence[tuple[float, int, int]]) -> dict[str, Any]:
     }
 
 
+def warmup_requests(workloads: Sequence[Workload]) -> list[BenchRequest]:
+    """The first requests of each workload with short outputs: the timed runs then find
+    the kernels of their step shapes (prefill beside decode, shared prefixes) compiled."""
+    return [
+        BenchRequest(r.prompt, min(r.output_len, WARMUP_OUTPUT_LEN))
+        for w in workloads
+        for r in w.requests[:WARMUP_REQUESTS]
+    ]
+
+
 def bench(
     make_engine: Callable[[bool], Engine], workloads: Sequence[Workload], radix_modes: list[bool]
 ) -> list[dict[str, Any]]:
@@ -178,8 +193,7 @@ def bench(
     for radix in radix_modes:
         engine = make_engine(radix)
         try:
-            warm = [BenchRequest(r.prompt, 4) for w in workloads for r in w.requests[:4]]
-            run_offline(engine, warm)
+            run_offline(engine, warmup_requests(workloads))
             for workload in workloads:
                 row = {
                     "workload": workload.name,

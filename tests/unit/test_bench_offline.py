@@ -67,6 +67,18 @@ def test_shared_prefix_counts_and_cache_hits(offline: ModuleType, tiny_llama_dir
     assert offline.radix_ratios(rows).keys() == {"shared-prefix"}
 
 
+def test_warmup_is_each_workloads_head_with_short_outputs(offline: ModuleType) -> None:
+    shared = offline.shared_prefix_workload(scale=0.1)
+    sharegpt = offline.sharegpt_workload(scale=0.003)
+    warm = offline.warmup_requests([shared, sharegpt])
+    n = offline.WARMUP_REQUESTS
+    assert len(warm) == n + len(sharegpt.requests)  # 3 ShareGPT requests: all of them
+    assert [w.prompt for w in warm[:n]] == [r.prompt for r in shared.requests[:n]]
+    assert all(w.output_len == offline.WARMUP_OUTPUT_LEN for w in warm[:n])  # 256 capped
+    for w, r in zip(warm[n:], sharegpt.requests, strict=True):
+        assert w.output_len == min(r.output_len, offline.WARMUP_OUTPUT_LEN)
+
+
 def test_cli_on_a_dummy_tiny_model(
     offline: ModuleType, tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
