@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -118,6 +119,8 @@ def test_stream_deltas_add_up(engine: Engine) -> None:
     [
         ({"input_ids": []}, "empty"),
         ({"input_ids": [10**9]}, "input_ids"),
+        ({"input_ids": [5, 6.5]}, "integers"),
+        ({"input_ids": [[5], []]}, "empty"),
         ({"input_ids": [5], "sampling_params": {"temperature": -1}}, "temperature"),
         ({"input_ids": [5], "sampling_params": {"bogus": 1}}, "bogus"),
         ({"input_ids": [5], "sampling_params": {"regex": "[a-"}}, "'regex' is not a valid grammar"),
@@ -134,3 +137,19 @@ def test_bad_input_is_rejected(engine: Engine, kwargs: dict[str, object], match:
 def test_prompt_longer_than_context_is_rejected(engine: Engine) -> None:
     with pytest.raises(ValueError, match="context length"):
         engine.generate(input_ids=[5] * (engine.context_len + 1))
+
+
+def test_submit_takes_a_numpy_array_as_the_same_prompt(engine: Engine) -> None:
+    prompt = [5, 17, 99, 3, 42, 8]
+    params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    expected = engine.generate(input_ids=prompt, sampling_params=params)["output_ids"]
+    # The worker hands the engine the wire's int32 array, not a list.
+    rid = engine.submit(np.array(prompt, dtype=np.int32), params)
+    with pytest.raises(ValueError, match="integers"):
+        engine.submit([5.0, 17.0], params)
+    got: list[int] = []
+    while engine.has_work():
+        for out in engine.step():
+            assert out.rid == rid  # the refused prompt left nothing queued
+            got += out.new_token_ids
+    assert got == expected

@@ -17,11 +17,12 @@ from __future__ import annotations
 import asyncio
 import threading
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from radixserve.engine.config import EngineConfig
@@ -37,6 +38,7 @@ from radixserve.engine.runner import ModelRunner
 from radixserve.engine.sampling.params import SamplingParams, resolve_seed
 from radixserve.engine.sched.kv_manager import KVUsage
 from radixserve.engine.sched.scheduler import Scheduler
+from radixserve.engine.token_ids import checked_token_ids
 from radixserve.grammar import InvalidGrammar, grammar_source_of
 
 if TYPE_CHECKING:
@@ -86,7 +88,7 @@ class Engine:
     # -- the step API -------------------------------------------------------------
     def submit(
         self,
-        input_ids: list[int],
+        input_ids: Sequence[int] | np.ndarray,
         sampling_params: dict[str, Any] | SamplingParams | None = None,
         rid: str | None = None,
         grammar: xgr.CompiledGrammar | None = None,
@@ -97,7 +99,8 @@ class Engine:
         service's); without it a regex/json_schema/ebnf/structural_tag in the parameters
         is compiled here, blocking the caller."""
         (params,) = self._normalize_params(sampling_params, 1)
-        return self._submit([int(t) for t in input_ids], params, rid, grammar).rid
+        ids = checked_token_ids(input_ids, self.runner.vocab_size)
+        return self._submit(ids, params, rid, grammar).rid
 
     def step(self) -> list[ChoiceOutput]:
         """One iteration of continuous batching: the choices that produced tokens or finished."""
@@ -312,11 +315,13 @@ class Engine:
                 raise ValueError("prompt must be a string or a non-empty list of strings")
             # The tokenizer's own default: BOS where the model expects one (Llama 3), none
             # where it does not (SmolLM2), as transformers' generate would see it.
-            return [self.tokenizer.encode(t) for t in texts], not isinstance(prompt, str)
+            vocab = self.runner.vocab_size
+            ids = [checked_token_ids(self.tokenizer.encode(t), vocab) for t in texts]
+            return ids, not isinstance(prompt, str)
         assert input_ids is not None
         if input_ids and isinstance(input_ids[0], list):
-            return [list(map(int, ids)) for ids in input_ids], True  # type: ignore[arg-type]
-        return [list(map(int, input_ids))], False  # type: ignore[arg-type]
+            return [checked_token_ids(ids, self.runner.vocab_size) for ids in input_ids], True  # type: ignore[arg-type]
+        return [checked_token_ids(input_ids, self.runner.vocab_size)], False  # type: ignore[arg-type]
 
     def _normalize_params(
         self,
@@ -356,10 +361,7 @@ class Engine:
         seed: int,
         grammar: xgr.CompiledGrammar | None = None,
     ) -> Req:
-        if not ids:
-            raise ValueError("the prompt is empty")
-        if min(ids) < 0 or max(ids) >= self.runner.vocab_size:
-            raise ValueError(f"input_ids must be in [0, {self.runner.vocab_size})")
+        # ids come through checked_token_ids: non-empty, integers in the vocabulary.
         if len(ids) >= self.context_len:
             raise ValueError(
                 f"the prompt has {len(ids)} tokens; the context length is {self.context_len}"

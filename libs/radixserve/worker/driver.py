@@ -159,7 +159,8 @@ class EngineDriver:
         request = routed.request
         try:
             params = engine_params(request.sampling)
-            self.engine.submit(request.input_ids_list, params, rid=request.rid, grammar=grammar)
+            ids = protocol.unpack_tokens_array(request.input_ids)  # checked by the engine
+            self.engine.submit(ids, params, rid=request.rid, grammar=grammar)
         except ValueError as exc:
             match = _PARAM_RE.search(str(exc))
             error = protocol.RequestError(
