@@ -309,19 +309,19 @@ class Engine:
     ) -> tuple[list[list[int]], bool]:
         if (prompt is None) == (input_ids is None):
             raise ValueError("give exactly one of prompt or input_ids")
+        vocab = self.runner.vocab_size
         if prompt is not None:
             texts = [prompt] if isinstance(prompt, str) else list(prompt)
             if not texts or not all(isinstance(t, str) for t in texts):
                 raise ValueError("prompt must be a string or a non-empty list of strings")
             # The tokenizer's own default: BOS where the model expects one (Llama 3), none
             # where it does not (SmolLM2), as transformers' generate would see it.
-            vocab = self.runner.vocab_size
             ids = [checked_token_ids(self.tokenizer.encode(t), vocab) for t in texts]
             return ids, not isinstance(prompt, str)
         assert input_ids is not None
         if input_ids and isinstance(input_ids[0], list):
-            return [checked_token_ids(ids, self.runner.vocab_size) for ids in input_ids], True  # type: ignore[arg-type]
-        return [checked_token_ids(input_ids, self.runner.vocab_size)], False  # type: ignore[arg-type]
+            return [checked_token_ids(ids, vocab) for ids in input_ids], True  # type: ignore[arg-type]
+        return [checked_token_ids(input_ids, vocab)], False  # type: ignore[arg-type]
 
     def _normalize_params(
         self,
