@@ -5,6 +5,8 @@ window of steps with the profiler's CUDA activity only (no host-side tracing, wh
 slows the host several-fold and makes every step look host-bound). For each window:
 the span from its first kernel to its last, the time some kernel ran, and the idle
 rest. A window near 100% busy is device-bound; host work shows up as idle time.
+The engine first runs offline.py's warm-up (the workload's head, short outputs), so
+Triton compiles stay out of the windows.
 
     python bench/gpu_busy.py --tokenizer DIR [--workload shared-prefix --at 40 150 275 450
         --steps 8 --engine-args '{...}']
@@ -26,7 +28,9 @@ from offline import (
     SHAPES,
     WORKLOADS,
     default_tokenizer_dir,
+    run_offline,
     submit_all,
+    warmup_requests,
     write_model_folder,
 )
 from torch.profiler import ProfilerActivity, profile
@@ -89,7 +93,9 @@ def main(argv: list[str] | None = None) -> int:
         context_length=CONTEXT_LEN,
         **json.loads(args.engine_args),
     )
-    submit_all(engine, WORKLOADS[args.workload](1.0, 0).requests)
+    workload = WORKLOADS[args.workload](1.0, 0)
+    run_offline(engine, warmup_requests([workload]))  # kernels compiled outside the windows
+    submit_all(engine, workload.requests)
     started, step = time.perf_counter(), 0
     marks = sorted(args.at)
     while engine.has_work():
