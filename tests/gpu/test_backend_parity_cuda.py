@@ -4,7 +4,8 @@ random weights: a tiny float32 Llama (as the other GPU parity tests), a batch of
 prompt lengths, then a second batch that extends the first one's prompts (radix hits),
 then a third whose prompts share a 72-token head: its decode steps (5 requests) run
 cascade attention where the backend has it, eagerly without graphs and on the graph
-of 8's cascade variant with them.
+of 8's cascade variant with them; then one prompt alone (decode at batch 1, where the
+projections are one-token GEMVs with the norms and SiLU x mul folded in).
 
 The grid comes from EngineConfig: a backend it admits appears here when its module is
 importable, an overlap switch as soon as the config has one.
@@ -71,7 +72,7 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def rounds(tiny_dir: Path) -> list[tuple[list[list[int]], list[Reference]]]:
-    """Two batches and their references: the second's prompts extend the first's."""
+    """Four batches and their references: the second's prompts extend the first's."""
     from transformers import AutoConfig
 
     vocab = int(AutoConfig.from_pretrained(tiny_dir).vocab_size)
@@ -80,7 +81,9 @@ def rounds(tiny_dir: Path) -> list[tuple[list[list[int]], list[Reference]]]:
     second = [first[4] + tails[0], first[5][:50] + tails[1], first[1] + tails[2], tails[3]]
     system, *questions = make_prompts(vocab, [72, 3, 8, 20, 5, 11], seed=13)
     third = [system + q for q in questions]
-    rounds = (first, second, third)
+    # One request alone: its decode steps run at batch 1, the one-token GEMVs.
+    fourth = make_prompts(vocab, [37], seed=14)
+    rounds = (first, second, third, fourth)
     return [(p, hf_greedy(tiny_dir, p, MAX_NEW, device="cuda")) for p in rounds]
 
 

@@ -118,3 +118,21 @@ def assert_matches(out: torch.Tensor, ref: torch.Tensor, max_ulp: int) -> None:
     if out.dtype != torch.float32:
         mismatch = float((out != ref).float().mean())
         assert mismatch <= MAX_MISMATCH_16BIT, f"{mismatch:.2%} of the elements differ"
+
+
+def project_f64(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T (+ bias) summed in float64, rounded once to x's dtype."""
+    out = x.double() @ weight.double().t()
+    if bias is not None:
+        out += bias.double()
+    return out.to(x.dtype)
+
+
+def assert_close_projection(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """A projection summed in float32 in some order against the float64 sum: an ulp or
+    two of the output dtype relative to the largest output (float32: its own sum's
+    error). A wrong input, row or bias is off by orders of magnitude more."""
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    rtol = {torch.float32: 1e-5, torch.bfloat16: 2**-7, torch.float16: 2**-10}[out.dtype]
+    scale = float(ref.float().abs().max())
+    torch.testing.assert_close(out.float(), ref.float(), rtol=rtol, atol=rtol * scale)

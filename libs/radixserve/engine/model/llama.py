@@ -5,19 +5,21 @@ backend seam, which owns the KV cache. The op order of each block follows Huggin
 Face's implementation so float32 logits match it to ~1e-5. The elementwise ops
 (engine/kernels) run as fused Triton kernels on CUDA and as Hugging Face's torch ops
 elsewhere. Layers carry the residual stream apart from their output, so each
-RMSNorm fuses the residual add before it (the final norm included).
+RMSNorm fuses the residual add before it (the final norm included), and runs with the
+projection after it (kernels/linear.py): at one token on CUDA norm, SiLU x mul and
+projection are one GEMV kernel.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, overload
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from radixserve.engine.kernels.activation import silu_and_mul
-from radixserve.engine.kernels.norm import fused_add_rms_norm, rms_norm
+from radixserve.engine.kernels.linear import add_norm_linear, linear, silu_mul_linear
+from radixserve.engine.kernels.norm import rms_norm
 from radixserve.engine.kernels.rotary import Rotation, apply_rotary_and_store
 from radixserve.engine.model.config import ModelConfig
 from radixserve.engine.model.rope import RotaryTable
@@ -43,19 +45,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    @overload
-    def forward(self, x: torch.Tensor, residual: None = None) -> torch.Tensor: ...
-    @overload
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
-    def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """norm(x); with a residual, (norm(x + residual), x + residual)."""
-        if residual is None:
-            return rms_norm(x, self.weight, self.eps)
-        return fused_add_rms_norm(x, residual, self.weight, self.eps)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """norm(x) (Qwen3's q/k norms; the block norms run with the projection after them,
+        kernels/linear.add_norm_linear)."""
+        return rms_norm(x, self.weight, self.eps)
 
 
 class LlamaAttention(nn.Module):
@@ -80,13 +73,14 @@ class LlamaAttention(nn.Module):
 
     def forward(
         self,
-        hidden: torch.Tensor,
+        qkv: torch.Tensor,
         rotation: Rotation,
         batch: ForwardBatch,
         attn: AttentionBackend,
     ) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split(self.shard_sizes(), dim=-1)
+        """Attention over the qkv projection's output ([tokens, q + 2 kv]), then o_proj."""
+        num_tokens = qkv.shape[0]
+        q, k, v = qkv.split(self.shard_sizes(), dim=-1)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
@@ -96,7 +90,7 @@ class LlamaAttention(nn.Module):
         write = batch.kv_pool.kv_write(self.layer_id, batch.out_cache_loc, v)
         q, k, stored = apply_rotary_and_store(q, k, rotation, write)
         out = attn.forward(q, k, v, self.layer_id, batch, self.scale, kv_stored=stored)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return linear(out.reshape(num_tokens, self.q_size), self.o_proj.weight, self.o_proj.bias)
 
 
 class LlamaMLP(nn.Module):
@@ -113,8 +107,9 @@ class LlamaMLP(nn.Module):
     def shard_sizes(self) -> list[int]:
         return [self.intermediate_size, self.intermediate_size]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """down_proj(silu(gate) * up) over the gate_up projection's output."""
+        return silu_mul_linear(gate_up, self.down_proj.weight, self.down_proj.bias)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -134,14 +129,19 @@ class LlamaDecoderLayer(nn.Module):
         attn: AttentionBackend,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(MLP output, residual stream before it); the stream is hidden + residual,
-        or the embeddings alone at the first layer (residual None)."""
-        if residual is None:
-            hidden, residual = self.input_layernorm(hidden), hidden
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, rotation, batch, attn)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        or the embeddings alone at the first layer (residual None). Each norm runs with
+        the projection after it (kernels/linear.py: one kernel at one token)."""
+        attn_in, mlp_in = self.self_attn.qkv_proj, self.mlp.gate_up_proj
+        norm = self.input_layernorm
+        qkv, residual = add_norm_linear(
+            hidden, residual, norm.weight, norm.eps, attn_in.weight, attn_in.bias
+        )
+        hidden = self.self_attn(qkv, rotation, batch, attn)
+        norm = self.post_attention_layernorm
+        gate_up, residual = add_norm_linear(
+            hidden, residual, norm.weight, norm.eps, mlp_in.weight, mlp_in.bias
+        )
+        return self.mlp(gate_up), residual
 
 
 class LlamaModel(nn.Module):
@@ -197,13 +197,17 @@ class LlamaForCausalLM(nn.Module):
         # The last add, norm and head only where logits are needed: per-token ops, so
         # this is exact.
         last = batch.last_token_indices
-        if residual is None:
-            hidden = self.model.norm(hidden[last])
-        else:
-            hidden, _ = self.model.norm(hidden[last], residual[last])
-        if logits_out is None:
-            return self.lm_head(hidden)
-        return torch.matmul(hidden, self.lm_head.weight.t(), out=logits_out)
+        norm = self.model.norm
+        logits, _ = add_norm_linear(
+            hidden[last],
+            None if residual is None else residual[last],
+            norm.weight,
+            norm.eps,
+            self.lm_head.weight,
+            None,
+            out=logits_out,
+        )
+        return logits
 
     @torch.no_grad()
     def load_weights(self, path: str | Path) -> None:

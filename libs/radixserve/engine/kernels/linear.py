@@ -1,0 +1,99 @@
+"""The decoder's projections with the elementwise op before them.
+
+`add_norm_linear` (RMSNorm with the residual add, then a projection: qkv, gate_up, the
+head), `silu_mul_linear` (SiLU x mul, then down) and `linear` (o). For one token on CUDA
+each is a single Triton GEMV with the op folded into its read of the input
+(triton_ops/gemv.py): at batch 1 a projection streams its weight, and the norm and
+activation kernels between them, with their launch gaps, were ~8% of a decode step.
+Otherwise the op's kernel (kernels/norm.py, activation.py) then cuBLAS, and on the CPU
+the torch reference. The GEMV sums in float32 in another order than cuBLAS, so outputs
+may differ from the unfused path by an ulp of the output dtype in a few elements.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from radixserve.engine.kernels import dispatch
+from radixserve.engine.kernels.activation import silu_and_mul
+from radixserve.engine.kernels.norm import fused_add_rms_norm, rms_norm
+
+
+def _use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (
+        dispatch.use_triton(x)
+        and x.dim() == 2
+        and x.shape[0] == 1
+        and x.stride(-1) == 1
+        and weight.dtype == x.dtype
+        and weight.is_contiguous()
+    )
+
+
+def _project(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None
+) -> torch.Tensor:
+    if out is None:
+        return F.linear(x, weight, bias)
+    if bias is None:
+        return torch.matmul(x, weight.t(), out=out)
+    return torch.addmm(bias, x, weight.t(), out=out)
+
+
+def add_norm_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(rms_norm(x + residual)), x + residual) for [tokens, k] rows; with residual
+    None, (linear(rms_norm(x)), x). The projection is written into `out` when given."""
+    if _use_gemv(x, weight):
+        from radixserve.engine.kernels.triton_ops import gemv
+
+        if residual is None:
+            y = gemv.gemv_triton(
+                x, weight, bias, gemv.NORM, norm_weight=norm_weight, eps=eps, out=out
+            )
+            return y, x
+        summed = torch.empty_like(x)
+        y = gemv.gemv_triton(
+            x,
+            weight,
+            bias,
+            gemv.ADD_NORM,
+            residual=residual,
+            residual_out=summed,
+            norm_weight=norm_weight,
+            eps=eps,
+            out=out,
+        )
+        return y, summed
+    if residual is None:
+        return _project(rms_norm(x, norm_weight, eps), weight, bias, out), x
+    normed, summed = fused_add_rms_norm(x, residual, norm_weight, eps)
+    return _project(normed, weight, bias, out), summed
+
+
+def silu_mul_linear(
+    gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """linear(silu(gate) * up) for gate_up [tokens, 2 * k] holding gate then up."""
+    if _use_gemv(gate_up, weight):
+        from radixserve.engine.kernels.triton_ops import gemv
+
+        return gemv.gemv_triton(gate_up, weight, bias, gemv.SILU_MUL)
+    return F.linear(silu_and_mul(gate_up), weight, bias)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T (+ bias), a GEMV for one token on CUDA (no split-K reduce kernel)."""
+    if _use_gemv(x, weight):
+        from radixserve.engine.kernels.triton_ops import gemv
+
+        return gemv.gemv_triton(x, weight, bias)
+    return F.linear(x, weight, bias)

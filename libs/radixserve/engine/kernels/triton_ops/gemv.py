@@ -1,0 +1,194 @@
+"""One-token linear layers (GEMV) with the op before them fused in.
+
+At one token a projection is a stream over its weight, so the RMSNorm (with the residual
+add) before qkv and gate_up, and SiLU x mul before down, are folded into the GEMV's
+read of its input instead of running as kernels of their own: each program recomputes
+the normalised (or activated) input slice by slice from L2, which costs nothing next to
+its slice of the weight. One program per BLOCK_N output rows, no split over K (no
+reduce kernel); the products accumulate in float32 per lane and are summed once.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from radixserve.engine.attention.triton_ops.common import INTERPRETED
+
+# What the kernel reads as its input row.
+PLAIN = 0  # x as it is
+NORM = 1  # rms_norm(x) * norm_weight
+ADD_NORM = 2  # rms_norm(x + residual) * norm_weight; x + residual also stored
+SILU_MUL = 3  # silu(gate) * up of x = [gate | up]
+
+
+@triton.jit
+def _input_slice(
+    X,
+    Residual,
+    NormW,
+    ks,
+    kmask,
+    rstd,
+    K: tl.constexpr,
+    PROLOGUE: tl.constexpr,
+    LIBDEVICE_EXP: tl.constexpr,
+):
+    """The input's elements `ks` in float32, rounded where the unfused ops round."""
+    dtype = X.dtype.element_ty
+    x = tl.load(X + ks, mask=kmask, other=0.0).to(tl.float32)
+    if PROLOGUE == 1 or PROLOGUE == 2:
+        if PROLOGUE == 2:
+            x = (x + tl.load(Residual + ks, mask=kmask, other=0.0).to(tl.float32)).to(dtype)
+            x = x.to(tl.float32)
+        w = tl.load(NormW + ks, mask=kmask, other=0.0).to(tl.float32)
+        x = (w * (x * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    elif PROLOGUE == 3:
+        up = tl.load(X + K + ks, mask=kmask, other=0.0).to(tl.float32)
+        if LIBDEVICE_EXP:
+            e = libdevice.exp(-x)
+        else:
+            e = tl.exp(-x)
+        silu = tl.math.div_rn(x, 1.0 + e).to(dtype).to(tl.float32)
+        x = (silu * up).to(dtype).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _gemv_kernel(
+    X,
+    Residual,
+    ResidualOut,
+    NormW,
+    W,
+    Bias,
+    Out,
+    N,
+    eps,
+    K: tl.constexpr,
+    PROLOGUE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ROW_BLOCK: tl.constexpr,
+    LIBDEVICE_EXP: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    dtype = X.dtype.element_ty
+    if PDL:
+        # Launched as a programmatic dependent (Hopper on): this program may start while
+        # the kernel before drains, so it waits for that kernel's writes before it reads
+        # or writes anything.
+        tl.extra.cuda.gdc_wait()
+    rstd = 0.0
+    if PROLOGUE == 1 or PROLOGUE == 2:
+        # The norm's scale needs the whole row first (K elements, read from L2).
+        offs = tl.arange(0, ROW_BLOCK)
+        omask = offs < K
+        row = tl.load(X + offs, mask=omask, other=0.0).to(tl.float32)
+        if PROLOGUE == 2:
+            r = tl.load(Residual + offs, mask=omask, other=0.0).to(tl.float32)
+            summed = (row + r).to(dtype)
+            if pid == 0:
+                tl.store(ResidualOut + offs, summed, mask=omask)
+            row = summed.to(tl.float32)
+        rstd = tl.math.rsqrt(tl.sum(row * row, axis=0) / K + eps)
+    w_rows = W + rows[:, None].to(tl.int64) * K
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        kmask = ks < K
+        x = _input_slice(X, Residual, NormW, ks, kmask, rstd, K, PROLOGUE, LIBDEVICE_EXP)
+        w = tl.load(w_rows + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        acc += w.to(tl.float32) * x[None, :]
+    if PDL:
+        # Let the next kernel's programs launch while this one's last ones finish.
+        tl.extra.cuda.gdc_launch_dependents()
+    y = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        y += tl.load(Bias + rows, mask=rmask, other=0.0).to(tl.float32)
+    tl.store(Out + rows, y.to(dtype), mask=rmask)
+
+
+def _config(n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, stages) for an [n, k] weight.
+
+    From a sweep on the H100 over the Llama-3.1-8B shapes (docs/performance.md): long
+    rows (down, k = 14336) stream best as 8 rows x 1024; rows of 4096 as 2 (n >= 16384:
+    gate_up, the head) or 4 rows x 2048 with 8 warps.
+    """
+    if k > 8192:
+        return 8, 1024, 4, 4
+    return (2 if n >= 16384 else 4), min(2048, triton.next_power_of_2(k)), 8, 3
+
+
+@functools.cache
+def _pdl(device_index: int) -> bool:
+    """Programmatic dependent launch: compiled, on Hopper (sm_90) and later."""
+    return not INTERPRETED and torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def gemv_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    prologue: int = PLAIN,
+    *,
+    residual: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """weight @ f(x) (+ bias) for one token x ([1, k], or [1, 2k] for SILU_MUL) -> [1, n],
+    written into `out` when given."""
+    n, k = weight.shape
+    width = 2 * k if prologue == SILU_MUL else k
+    if x.shape != (1, width) or x.stride(-1) != 1 or not weight.is_contiguous():
+        raise ValueError(
+            f"gemv takes one contiguous [1, {width}] row and a contiguous weight, "
+            f"got {tuple(x.shape)} and {tuple(weight.shape)}"
+        )
+    if prologue in (NORM, ADD_NORM) and norm_weight is None:
+        raise ValueError("a norm prologue needs norm_weight")
+    if prologue == ADD_NORM and not all(
+        t is not None and t.shape == x.shape and t.is_contiguous() and t is not x
+        for t in (residual, residual_out)
+    ):
+        raise ValueError("ADD_NORM needs a residual and a separate residual_out shaped as x")
+    if out is None:
+        out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    elif out.shape != (1, n) or out.stride(-1) != 1 or out.dtype != x.dtype:
+        raise ValueError(f"gemv writes a contiguous [1, {n}] {x.dtype} row")
+    pdl = x.is_cuda and _pdl(x.device.index or 0)
+    block_n, block_k, warps, stages = _config(n, k)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x,
+        x if residual is None else residual,
+        x if residual_out is None else residual_out,
+        x if norm_weight is None else norm_weight,
+        weight,
+        weight if bias is None else bias,
+        out,
+        n,
+        eps,
+        K=k,
+        PROLOGUE=prologue,
+        HAS_BIAS=bias is not None,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        ROW_BLOCK=triton.next_power_of_2(k),
+        LIBDEVICE_EXP=not INTERPRETED,
+        PDL=pdl,
+        launch_pdl=pdl,
+        num_warps=warps,
+        num_stages=stages,
+    )
+    return out

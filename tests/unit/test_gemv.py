@@ -1,0 +1,161 @@
+"""The one-token GEMV (engine/kernels/triton_ops/gemv.py) under the Triton interpreter on
+the CPU, against the unfused path: the op before the projection (RMSNorm with and
+without the residual add, SiLU x mul) as its torch reference computes it, then the
+projection summed in float64. Odd shapes exercise the row and column masks.
+
+The GEMV sums in float32 in its own order, so 16-bit outputs may round an ulp apart
+from the float64 sum; a wrong prologue, row or bias is off by far more. The residual
+sum it stores is one rounding, so it matches bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed (the dev extra brings it on Linux)")
+
+from radixserve.engine.attention.triton_ops.common import INTERPRETED
+from radixserve.engine.kernels import linear as linear_ops
+from radixserve.engine.kernels.activation import silu_and_mul_torch
+from radixserve.engine.kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
+from radixserve.engine.kernels.triton_ops import gemv
+from tests.helpers import fused_kernel_cases as cases
+from tests.helpers.triton_interpreter import (
+    round_bf16_to_nearest_even,
+    skip_unless_interpreted_or_cuda,
+)
+
+skip_unless_interpreted_or_cuda()
+if INTERPRETED:
+    round_bf16_to_nearest_even()
+
+DEVICE = torch.device("cpu" if INTERPRETED else "cuda")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+EPS = 1e-5
+# (n, k): rows not a multiple of the row block, a row shorter than one K block, a row
+# that is not a power of two and spans blocks, a row longer than 8192 (the long-row
+# configuration).
+SHAPES = [(37, 96), (130, 300), (8, 9000)]
+
+
+_project = cases.project_f64
+_assert_close = cases.assert_close_projection
+
+
+def _inputs(
+    n: int, k: int, dtype: torch.dtype, bias: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    x = cases.randn((1, k), dtype, DEVICE, seed=1)
+    weight = (cases.randn((n, k), torch.float32, DEVICE, seed=2) * k**-0.5).to(dtype)
+    b = cases.randn((n,), dtype, DEVICE, seed=3) if bias else None
+    return x, weight, b
+
+
+def _norm_weight(k: int, dtype: torch.dtype) -> torch.Tensor:
+    return (1 + 0.1 * cases.randn((k,), torch.float32, DEVICE, seed=7)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_plain(dtype: torch.dtype, n: int, k: int, bias: bool) -> None:
+    x, weight, b = _inputs(n, k, dtype, bias)
+    _assert_close(gemv.gemv_triton(x, weight, b), _project(x, weight, b))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+def test_norm(dtype: torch.dtype, n: int, k: int) -> None:
+    x, weight, _ = _inputs(n, k, dtype, bias=False)
+    norm_w = _norm_weight(k, dtype)
+    out = gemv.gemv_triton(x, weight, None, gemv.NORM, norm_weight=norm_w, eps=EPS)
+    _assert_close(out, _project(rms_norm_torch(x, norm_w, EPS), weight, None))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_add_norm_stores_the_sum(dtype: torch.dtype, n: int, k: int, bias: bool) -> None:
+    x, weight, b = _inputs(n, k, dtype, bias)
+    residual = cases.randn((1, k), dtype, DEVICE, seed=4)
+    norm_w = _norm_weight(k, dtype)
+    summed = torch.full_like(x, float("nan"))
+    before = (x.clone(), residual.clone())
+    out = gemv.gemv_triton(
+        x,
+        weight,
+        b,
+        gemv.ADD_NORM,
+        residual=residual,
+        residual_out=summed,
+        norm_weight=norm_w,
+        eps=EPS,
+    )
+    normed, ref_sum = fused_add_rms_norm_torch(x, residual, norm_w, EPS)
+    assert torch.equal(summed, ref_sum)
+    _assert_close(out, _project(normed, weight, b))
+    assert torch.equal(x, before[0]) and torch.equal(residual, before[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+def test_silu_mul(dtype: torch.dtype, n: int, k: int) -> None:
+    _, weight, _ = _inputs(n, k, dtype, bias=False)
+    gate_up = cases.randn((1, 2 * k), dtype, DEVICE, seed=5)
+    out = gemv.gemv_triton(gate_up, weight, None, gemv.SILU_MUL)
+    _assert_close(out, _project(silu_and_mul_torch(gate_up), weight, None))
+
+
+def test_writes_into_out() -> None:
+    x, weight, _ = _inputs(37, 96, torch.bfloat16, bias=False)
+    out = torch.empty((1, 37), dtype=torch.bfloat16, device=DEVICE)
+    assert gemv.gemv_triton(x, weight, None, out=out) is out
+    _assert_close(out, _project(x, weight, None))
+
+
+def test_bad_shapes_are_refused() -> None:
+    x, weight, _ = _inputs(37, 96, torch.bfloat16, bias=False)
+    with pytest.raises(ValueError, match="one contiguous"):
+        gemv.gemv_triton(torch.cat([x, x]), weight, None)
+    with pytest.raises(ValueError, match=r"\[1, 192\]"):
+        gemv.gemv_triton(x, weight, None, gemv.SILU_MUL)
+    with pytest.raises(ValueError, match="norm_weight"):
+        gemv.gemv_triton(x, weight, None, gemv.NORM)
+    with pytest.raises(ValueError, match="separate residual_out"):
+        gemv.gemv_triton(
+            x,
+            weight,
+            None,
+            gemv.ADD_NORM,
+            residual=x.clone(),
+            residual_out=x,
+            norm_weight=_norm_weight(96, torch.bfloat16),
+        )
+    with pytest.raises(ValueError, match="writes a contiguous"):
+        gemv.gemv_triton(x, weight, None, out=torch.empty((1, 36), dtype=torch.bfloat16))
+
+
+def test_public_ops_match_the_unfused_path_off_cuda() -> None:
+    """On CPU tensors the public ops are the norm / activation reference, then F.linear."""
+    x = cases.randn((3, 96), torch.float32, torch.device("cpu"), seed=1)
+    residual = cases.randn((3, 96), torch.float32, torch.device("cpu"), seed=2)
+    weight = cases.randn((40, 96), torch.float32, torch.device("cpu"), seed=3)
+    norm_w = _norm_weight(96, torch.float32).cpu()
+    out, summed = linear_ops.add_norm_linear(x, residual, norm_w, EPS, weight, None)
+    normed, ref_sum = fused_add_rms_norm_torch(x, residual, norm_w, EPS)
+    assert torch.equal(summed, ref_sum)
+    assert torch.equal(out, torch.nn.functional.linear(normed, weight))
+    out, same = linear_ops.add_norm_linear(x, None, norm_w, EPS, weight, None)
+    assert same is x
+    assert torch.equal(out, torch.nn.functional.linear(rms_norm_torch(x, norm_w, EPS), weight))
+    gate_up = cases.randn((3, 80), torch.float32, torch.device("cpu"), seed=4)
+    down = cases.randn((96, 40), torch.float32, torch.device("cpu"), seed=5)
+    assert torch.equal(
+        linear_ops.silu_mul_linear(gate_up, down, None),
+        torch.nn.functional.linear(silu_and_mul_torch(gate_up), down),
+    )
