@@ -114,8 +114,17 @@ def _attend(
     suffix = (q, k_buffer, v_buffer)
     tables = (t.q_rows, t.suffix_indptr, t.suffix_indices)
     if mid_out.shape[2] == split + 1:
-        # One suffix split: it merges the prefix partials itself (no merge kernel).
-        decode_merged(*suffix, out, *tables, mid_out[:, :, :split], mid_lse[:, :, :split], scale)
+        # One suffix split: it merges the prefix partials itself (no merge kernel), and
+        # runs beside the prefix kernel's last programs until it needs their partials.
+        decode_merged(
+            *suffix,
+            out,
+            *tables,
+            mid_out[:, :, :split],
+            mid_lse[:, :, :split],
+            scale,
+            overlap_writer=True,
+        )
         return out
     decode_partials(*suffix, *tables, mid_out[:, :, split:], mid_lse[:, :, split:], scale)
     merge_splits(mid_out, mid_lse, out)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -50,6 +52,18 @@ def num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4
+
+
+@functools.cache
+def _capability_major(device_index: int) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
+
+
+def programmatic_launch(device: torch.device) -> bool:
+    """Whether kernels on `device` may be launched as programmatic dependents (Hopper and
+    later, compiled): such a kernel may start while the one before it finishes, and
+    must `tl.extra.cuda.gdc_wait()` before it reads what that kernel writes."""
+    return not INTERPRETED and device.type == "cuda" and _capability_major(device.index or 0) >= 9
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -34,6 +34,7 @@ from radixserve.engine.attention.triton_ops.common import (
     attend_paged_range,
     dot_precision,
     fold_partial,
+    programmatic_launch,
 )
 
 # tl.dot needs at least 16 rows; a GQA group smaller than this leaves rows masked.
@@ -121,6 +122,7 @@ def _decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
     DIRECT: tl.constexpr,  # one split: write the final output, in Out's dtype
     MERGE_SPLITS: tl.constexpr,  # with DIRECT: fold Mid_O/Mid_Lse splits [0, MERGE_SPLITS) in
+    WAIT_TO_MERGE: tl.constexpr,  # launched as a programmatic dependent of their writer
 ):
     req = tl.program_id(0)
     head_block = tl.program_id(1)
@@ -173,6 +175,10 @@ def _decode_split_kernel(
     )
 
     if DIRECT:
+        if WAIT_TO_MERGE:
+            # Everything above read what kernels before the partials' writer wrote; the
+            # partials themselves, and `Out`, only after that kernel is done.
+            tl.extra.cuda.gdc_wait()
         # Fold in the partials written before this kernel (-inf where none was).
         for s in tl.static_range(MERGE_SPLITS):
             lse = tl.load(
@@ -249,9 +255,12 @@ def _launch_split_kernel(
     partials: tuple[torch.Tensor, torch.Tensor] | None,
     out: torch.Tensor | None,
     merged: tuple[torch.Tensor, torch.Tensor] | None = None,
+    overlap_writer: bool = False,
 ) -> None:
     """Stage 1 into `partials` (mid_out, mid_lse), or else in one split straight into `out`,
-    folding in the `merged` (mid_out, mid_lse) partials first where given."""
+    folding in the `merged` (mid_out, mid_lse) partials first where given; with
+    `overlap_writer`, launched as a programmatic dependent of the kernel just before it
+    (see decode_merged)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_buffer.shape[1]
     group_size = num_heads // num_kv_heads
@@ -273,6 +282,7 @@ def _launch_split_kernel(
         strides = (0, 0, 0, 0, 0, out.stride(0), out.stride(1))
         mid_out = mid_lse = out  # placeholders: not written with DIRECT on
     options = options or launch_options(num_splits)
+    dependent = overlap_writer and merged is not None and programmatic_launch(q.device)
     grid = (q_rows.shape[0], num_kv_heads * triton.cdiv(group_size, _BLOCK_H), num_splits)
     _decode_split_kernel[grid](
         q,
@@ -301,6 +311,8 @@ def _launch_split_kernel(
         DOT_PRECISION=dot_precision(q.dtype),
         DIRECT=partials is None,
         MERGE_SPLITS=0 if merged is None else merged[0].shape[2],
+        WAIT_TO_MERGE=dependent,
+        launch_pdl=dependent,
         num_warps=options.num_warps,
         num_stages=options.num_stages,
     )
@@ -341,12 +353,19 @@ def decode_merged(
     scale: float,
     *,
     options: LaunchOptions | None = None,
+    overlap_writer: bool = False,
 ) -> None:
     """One split over each request's KV, merged with the partials already in mid_out /
-    mid_lse (e.g. a shared prefix's), written to `out`: attention over both parts."""
+    mid_lse (e.g. a shared prefix's), written to `out`: attention over both parts.
+
+    `overlap_writer`: the kernel launched just before this one wrote the partials (and
+    nothing else this one reads) and releases its dependents (shared_prefix_attention
+    does). Then on Hopper this kernel starts while that one's last programs run: it
+    attends over the suffixes, and waits for that kernel only to fold the partials in.
+    """
     _launch_split_kernel(
         q, k_buffer, v_buffer, q_rows, kv_indptr, kv_indices, scale, options, None, out,
-        (mid_out, mid_lse),
+        (mid_out, mid_lse), overlap_writer,
     )  # fmt: skip
 
 

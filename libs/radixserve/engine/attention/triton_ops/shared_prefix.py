@@ -32,6 +32,7 @@ from radixserve.engine.attention.triton_ops.common import (
     attend_paged_range,
     dot_precision,
     fold_partial,
+    programmatic_launch,
 )
 from radixserve.engine.attention.triton_ops.decode import LaunchOptions
 
@@ -97,7 +98,12 @@ def _shared_prefix_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    RELEASE: tl.constexpr,  # let a programmatic dependent (decode_merged) launch now
 ):
+    if RELEASE:
+        # Its programs attend over their own suffixes while this kernel's last ones run,
+        # and wait for this kernel only to fold its partials in.
+        tl.extra.cuda.gdc_launch_dependents()
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -251,6 +257,7 @@ def shared_prefix_attention(
         BLOCK_M=tile_rows(group_size),
         BLOCK_N=options.block_n,
         DOT_PRECISION=dot_precision(q.dtype),
+        RELEASE=programmatic_launch(q.device),
         num_warps=options.num_warps,
         num_stages=options.num_stages,
     )

@@ -10,14 +10,12 @@ reduce kernel); the products accumulate in float32 per lane and are summed once.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from radixserve.engine.attention.triton_ops.common import INTERPRETED
+from radixserve.engine.attention.triton_ops.common import INTERPRETED, programmatic_launch
 
 # What the kernel reads as its input row.
 PLAIN = 0  # x as it is
@@ -129,12 +127,6 @@ def _config(n: int, k: int) -> tuple[int, int, int, int]:
     return (2 if n >= 16384 else 4), min(2048, triton.next_power_of_2(k)), 8, 3
 
 
-@functools.cache
-def _pdl(device_index: int) -> bool:
-    """Programmatic dependent launch: compiled, on Hopper (sm_90) and later."""
-    return not INTERPRETED and torch.cuda.get_device_capability(device_index)[0] >= 9
-
-
 def gemv_triton(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -167,7 +159,7 @@ def gemv_triton(
         out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     elif out.shape != (1, n) or out.stride(-1) != 1 or out.dtype != x.dtype:
         raise ValueError(f"gemv writes a contiguous [1, {n}] {x.dtype} row")
-    pdl = x.is_cuda and _pdl(x.device.index or 0)
+    pdl = programmatic_launch(x.device)
     block_n, block_k, warps, stages = _config(n, k)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x,
