@@ -5,7 +5,9 @@ add) before qkv and gate_up, and SiLU x mul before down, are folded into the GEM
 read of its input instead of running as kernels of their own: each program recomputes
 the normalised (or activated) input slice by slice from L2, which costs nothing next to
 its slice of the weight. One program per BLOCK_N output rows, no split over K (no
-reduce kernel); the products accumulate in float32 per lane and are summed once.
+reduce kernel); the products accumulate in float32 per lane and are summed once. On
+Hopper each GEMV is launched as a programmatic dependent: it waits for the kernel
+before it, and releases the next one as soon as its own loop is done.
 """
 
 from __future__ import annotations
