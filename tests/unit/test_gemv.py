@@ -159,3 +159,13 @@ def test_public_ops_match_the_unfused_path_off_cuda() -> None:
         linear_ops.silu_mul_linear(gate_up, down, None),
         torch.nn.functional.linear(silu_and_mul_torch(gate_up), down),
     )
+
+
+def test_no_dependent_launch_off_hopper_or_interpreted() -> None:
+    """Programmatic dependent launch needs compiled kernels on sm_90+: never on the CPU
+    or under the interpreter (the kernels then skip their grid-dependency waits)."""
+    from radixserve.engine.attention.triton_ops.common import programmatic_launch
+
+    assert not programmatic_launch(torch.device("cpu"))
+    if INTERPRETED and torch.cuda.is_available():
+        assert not programmatic_launch(torch.device("cuda"))

@@ -59,11 +59,21 @@ def _capability_major(device_index: int) -> int:
     return torch.cuda.get_device_capability(device_index)[0]
 
 
+# Grid dependency control (tl.extra.cuda.gdc_*, the launch_pdl option): recent Tritons (3.6 has it).
+_HAS_GDC: bool = hasattr(tl.extra.cuda, "gdc_wait")
+
+
 def programmatic_launch(device: torch.device) -> bool:
     """Whether kernels on `device` may be launched as programmatic dependents (Hopper and
-    later, compiled): such a kernel may start while the one before it finishes, and
-    must `tl.extra.cuda.gdc_wait()` before it reads what that kernel writes."""
-    return not INTERPRETED and device.type == "cuda" and _capability_major(device.index or 0) >= 9
+    later, compiled, a Triton that has it): such a kernel may start while the one before
+    it finishes, and must `tl.extra.cuda.gdc_wait()` before it reads what that kernel
+    writes."""
+    return (
+        _HAS_GDC
+        and not INTERPRETED
+        and device.type == "cuda"
+        and _capability_major(device.index or 0) >= 9
+    )
 
 
 def dot_precision(dtype: torch.dtype) -> str:
