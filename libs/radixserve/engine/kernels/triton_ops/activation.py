@@ -13,6 +13,21 @@ _BLOCK = 1024
 
 
 @triton.jit
+def silu_mul(gate, up, dtype: tl.constexpr, LIBDEVICE_EXP: tl.constexpr):
+    """silu(gate) * up from float32 gate and up, rounded as torch rounds (SiLU to `dtype`,
+    then the product); returned in `dtype`."""
+    # torch's SiLU: x / (1 + exp(-x)) in float32 with an IEEE division. Compiled, exp is
+    # libdevice's (the CUDA expf torch calls; tl.exp is a faster approximation); the
+    # interpreter has no libdevice and uses NumPy's exp.
+    if LIBDEVICE_EXP:
+        e = libdevice.exp(-gate)
+    else:
+        e = tl.exp(-gate)
+    silu = tl.math.div_rn(gate, 1.0 + e).to(dtype).to(tl.float32)
+    return (silu * up).to(dtype)
+
+
+@triton.jit
 def _silu_and_mul_kernel(
     GateUp,
     stride_t,
@@ -27,16 +42,8 @@ def _silu_and_mul_kernel(
     row = GateUp + token * stride_t
     gate = tl.load(row + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(row + N + offs, mask=mask, other=0.0).to(tl.float32)
-    # torch's SiLU: x / (1 + exp(-x)) in float32 with an IEEE division. Compiled, exp is
-    # libdevice's (the CUDA expf torch calls; tl.exp is a faster approximation); the
-    # interpreter has no libdevice and uses NumPy's exp.
-    if LIBDEVICE_EXP:
-        e = libdevice.exp(-gate)
-    else:
-        e = tl.exp(-gate)
-    dtype = Out.dtype.element_ty
-    silu = tl.math.div_rn(gate, 1.0 + e).to(dtype).to(tl.float32)
-    tl.store(Out + token * N + offs, (silu * up).to(dtype), mask=mask)
+    product = silu_mul(gate, up, Out.dtype.element_ty, LIBDEVICE_EXP)
+    tl.store(Out + token * N + offs, product, mask=mask)
 
 
 def silu_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:

@@ -15,9 +15,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from radixserve.engine.attention.triton_ops.common import INTERPRETED, programmatic_launch
+from radixserve.engine.kernels.triton_ops.activation import silu_mul
+from radixserve.engine.kernels.triton_ops.norm import weighted_norm
 
 # What the kernel reads as its input row.
 PLAIN = 0  # x as it is
@@ -46,15 +47,10 @@ def _input_slice(
             x = (x + tl.load(Residual + ks, mask=kmask, other=0.0).to(tl.float32)).to(dtype)
             x = x.to(tl.float32)
         w = tl.load(NormW + ks, mask=kmask, other=0.0).to(tl.float32)
-        x = (w * (x * rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        x = weighted_norm(x, rstd, w, dtype).to(tl.float32)
     elif PROLOGUE == 3:
         up = tl.load(X + K + ks, mask=kmask, other=0.0).to(tl.float32)
-        if LIBDEVICE_EXP:
-            e = libdevice.exp(-x)
-        else:
-            e = tl.exp(-x)
-        silu = tl.math.div_rn(x, 1.0 + e).to(dtype).to(tl.float32)
-        x = (silu * up).to(dtype).to(tl.float32)
+        x = silu_mul(x, up, dtype, LIBDEVICE_EXP).to(tl.float32)
     return x
 
 

@@ -8,6 +8,13 @@ import triton.language as tl
 
 
 @triton.jit
+def weighted_norm(x, rstd, weight, dtype: tl.constexpr):
+    """weight * x * rstd (float32 x and weight) rounded where the reference rounds: the
+    normalised values to `dtype`, then the product; returned in `dtype`."""
+    return (weight * (x * rstd).to(dtype).to(tl.float32)).to(dtype)
+
+
+@triton.jit
 def _rms_norm_kernel(
     X,
     stride_xa,
@@ -39,9 +46,8 @@ def _rms_norm_kernel(
         tl.store(ResidualOut + row * N + offs, summed, mask=mask)
         x = summed.to(tl.float32)
     rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / N + eps)
-    normed = (x * rstd).to(X.dtype.element_ty).to(tl.float32)
     w = tl.load(Weight + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Out + row * N + offs, (w * normed).to(Out.dtype.element_ty), mask=mask)
+    tl.store(Out + row * N + offs, weighted_norm(x, rstd, w, X.dtype.element_ty), mask=mask)
 
 
 def _launch(
