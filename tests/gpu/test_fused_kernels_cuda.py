@@ -8,7 +8,6 @@ test_triton_attention_cuda.py: defining them here would fix them as compiled).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -131,22 +130,6 @@ def test_rotary_store_matches_rotary_then_store_kv(
     assert torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1])
 
 
-def capture(
-    step: Callable[[], tuple[torch.Tensor, ...]],
-) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]:
-    """`step` captured in a CUDA graph (run once before, outside, to compile), and the
-    outputs it writes on each replay."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = step()
-    return graph, static_out
-
-
 def test_kernels_replay_in_a_cuda_graph() -> None:
     """Captured once, replayed on new inputs copied into the static buffers."""
     dtype, tokens = torch.bfloat16, 8
@@ -167,7 +150,7 @@ def test_kernels_replay_in_a_cuda_graph() -> None:
         q_out, k_out = apply_rotary(q, k, Rotation.of(table, positions))
         return normed, new_residual, q_out, k_out, silu_and_mul(gate_up)
 
-    graph, static_out = capture(step)
+    graph, static_out = cases.capture(step)
     for seed in (10, 20):
         for i, buf in enumerate((x, residual, qkv, gate_up)):
             buf.copy_(cases.randn(tuple(buf.shape), dtype, CUDA, seed=seed + i))
@@ -204,7 +187,7 @@ def test_rotary_store_replays_in_a_cuda_graph() -> None:
         assert stored
         return q_out, k_out
 
-    graph, static_out = capture(step)
+    graph, static_out = cases.capture(step)
     for seed in (10, 20):
         qkv.copy_(cases.randn(tuple(qkv.shape), dtype, CUDA, seed=seed))
         positions.copy_(cases.positions(tokens, MAX_POSITIONS, CUDA, seed=seed))

@@ -118,14 +118,7 @@ def test_decoder_chain_replays_in_a_cuda_graph() -> None:
             hidden = cases.project_f64(silu_and_mul_torch(gate_up), down_w, None)
         return hidden, res
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = step()
+    graph, static_out = cases.capture(step)
     for seed in (10, 20):
         x.copy_(cases.randn((1, HIDDEN), dtype, CUDA, seed=seed))
         residual.copy_(cases.randn((1, HIDDEN), dtype, CUDA, seed=seed + 1))

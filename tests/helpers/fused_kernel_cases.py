@@ -3,6 +3,8 @@ interpreter on the CPU, compiled kernels on CUDA)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from radixserve.engine.kernels.kv_store import KVWrite
@@ -136,3 +138,19 @@ def assert_close_projection(out: torch.Tensor, ref: torch.Tensor) -> None:
     rtol = {torch.float32: 1e-5, torch.bfloat16: 2**-7, torch.float16: 2**-10}[out.dtype]
     scale = float(ref.float().abs().max())
     torch.testing.assert_close(out.float(), ref.float(), rtol=rtol, atol=rtol * scale)
+
+
+def capture(
+    step: Callable[[], tuple[torch.Tensor, ...]],
+) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]:
+    """`step` captured in a CUDA graph (run once before, outside, to compile), and the
+    outputs it writes on each replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step()
+    return graph, static_out

@@ -29,6 +29,21 @@ def skip_unless_interpreted_or_cuda() -> None:
         )
 
 
+def kernel_test_device(*, round_bf16: bool = False) -> torch.device:
+    """For modules comparing kernels with their references: skip as
+    skip_unless_interpreted_or_cuda does, then the device the kernels run on (the CPU
+    under the interpreter); with `round_bf16`, the interpreter rounds float32 ->
+    bfloat16 as compiled kernels do (round_bf16_to_nearest_even)."""
+    from radixserve.engine.attention.triton_ops.common import INTERPRETED
+
+    skip_unless_interpreted_or_cuda()
+    if not INTERPRETED:
+        return torch.device("cuda")
+    if round_bf16:
+        round_bf16_to_nearest_even()
+    return torch.device("cpu")
+
+
 def round_bf16_to_nearest_even() -> None:
     import triton.language as tl
     from triton.runtime import interpreter

@@ -23,7 +23,6 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed (the dev extra brings it on Linux)")
 
 from radixserve.engine.attention.triton_backend import TritonAttentionBackend
-from radixserve.engine.attention.triton_ops.common import INTERPRETED
 from radixserve.engine.forward_batch import ForwardMode
 from radixserve.engine.kernels import dispatch
 from radixserve.engine.kernels.activation import silu_and_mul_torch
@@ -43,16 +42,9 @@ from radixserve.engine.kvcache.pool import KVPool
 from radixserve.engine.model import llama
 from tests.helpers import fused_kernel_cases as cases
 from tests.helpers.model_harness import ModelHarness
-from tests.helpers.triton_interpreter import (
-    round_bf16_to_nearest_even,
-    skip_unless_interpreted_or_cuda,
-)
+from tests.helpers.triton_interpreter import kernel_test_device
 
-skip_unless_interpreted_or_cuda()
-if INTERPRETED:
-    round_bf16_to_nearest_even()
-
-DEVICE = torch.device("cpu" if INTERPRETED else "cuda")
+DEVICE = kernel_test_device(round_bf16=True)
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 EPS = 1e-5
 

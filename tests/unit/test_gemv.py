@@ -25,16 +25,9 @@ from radixserve.engine.kernels.activation import silu_and_mul_torch
 from radixserve.engine.kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
 from radixserve.engine.kernels.triton_ops import gemv
 from tests.helpers import fused_kernel_cases as cases
-from tests.helpers.triton_interpreter import (
-    round_bf16_to_nearest_even,
-    skip_unless_interpreted_or_cuda,
-)
+from tests.helpers.triton_interpreter import kernel_test_device
 
-skip_unless_interpreted_or_cuda()
-if INTERPRETED:
-    round_bf16_to_nearest_even()
-
-DEVICE = torch.device("cpu" if INTERPRETED else "cuda")
+DEVICE = kernel_test_device(round_bf16=True)
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 EPS = 1e-5
 # (n, k): rows not a multiple of the row block, a row shorter than one K block, a row
