@@ -2,8 +2,8 @@
 
 Runs, each stage in its own process (a failing stage is reported, the rest still run):
 
-1. per attention backend (triton, and flashinfer where the engine admits it and it is
-   installed): bench/one_batch.py on the Llama-3.1-8B shape with random bf16 weights,
+1. per attention backend (triton; where flashinfer is installed, flashinfer and auto, its
+   prefill with Triton's decode): bench/one_batch.py on the Llama-3.1-8B shape with random bf16 weights,
    prefill and decode at batch sizes 1 8 32 64 128 256 (512-token prompts, 128 output
    tokens), CUDA graphs on and off; then one 2048-token prefill. one_batch measures the
    device's copy bandwidth and bf16 matmul rate in the same process and gives each
@@ -61,14 +61,16 @@ SHARED_PREFIX = Target("shared-prefix throughput: radix on / off", 5.0, at_most=
 
 
 def bench_backends() -> list[str]:
-    """The fast backends EngineConfig admits whose module is installed."""
+    """The fast backends EngineConfig admits whose module is installed, and "auto" where
+    it is neither of them (FlashInfer's prefill with Triton's decode)."""
     from radixserve.engine.config import ATTENTION_BACKENDS
 
-    return [
+    names = [
         name
         for name in ("triton", "flashinfer")
         if name in ATTENTION_BACKENDS and importlib.util.find_spec(name) is not None
     ]
+    return [*names, "auto"] if len(names) == 2 else names
 
 
 def git_commit() -> str:

@@ -19,6 +19,8 @@ if not torch.cuda.is_available():
 pytest.importorskip("flashinfer", reason="flashinfer is not installed")
 
 from radixserve.engine.attention.flashinfer_backend import FlashInferAttentionBackend
+from radixserve.engine.attention.hybrid import HybridAttentionBackend
+from radixserve.engine.attention.triton_backend import TritonAttentionBackend
 from radixserve.engine.forward_batch import ForwardMode
 from tests.helpers import attention_passes
 from tests.helpers.attention_passes import Pass
@@ -143,8 +145,11 @@ def tiny_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
         {"chunked_prefill_size": 16},
         {"page_size": 16, "chunked_prefill_size": 32},
         {"chunked_prefill_size": 16, "disable_overlap_schedule": True},
+        # auto: FlashInfer's prefill, Triton's decode (attention/hybrid.py).
+        {"chunked_prefill_size": 16, "attention_backend": "auto"},
+        {"page_size": 16, "chunked_prefill_size": 32, "attention_backend": "auto"},
     ],
-    ids=["chunked", "paged", "no-overlap"],
+    ids=["chunked", "paged", "no-overlap", "auto-chunked", "auto-paged"],
 )
 def test_engine_with_graphs_matches_hf(tiny_dir: Path, kwargs: dict[str, object]) -> None:
     from radixserve import Engine
@@ -158,17 +163,23 @@ def test_engine_with_graphs_matches_hf(tiny_dir: Path, kwargs: dict[str, object]
     # 5 and 17 requests decode on the padded graphs of 8 and 24; chunks of 16 or 32
     # tokens put decode requests beside prefill chunks (mixed batches).
     lengths = [3 + (7 * i) % 61 for i in range(17)]
+    options: dict[str, object] = {"attention_backend": "flashinfer", **kwargs}
     with Engine(
         model_path=str(tiny_dir),
         device="cuda",
         dtype="bfloat16",
-        attention_backend="flashinfer",
         max_total_tokens=8192,
         cuda_graph_max_bs=32,
         debug_check_invariants=True,
-        **kwargs,
+        **options,
     ) as engine:
-        assert isinstance(engine.runner.attn, FlashInferAttentionBackend)
+        attn = engine.runner.attn
+        if options["attention_backend"] == "auto":
+            assert isinstance(attn, HybridAttentionBackend)
+            assert isinstance(attn.prefill, FlashInferAttentionBackend)
+            assert isinstance(attn.decode, TritonAttentionBackend)
+        else:
+            assert isinstance(attn, FlashInferAttentionBackend)
         graphs = engine.runner.graphs
         assert graphs is not None
         prompts = make_prompts(engine.runner.vocab_size, lengths, seed=5)
@@ -179,10 +190,10 @@ def test_engine_with_graphs_matches_hf(tiny_dir: Path, kwargs: dict[str, object]
         assert_matches_reference(out, ref, tolerance=BF16_TIE_TOLERANCE)
 
 
-def test_auto_picks_flashinfer_for_half_precision(tiny_dir: Path) -> None:
+def test_auto_prefills_with_flashinfer_for_half_precision(tiny_dir: Path) -> None:
     from radixserve import Engine
 
     with Engine(model_path=str(tiny_dir), device="cuda", dtype="bfloat16") as engine:
-        assert isinstance(engine.runner.attn, FlashInferAttentionBackend)
+        assert engine.runner.attn.name == "flashinfer+triton"
     with Engine(model_path=str(tiny_dir), device="cuda", dtype="float32") as engine:
         assert engine.runner.attn.name == "triton"

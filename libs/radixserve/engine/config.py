@@ -18,9 +18,14 @@ class EngineConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     load_format: str = "auto"  # auto (the checkpoint) | dummy (random weights: benchmarks)
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    # auto: flashinfer on CUDA for float16/bfloat16 when installed, else triton; torch
-    # on the CPU. flashinfer and triton run decode in CUDA graphs.
+    # auto: on CUDA FlashInfer's prefill with Triton's decode for float16/bfloat16 when
+    # flashinfer is installed, else triton; torch on the CPU. flashinfer and triton run
+    # decode in CUDA graphs.
     attention_backend: str = "auto"
+    # Either pass kind on another backend (torch, triton or flashinfer); None: as chosen
+    # by attention_backend. Decode passes are those where every request adds one token.
+    prefill_attention_backend: str | None = None
+    decode_attention_backend: str | None = None
     # KV memory. On a GPU the pool takes what mem_fraction_static leaves after the
     # weights; on the CPU it holds cpu_kv_tokens. max_total_tokens overrides both.
     mem_fraction_static: float = 0.85
@@ -69,6 +74,10 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
             )
+        for name in ("prefill_attention_backend", "decode_attention_backend"):
+            value = getattr(self, name)
+            if value is not None and value not in ATTENTION_BACKENDS[:-1]:
+                raise ValueError(f"{name} must be one of {ATTENTION_BACKENDS[:-1]}, got {value!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

@@ -23,6 +23,9 @@ _UNSET_HELP = {
     "max_running_requests": "default: 512 on a GPU of 70 GiB or more, else 256",
     "cuda_graph_max_bs": "default: as max_running_requests",
     "context_length": "default: the model's max_position_embeddings",
+    "prefill_attention_backend": "torch, triton or flashinfer (default: as --attention-backend)",
+    "decode_attention_backend": "torch, triton or flashinfer (default: as --attention-backend; "
+    "auto decodes with triton)",
 }
 
 

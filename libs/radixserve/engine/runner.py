@@ -64,18 +64,50 @@ def resolve_device(name: str) -> torch.device:
 
 
 def make_attention_backend(
-    name: str, device: torch.device, dtype: torch.dtype | None = None
+    name: str,
+    device: torch.device,
+    dtype: torch.dtype | None = None,
+    *,
+    prefill: str | None = None,
+    decode: str | None = None,
 ) -> AttentionBackend:
-    """The backend called `name` (one EngineConfig admits) for `device` and a model of
-    `dtype` (None: not known).
+    """The attention backend for `device` and a model of `dtype` (None: not known):
+    `name` (one EngineConfig admits) for every pass, or where `prefill` or `decode`
+    names another backend for that kind of pass, a hybrid of the two
+    (attention/hybrid.py).
 
-    "auto": on CUDA flashinfer when it is installed and the model is float16 or
-    bfloat16, else triton when it is installed (CUDA builds of torch bring it); the
-    torch reference elsewhere (on the CPU triton runs only under its interpreter).
-    Backends are imported only when chosen: they import packages CPU installs lack.
+    "auto": on CUDA, for a float16 or bfloat16 model with flashinfer installed,
+    FlashInfer's prefill with Triton's decode (the H100 figures in docs/performance.md:
+    Triton's decode keeps its tables in the graph, FlashInfer's prefill serves cached
+    prefixes beside decoders best); else triton when it is installed (CUDA builds of
+    torch bring it); the torch reference elsewhere (on the CPU triton runs only under
+    its interpreter). Backends are imported only when chosen: they import packages CPU
+    installs lack.
     """
-    if name == "auto":
-        name = _auto_backend(device, dtype)
+    prefill_name, decode_name = attention_backend_names(name, device, dtype, prefill, decode)
+    if prefill_name == decode_name:
+        return _backend(prefill_name, device, dtype)
+    from radixserve.engine.attention.hybrid import HybridAttentionBackend
+
+    return HybridAttentionBackend(
+        _backend(prefill_name, device, dtype), _backend(decode_name, device, dtype)
+    )
+
+
+def attention_backend_names(
+    name: str,
+    device: torch.device,
+    dtype: torch.dtype | None = None,
+    prefill: str | None = None,
+    decode: str | None = None,
+) -> tuple[str, str]:
+    """(prefill, decode) backend names that make_attention_backend builds."""
+    chosen = _auto_backend(device, dtype) if name == "auto" else name
+    auto_decode = "triton" if name == "auto" and chosen == "flashinfer" else chosen
+    return prefill or chosen, decode or auto_decode
+
+
+def _backend(name: str, device: torch.device, dtype: torch.dtype | None) -> AttentionBackend:
     if name == "flashinfer":
         from radixserve.engine.attention.flashinfer_backend import FlashInferAttentionBackend
 
@@ -152,7 +184,13 @@ class ModelRunner:
         )
         # One spare row: the request mid-chunk holds one beyond the running limit.
         self.req_pool = ReqToTokenPool(self.max_running_requests + 1, self.context_len, self.device)
-        self.attn = make_attention_backend(config.attention_backend, self.device, self.dtype)
+        self.attn = make_attention_backend(
+            config.attention_backend,
+            self.device,
+            self.dtype,
+            prefill=config.prefill_attention_backend,
+            decode=config.decode_attention_backend,
+        )
         log.info(
             "model %s on %s (%s), KV pool %d tokens",
             self.model_path,
