@@ -17,7 +17,7 @@ from radixserve.engine.kvcache.radix_cache import RadixCache
 from radixserve.engine.request import Req
 from radixserve.engine.sampling.params import SamplingParams
 from radixserve.engine.sched.kv_manager import KVManager
-from radixserve.engine.sched.prefill import AddResult, PrefillAdder
+from radixserve.engine.sched.prefill import IN_BATCH_SHARE_MIN, AddResult, PrefillAdder
 from tests.unit.engine_helpers import engine_outputs, greedy_params, make_prompts
 
 
@@ -169,6 +169,26 @@ def test_chunk_budget_uses_the_tail_then_whole_pages() -> None:
     assert free - kv.kv_pool.available() == 16
     req.kv_len, req.extend_len = 48, 0
     kv.check_invariants([req])
+
+
+def test_in_batch_sharing_compares_the_whole_head_not_just_the_uncached_window() -> None:
+    # Two cached prompts of one length, A and C; a request over A admitted this step
+    # computes the 40 tokens X past A. Another over A + X waits for it to be cached; one
+    # over C + X matches X at the same positions but not A, so it shares nothing.
+    pool = make_pool(1024, 1)
+    kv = KVManager(pool, ReqToTokenPool(8, 256, "cpu"), RadixCache(pool))
+    heads = {"A": list(range(100, 116)), "C": list(range(200, 216))}
+    for head in heads.values():
+        cached = _req(head)
+        assert _adder(kv, rem_kv=512).add_one(cached) is AddResult.ADDED
+        cached.kv_len, cached.extend_len = len(head), 0
+        kv.cache_unfinished(cached)
+    x = list(range(300, 300 + IN_BATCH_SHARE_MIN + 8))
+    adder = _adder(kv, rem_kv=512)
+    first = _req(heads["A"] + x + [1])
+    assert adder.add_one(first) is AddResult.ADDED
+    assert adder.add_one(_req(heads["A"] + x + [2, 3])) is AddResult.DEFERRED
+    assert adder.add_one(_req(heads["C"] + x + [4])) is AddResult.ADDED
 
 
 # -- the engine -------------------------------------------------------------------------

@@ -17,7 +17,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from radixserve.engine.kvcache.radix_cache import common_prefix_len
 from radixserve.engine.request import Req, ReqStatus
 from radixserve.engine.sched.kv_manager import KVManager
 
@@ -127,4 +126,11 @@ class PrefillAdder:
         ids = req.fill_ids
         if len(ids) <= wanted:
             return False
-        return any(common_prefix_len(other.fill_ids, ids) >= wanted for other in self.admitted)
+        # other[:wanted] == ids[:wanted], the short uncached window first: requests over
+        # one long cached system prompt differ right after it, so most pairs are told
+        # apart without comparing (or copying) the prompt.
+        window, cached = ids[prefix_len:wanted], ids[:prefix_len]
+        return any(
+            other.fill_ids[prefix_len:wanted] == window and other.fill_ids[:prefix_len] == cached
+            for other in self.admitted
+        )
