@@ -266,30 +266,56 @@ def test_errors(stack: RunningStack) -> None:
     assert timed_out.status_code == 504 and _error(timed_out)["code"] == "timeout"
 
 
+async def wait_for_idle_worker(bus: Bus, subjects: protocol.Subjects) -> list[protocol.WorkerStats]:
+    """Wait (30 s at most) until the worker reports nothing running or queued: earlier
+    tests' timed-out and aborted requests are gone. Returns the live list of its stats."""
+    stats: list[protocol.WorkerStats] = []
+
+    async def on_stats(msg: BusMsg) -> None:
+        stats.append(protocol.decode(msg.data, protocol.WorkerStats))
+
+    await bus.subscribe(subjects.stats_all, on_stats)
+    deadline = time.monotonic() + 30
+    while not (stats and stats[-1].num_running_reqs == 0 and stats[-1].num_queue_reqs == 0):
+        assert time.monotonic() < deadline, "the worker never went idle"
+        await asyncio.sleep(0.05)
+    return stats
+
+
 def test_queue_bound_gives_429(stack: RunningStack) -> None:
     """24 requests in flight (the scheduler's bound here): the next ones get 429."""
     url = f"{stack.url}/v1/completions"
     body = {"model": stack.model, "prompt": "x", "max_tokens": 60_000, "ignore_eos": True}
+    holder_deadline_s = 20  # the gateway's --request-timeout-s: holders end then
 
     async def scenario() -> list[httpx.Response]:
         bus = await Bus.connect(stack.nats_url)
+        subjects = protocol.Subjects(stack.subject_prefix)
+        # A request still in flight from an earlier test (the 504 one) would take a
+        # place in the bound, turn a holder into a 429 and leave the extras waiting.
+        await wait_for_idle_worker(bus, subjects)
         routed: list[str] = []
 
         async def on_run(msg: BusMsg) -> None:
             routed.append(protocol.decode(msg.data, protocol.RoutedRequest).rid)
 
-        await bus.subscribe(protocol.Subjects(stack.subject_prefix).worker_run_all, on_run)
+        await bus.subscribe(subjects.worker_run_all, on_run)
         async with httpx.AsyncClient(timeout=60) as http:
+            started = time.monotonic()
             holders = [asyncio.create_task(http.post(url, json=body)) for _ in range(24)]
-            deadline = time.monotonic() + 30
-            while len(routed) < 24 and time.monotonic() < deadline:
+            while len(routed) < 24 and not any(task.done() for task in holders):
+                assert time.monotonic() - started < holder_deadline_s / 2, (
+                    f"only {len(routed)} of 24 requests routed in {holder_deadline_s / 2}s"
+                )
                 await asyncio.sleep(0.02)
+            done = [task.result() for task in holders if task.done()]
+            assert not done, f"a holder ended early: {done[0].status_code} {done[0].text}"
             extra = await asyncio.gather(*(http.post(url, json=body) for _ in range(3)))
+            assert time.monotonic() - started < holder_deadline_s, "the holders timed out"
             for task in holders:  # the client goes away: the gateway aborts them
                 task.cancel()
             await asyncio.gather(*holders, return_exceptions=True)
         await bus.close()
-        assert len(routed) >= 24, f"only {len(routed)} requests were routed"
         return list(extra)
 
     for response in asyncio.run(scenario()):
@@ -303,7 +329,6 @@ def test_client_disconnect_frees_kv_within_a_second(stack: RunningStack) -> None
         bus = await Bus.connect(stack.nats_url)
         subjects = protocol.Subjects(stack.subject_prefix)
         aborted: dict[str, float] = {}
-        stats: list[protocol.WorkerStats] = []
 
         async def on_detok(msg: BusMsg) -> None:
             for out in protocol.decode(msg.data, protocol.StepOutputBatch).outputs:
@@ -311,16 +336,8 @@ def test_client_disconnect_frees_kv_within_a_second(stack: RunningStack) -> None
                 if reason is not None and reason.kind == "abort":
                     aborted[out.rid] = time.monotonic()
 
-        async def on_stats(msg: BusMsg) -> None:
-            stats.append(protocol.decode(msg.data, protocol.WorkerStats))
-
         await bus.subscribe(subjects.detok, on_detok)
-        await bus.subscribe(subjects.stats_all, on_stats)
-        # Start from an idle worker (earlier tests' aborted requests are gone).
-        deadline = time.monotonic() + 30
-        while not (stats and stats[-1].num_running_reqs == 0 and stats[-1].num_queue_reqs == 0):
-            assert time.monotonic() < deadline, "the worker never went idle"
-            await asyncio.sleep(0.05)
+        stats = await wait_for_idle_worker(bus, subjects)
         body = {
             "model": stack.model,
             "prompt": "x",
