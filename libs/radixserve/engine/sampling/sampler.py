@@ -15,6 +15,11 @@ Order of operations (all in float32, all batched over rows):
    min_p x the largest probability. Draw by inverse CDF over the kept probabilities, in
    token-id order, with the row's uniform from `noise.row_uniforms(seed, output position)`.
 
+On CUDA (with triton) steps 3-4's sampled rows run as one kernel,
+`kernels/triton_ops/sampling.py`, with these semantics and no sort; elsewhere as the
+torch ops below. The two agree except where float rounding of their sums, taken in
+different orders, decides a draw at a border.
+
 Why inverse CDF rather than Gumbel-max: it needs one random number per row instead of a
 [bs, vocab] noise tensor, and the draw is still a pure function of (seed, position) and
 the row's own logits, so a request samples the same tokens alone or in any batch.
@@ -31,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from radixserve.engine.kernels.dispatch import use_triton
 from radixserve.engine.sampling.batch import SampledRows, SamplingBatch
 from radixserve.engine.sampling.params import resolve_seed
 
@@ -56,25 +62,48 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
     ):
         # All greedy: the argmax of 16-bit logits is that of their exact float32 copy.
         return SampleResult(next_token_ids=logits.argmax(dim=-1))
-    raw = logits.float()
-    processed = raw
+    # The draw reads 16-bit logits as they are (their float32 values are exact); the
+    # penalties and the stop mask need a float32 copy to write into.
+    processed = logits
     if batch.penalties is not None:
-        processed = batch.penalties.apply(processed)
+        processed = batch.penalties.apply(logits.float())
     if batch.stop_mask is not None:
-        processed = batch.stop_mask.apply(processed)
+        processed = batch.stop_mask.apply(processed.float())
     next_ids = _choose(processed, batch.sampled)
     if not batch.return_logprob:
         return SampleResult(next_token_ids=next_ids)
-    return _with_logprobs(raw, next_ids, min(batch.top_logprobs_num, batch.vocab_size))
+    return _with_logprobs(logits.float(), next_ids, min(batch.top_logprobs_num, batch.vocab_size))
 
 
 def _choose(logits: torch.Tensor, sampled: SampledRows | None) -> torch.Tensor:
     if sampled is None:
         return logits.argmax(dim=-1)
+    if use_triton(logits):
+        drawn = _draw_triton(logits, sampled)
+        if sampled.is_whole_batch:
+            return drawn
+        return logits.argmax(dim=-1).index_copy(0, sampled.rows, drawn)
     if sampled.is_whole_batch:
         return _draw(logits, sampled)
     drawn = _draw(logits.index_select(0, sampled.rows), sampled)
     return logits.argmax(dim=-1).index_copy(0, sampled.rows, drawn)
+
+
+def _draw_triton(logits: torch.Tensor, rows: SampledRows) -> torch.Tensor:
+    from radixserve.engine.kernels.triton_ops.sampling import draw_triton
+
+    return draw_triton(
+        logits,
+        rows.rows,
+        rows.temperatures,
+        rows.top_ks,
+        rows.top_ps,
+        rows.min_ps,
+        rows.uniforms,
+        use_top_k=rows.max_top_k > 0,
+        use_top_p=rows.use_top_p,
+        use_min_p=rows.use_min_p,
+    )
 
 
 def _draw(logits: torch.Tensor, rows: SampledRows) -> torch.Tensor:

@@ -1,0 +1,118 @@
+"""The sampler alone: time per call of `engine.sampling.sample` over a decode batch's
+logits (Llama-3 vocabulary, 128256), by sampling settings and batch size.
+
+Each setting is one `SamplingBatch` as the scheduler builds it (`SamplingBatch.build`
+from plain requests) and one `sample` call on [bs, vocab] bf16 logits; the figure is the
+median over `--reps` calls, timed with CUDA events (device time, what a step waits for).
+Each sampled setting runs twice, side by side: `triton` (what `sample` takes on CUDA: the
+one-kernel draw) and `torch` (the sort-based path the CPU takes), with the share of rows
+where the two drew the same token.
+Logits are random normal x `--scale` (the sort-based paths do not depend on the values).
+Where FlashInfer is installed, its `top_k_top_p_sampling_from_logits` runs beside the
+top-k + top-p setting for reference (another random stream: not the engine's draw).
+
+    python bench/sampling.py [--batch-sizes 1 64 256 512 --reps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Callable
+
+import torch
+
+from radixserve.engine.sampling import sampler
+from radixserve.engine.sampling.batch import SamplingBatch, SamplingRequest
+from radixserve.engine.sampling.params import SamplingParams
+from radixserve.engine.sampling.sampler import sample
+
+VOCAB = 128256
+SETTINGS: dict[str, dict[str, float | int]] = {
+    "greedy": {"temperature": 0.0},
+    "temperature 0.7": {"temperature": 0.7},
+    "top-k 50": {"temperature": 0.7, "top_k": 50},
+    "top-p 0.9": {"temperature": 0.7, "top_p": 0.9},
+    "top-k 50 + top-p 0.9": {"temperature": 0.7, "top_k": 50, "top_p": 0.9},
+    "min-p 0.05": {"temperature": 0.7, "min_p": 0.05},
+}
+
+
+_TRITON = sampler.use_triton
+
+
+def _no_triton(x: torch.Tensor) -> bool:
+    return False
+
+
+def time_ms(fn: Callable[[], object], reps: int) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64, 256, 512])
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--scale", type=float, default=3.0)
+    ap.add_argument("--json", help="write the rows here")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/sampling.py needs a CUDA device")
+    device = torch.device("cuda")
+    try:
+        import flashinfer
+    except ImportError:
+        flashinfer = None
+    rows = []
+    for bs in args.batch_sizes:
+        gen = torch.Generator(device=device).manual_seed(bs)
+        logits = (torch.randn(bs, VOCAB, generator=gen, device=device) * args.scale).bfloat16()
+        for name, fields in SETTINGS.items():
+            params = SamplingParams(**fields)  # type: ignore[arg-type]
+            reqs = [SamplingRequest(params=params, seed=i, output_ids=[1] * 7) for i in range(bs)]
+            batch = SamplingBatch.build(reqs, VOCAB, device)
+            picks = {}
+            for path in ("triton", "torch") if batch.sampled is not None else ("triton",):
+                sampler.use_triton = _TRITON if path == "triton" else _no_triton  # type: ignore[assignment]
+                ms = time_ms(lambda b=batch, x=logits: sample(x, b), args.reps)
+                picks[path] = sample(logits, batch).next_token_ids
+                rows.append({"bs": bs, "setting": name, "path": path, "ms": ms})
+                print(f"bs {bs:4d}  {name:22s} {path:6s} {ms:8.3f} ms", flush=True)
+            sampler.use_triton = _TRITON
+            if len(picks) == 2:
+                same = float((picks["triton"] == picks["torch"]).float().mean())
+                rows[-1]["same_picks"] = same
+                print(f"bs {bs:4d}  {name:22s} same picks {same:.4f}", flush=True)
+        if flashinfer is not None:
+            ks = torch.full((bs,), 50, dtype=torch.int32, device=device)
+            ps = torch.full((bs,), 0.9, dtype=torch.float32, device=device)
+            scaled = logits.float() / 0.7
+            ms = time_ms(
+                lambda x=scaled, k=ks, p=ps: flashinfer.sampling.top_k_top_p_sampling_from_logits(
+                    x, k, p
+                ),
+                args.reps,
+            )
+            rows.append({"bs": bs, "setting": "flashinfer top-k 50 + top-p 0.9", "ms": ms})
+            print(f"bs {bs:4d}  {'flashinfer k50+p0.9':22s} {ms:8.3f} ms", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""The sampler's Triton draw compiled on CUDA over the Llama-3 vocabulary (128256)
+against the torch sampler's sort-based draw, and the engine's `sample` on CUDA (which
+takes the kernel) against the same sampler on the CPU (the torch path).
+
+Without CUDA the module skips before it imports the kernels (see
+test_triton_attention_cuda.py: defining them here would fix them as compiled).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+pytest.importorskip("triton", reason="triton is not installed")
+
+from radixserve.engine.attention.triton_ops.common import INTERPRETED
+from radixserve.engine.sampling import SamplingBatch, SamplingParams, SamplingRequest, sample
+from tests.helpers import sampling_cases as cases
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(INTERPRETED, reason="TRITON_INTERPRET is set in this process"),
+]
+
+DEVICE = torch.device("cuda")
+VOCAB = 128256
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_rows_draw_what_the_torch_sampler_draws(seed: int) -> None:
+    differ = cases.assert_same_draws(*cases.random_case(64, VOCAB, seed, DEVICE))
+    assert differ <= 2  # rounding decides a pick only rarely
+
+
+@pytest.mark.parametrize(("top_k", "top_p"), [(50, 1.0), (0, 0.9), (40, 0.55), (2000, 0.95)])
+def test_ties_at_the_borders_keep_what_the_torch_sampler_keeps(top_k: int, top_p: float) -> None:
+    # bf16-like logits on a coarse grid: large groups of ties straddle the borders.
+    g = torch.Generator().manual_seed(top_k)
+    logits = (torch.randint(0, 40, (8, VOCAB), generator=g) * 0.25).to(DEVICE)
+    cases.assert_tied_borders(logits, top_k, top_p)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"temperature": 0.7},
+        {"temperature": 1.0, "top_p": 0.9},
+        {"temperature": 0.8, "top_k": 50, "top_p": 0.95, "min_p": 0.02},
+    ],
+    ids=["temperature", "top-p", "all"],
+)
+def test_sample_on_cuda_draws_what_the_cpu_sampler_draws(fields: dict[str, float]) -> None:
+    # A mixed batch: greedy rows, sampled rows, a repetition penalty on some.
+    bs = 48
+    g = torch.Generator().manual_seed(11)
+    logits = (torch.randn(bs, VOCAB, generator=g) * 4).bfloat16()
+    reqs = [
+        SamplingRequest(
+            params=SamplingParams(
+                **({"temperature": 0.0} if i % 5 == 0 else fields),
+                repetition_penalty=1.3 if i % 3 == 0 else 1.0,
+            ),
+            seed=1000 + i,
+            origin_input_ids=[int(t) for t in torch.randint(0, VOCAB, (20,), generator=g)],
+            output_ids=[7] * (i % 4),
+        )
+        for i in range(bs)
+    ]
+    on_cpu = sample(logits, SamplingBatch.build(reqs, VOCAB, "cpu")).next_token_ids
+    on_gpu = sample(logits.cuda(), SamplingBatch.build(reqs, VOCAB, DEVICE)).next_token_ids
+    assert (on_gpu.cpu() != on_cpu).sum() <= 1, (on_gpu.cpu(), on_cpu)
