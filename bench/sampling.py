@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from radixserve.engine.sampling import sampler
+from radixserve.engine.kernels import dispatch
 from radixserve.engine.sampling.batch import SamplingBatch, SamplingRequest
 from radixserve.engine.sampling.params import SamplingParams
 from radixserve.engine.sampling.sampler import sample
@@ -39,7 +39,7 @@ SETTINGS: dict[str, dict[str, float | int]] = {
 }
 
 
-_TRITON = sampler.use_triton
+_TRITON = dispatch.use_triton
 
 
 def _no_triton(x: torch.Tensor) -> bool:
@@ -87,12 +87,12 @@ def main() -> None:
             batch = SamplingBatch.build(reqs, VOCAB, device)
             picks = {}
             for path in ("triton", "torch") if batch.sampled is not None else ("triton",):
-                sampler.use_triton = _TRITON if path == "triton" else _no_triton  # type: ignore[assignment]
+                dispatch.use_triton = _TRITON if path == "triton" else _no_triton
                 ms = time_ms(lambda b=batch, x=logits: sample(x, b), args.reps)
                 picks[path] = sample(logits, batch).next_token_ids
                 rows.append({"bs": bs, "setting": name, "path": path, "ms": ms})
                 print(f"bs {bs:4d}  {name:22s} {path:6s} {ms:8.3f} ms", flush=True)
-            sampler.use_triton = _TRITON
+            dispatch.use_triton = _TRITON
             if len(picks) == 2:
                 same = float((picks["triton"] == picks["torch"]).float().mean())
                 rows[-1]["same_picks"] = same

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import torch
 
@@ -16,4 +17,10 @@ def use_triton(x: torch.Tensor) -> bool:
     importing them imports triton, which CPU installs may lack, and defines the kernels,
     compiled or interpreted as TRITON_INTERPRET stands then.
     """
-    return x.is_cuda and HAS_TRITON
+    return x.is_cuda and HAS_TRITON and not interpreting()
+
+
+def interpreting() -> bool:
+    """TRITON_INTERPRET is set (CPU tests set it to run the kernels in the interpreter,
+    which cannot read CUDA tensors): CUDA tensors then take the torch reference."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from radixserve.engine.kernels.dispatch import use_triton
+from radixserve.engine.kernels import dispatch
 from radixserve.engine.sampling.batch import SampledRows, SamplingBatch
 from radixserve.engine.sampling.params import resolve_seed
 
@@ -78,7 +78,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
 def _choose(logits: torch.Tensor, sampled: SampledRows | None) -> torch.Tensor:
     if sampled is None:
         return logits.argmax(dim=-1)
-    if use_triton(logits):
+    if dispatch.use_triton(logits):
         drawn = _draw_triton(logits, sampled)
         if sampled.is_whole_batch:
             return drawn
