@@ -14,12 +14,19 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed (the dev extra brings it on Linux)")
 
+from radixserve.engine.kernels.triton_ops import sampling as kernel_module
 from radixserve.engine.kernels.triton_ops.sampling import draw_triton
 from tests.helpers import sampling_cases as cases
 from tests.helpers.triton_interpreter import kernel_test_device
 
 DEVICE = kernel_test_device()
 VOCAB = 333  # not a multiple of the kernel's block
+
+
+@pytest.fixture(autouse=True, params=[64, 4096], ids=["6-blocks", "1-block"])
+def block(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows over several blocks (per-block sums, ties across blocks) and in one."""
+    monkeypatch.setattr(kernel_module, "BLOCK", request.param)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -1,7 +1,8 @@
 """The sampler's draw in one kernel: temperature, top-k, top-p, min-p and the seeded
 inverse-CDF draw of each sampled row, over its logits in a few passes and no sort.
 
-One program per row; it streams the row's logits block by block. The semantics are the
+One program per row; it streams the row's logits block by block, keeping per-lane
+partial sums and reducing them once a pass. The semantics are the
 torch sampler's (`sampling/sampler.py`), computed in logit space: y = logits /
 temperature, e = exp(y - max y) (the probabilities up to the softmax's common factor).
 
@@ -18,9 +19,11 @@ temperature, e = exp(y - max y) (the probabilities up to the softmax's common fa
 The k-th largest value and the top-p border are found by a search over the row's
 values: each pass counts (or sums the mass of) the elements at or above RADIX thresholds
 at once and narrows the range to one bucket, until a bucket holds one distinct value
-(a few passes on real logits, whose values sit at 16-bit spacing). Sums run in a fixed order, so a row draws the same token in any batch. The
-results equal the sort-based torch path's except where float rounding of the two sums'
-orders differs (a draw within rounding of a border).
+(a few passes on real logits, whose values sit at 16-bit spacing). The last pass stores
+each block's kept mass, so the draw reads only the block where the running mass passes
+the target. Sums run in an order fixed by the vocabulary size alone, so a row draws the
+same token in any batch. The results equal the sort-based torch path's except where
+float rounding of the two sums' orders differs (a draw within rounding of a border).
 """
 
 from __future__ import annotations
@@ -73,9 +76,10 @@ def _search(
     while (lo < hi) & (passes < MAX_PASSES):
         width = (hi - lo) / RADIX
         cands = tl.where(js == 0, lo, lo + js.to(tl.float32) * width)
-        acc = tl.zeros([RADIX], dtype=tl.float32)
-        low = float("inf")
-        high = float("-inf")
+        # Per-lane accumulators, reduced once after the pass.
+        acc = tl.zeros([RADIX, BLOCK], dtype=tl.float32)
+        low = tl.full([BLOCK], float("inf"), tl.float32)
+        high = tl.full([BLOCK], float("-inf"), tl.float32)
         for start in range(0, V, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             y = _load_y(X, offs, V, inv_t)
@@ -84,29 +88,43 @@ def _search(
             else:
                 w = tl.full([BLOCK], 1.0, tl.float32)
             w = tl.where(y >= floor, w, 0.0)
-            acc += tl.sum(tl.where(y[None, :] >= cands[:, None], w[None, :], 0.0), axis=1)
+            acc += tl.where(y[None, :] >= cands[:, None], w[None, :], 0.0)
             inside = (y >= lo) & (y < hi)
-            low = tl.minimum(low, tl.min(tl.where(inside, y, float("inf")), axis=0))
-            high = tl.maximum(high, tl.max(tl.where(inside, y, float("-inf")), axis=0))
-        pick = tl.max(tl.where(acc > target, js, 0), axis=0)
+            low = tl.minimum(low, tl.where(inside, y, float("inf")))
+            high = tl.maximum(high, tl.where(inside, y, float("-inf")))
+        sums = tl.sum(acc, axis=1)
+        least = tl.min(low, axis=0)
+        most = tl.max(high, axis=0)
+        pick = tl.max(tl.where(sums > target, js, 0), axis=0)
         new_lo = tl.max(tl.where(js == pick, cands, float("-inf")), axis=0)
         new_hi = tl.min(tl.where(js == pick + 1, cands, hi), axis=0)
         # One value left in the range: it is v (the loop ends with lo == hi).
-        lo = tl.where(low == high, low, tl.maximum(new_lo, low))
-        hi = tl.where(low == high, low, tl.minimum(new_hi, _next_up(high)))
+        lo = tl.where(least == most, least, tl.maximum(new_lo, least))
+        hi = tl.where(least == most, least, tl.minimum(new_hi, _next_up(most)))
         passes += 1
     return lo
+
+
+@triton.jit
+def _mass_at_or_above(X, inv_t, row_max, floor, V: tl.constexpr, BLOCK: tl.constexpr):
+    """The mass e of the row's y >= floor."""
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, V, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        y = _load_y(X, offs, V, inv_t)
+        total += tl.where(y >= floor, tl.exp(y - row_max), 0.0)
+    return tl.sum(total, axis=0)
 
 
 @triton.jit
 def _kept(y, offs, V: tl.constexpr, e, floor, border, ties_before, ties_kept, min_p):
     """Kept mask of a block: at or above the top-k floor, above the top-p border (or
     among the first `ties_kept` tokens equal to it: `ties_before` counts those in earlier
-    blocks), not below min-p; and the block's count of tokens equal to the border."""
+    blocks), not below min-p; and the block's tokens equal to the border."""
     is_tie = (y == border) & (offs < V)
     rank = ties_before + tl.cumsum(is_tie.to(tl.int32), axis=0) - 1
     kept = (y >= floor) & ((y > border) | (is_tie & (rank < ties_kept)))
-    return kept & (e >= min_p) & (offs < V), tl.sum(is_tie.to(tl.int32), axis=0)
+    return kept & (e >= min_p) & (offs < V), is_tie
 
 
 @triton.jit
@@ -119,9 +137,11 @@ def _draw_kernel(
     TopPs,
     MinPs,
     Uniforms,
+    Scratch,
     Out,
     V: tl.constexpr,
     BLOCK: tl.constexpr,
+    NUM_BLOCKS: tl.constexpr,
     RADIX: tl.constexpr,
     USE_TOP_K: tl.constexpr,
     USE_TOP_P: tl.constexpr,
@@ -133,16 +153,19 @@ def _draw_kernel(
     inv_t = 1.0 / tl.load(Temperatures + pid)
 
     # Pass 1: the largest y, the smallest finite one and how many are finite.
-    row_max = float("-inf")
-    row_min = float("inf")
-    finite = 0.0
+    vmax = tl.full([BLOCK], float("-inf"), tl.float32)
+    vmin = tl.full([BLOCK], float("inf"), tl.float32)
+    vfinite = tl.zeros([BLOCK], dtype=tl.float32)
     for start in range(0, V, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         y = _load_y(X, offs, V, inv_t)
         is_finite = y > float("-inf")
-        row_max = tl.maximum(row_max, tl.max(y, axis=0))
-        row_min = tl.minimum(row_min, tl.min(tl.where(is_finite, y, float("inf")), axis=0))
-        finite += tl.sum(is_finite.to(tl.float32), axis=0)
+        vmax = tl.maximum(vmax, y)
+        vmin = tl.minimum(vmin, tl.where(is_finite, y, float("inf")))
+        vfinite += is_finite.to(tl.float32)
+    row_max = tl.max(vmax, axis=0)
+    row_min = tl.min(vmin, axis=0)
+    finite = tl.sum(vfinite, axis=0)
 
     # top-k: the k-th largest y is the largest t with count(y >= t) > k - 1 (-inf when
     # fewer than k tokens are finite: then the zero-mass ones are kept too, and all is).
@@ -151,28 +174,14 @@ def _draw_kernel(
         k = tl.load(TopKs + pid).to(tl.float32)
         if k <= finite - 1.0:
             floor = _search(
-                X,
-                inv_t,
-                row_max,
-                row_min,
-                floor,
-                k - 1.0,
-                V,
-                BLOCK,
-                RADIX,
-                False,
-                MAX_PASSES,
+                X, inv_t, row_max, row_min, floor, k - 1.0, V, BLOCK, RADIX, False, MAX_PASSES
             )
 
     border = float("-inf")  # no top-p border: every token from the floor up is kept
     ties_kept = 0
     if USE_TOP_P:
         top_p = tl.load(TopPs + pid)
-        kept_mass = 0.0
-        for start in range(0, V, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            y = _load_y(X, offs, V, inv_t)
-            kept_mass += tl.sum(tl.where(y >= floor, tl.exp(y - row_max), 0.0), axis=0)
+        kept_mass = _mass_at_or_above(X, inv_t, row_max, floor, V, BLOCK)
         bound = top_p * kept_mass
         if kept_mass > bound:
             # The border's e is at least (1 - top_p) x kept / V (the tokens at or below
@@ -180,13 +189,8 @@ def _draw_kernel(
             lowest = row_max + tl.log((1.0 - top_p) * kept_mass / V) - 1.0
             lo = tl.maximum(tl.maximum(lowest, floor), row_min)
             border = _search(X, inv_t, row_max, lo, floor, bound, V, BLOCK, RADIX, True, MAX_PASSES)
-            # Mass strictly above the border.
-            above = 0.0
-            for start in range(0, V, BLOCK):
-                offs = start + tl.arange(0, BLOCK)
-                y = _load_y(X, offs, V, inv_t)
-                over = (y > border) & (y >= floor)
-                above += tl.sum(tl.where(over, tl.exp(y - row_max), 0.0), axis=0)
+            # Mass strictly above the border (and at or above the floor, which is lower).
+            above = _mass_at_or_above(X, inv_t, row_max, _next_up(border), V, BLOCK)
             # Tie j (0-based, by token id) has mass before = above + j x e(border).
             ratio = (bound - above) / tl.exp(border - row_max)
             ties_kept = (tl.floor(tl.minimum(tl.maximum(ratio, -1.0), V)) + 1.0).to(tl.int32)
@@ -195,42 +199,48 @@ def _draw_kernel(
     if USE_MIN_P:
         min_p = tl.load(MinPs + pid)
 
-    # The kept total, then the draw over the same masses in the same order.
-    total = 0.0
+    # Each block's kept mass and border ties, kept in Scratch [m, 2, NUM_BLOCKS]; then
+    # the draw reads only the block where the running mass passes the target.
+    sums = Scratch + pid * 2 * NUM_BLOCKS
     ties = 0
-    for start in range(0, V, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
+    for b in range(0, tl.cdiv(V, BLOCK)):
+        offs = b * BLOCK + tl.arange(0, BLOCK)
         y = _load_y(X, offs, V, inv_t)
         e = tl.exp(y - row_max)
-        kept, n_ties = _kept(y, offs, V, e, floor, border, ties, ties_kept, min_p)
+        kept, is_tie = _kept(y, offs, V, e, floor, border, ties, ties_kept, min_p)
+        n_ties = tl.sum(is_tie.to(tl.int32), axis=0)
         ties += n_ties
-        total += tl.sum(tl.where(kept, e, 0.0), axis=0)
-    target = tl.load(Uniforms + pid) * total
+        tl.store(sums + b, tl.sum(tl.where(kept, e, 0.0), axis=0))
+        tl.store(sums + NUM_BLOCKS + b, n_ties.to(tl.float32))
+    bs = tl.arange(0, NUM_BLOCKS)
+    valid = bs < tl.cdiv(V, BLOCK)
+    block_mass = tl.load(sums + bs, mask=valid, other=0.0)
+    block_ties = tl.load(sums + NUM_BLOCKS + bs, mask=valid, other=0.0)
+    cumulative = tl.cumsum(block_mass, axis=0)
+    target = tl.load(Uniforms + pid) * tl.sum(block_mass, axis=0)
+    # The first block whose cumulative mass passes the target; rounding may leave none
+    # (the target at the total): then the last block with mass.
+    crossing = tl.min(tl.where((cumulative > target) & (block_mass > 0.0), bs, NUM_BLOCKS))
+    last = tl.max(tl.where(block_mass > 0.0, bs, 0))
+    b = tl.where(crossing < NUM_BLOCKS, crossing, last)
+    before = tl.sum(tl.where(bs < b, block_mass, 0.0), axis=0)
+    ties_before = tl.sum(tl.where(bs < b, block_ties, 0.0), axis=0).to(tl.int32)
 
-    running = 0.0
-    ties = 0
-    picked = V  # none yet
-    last_kept = 0
-    for start in range(0, V, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        y = _load_y(X, offs, V, inv_t)
-        e = tl.exp(y - row_max)
-        kept, n_ties = _kept(y, offs, V, e, floor, border, ties, ties_kept, min_p)
-        ties += n_ties
-        mass = tl.where(kept, e, 0.0)
-        cdf = running + tl.cumsum(mass, axis=0)
-        hit = (cdf > target) & (mass > 0.0)
-        picked = tl.minimum(picked, tl.min(tl.where(hit, offs, V), axis=0))
-        last_kept = tl.maximum(last_kept, tl.max(tl.where(mass > 0.0, offs, 0), axis=0))
-        running += tl.sum(mass, axis=0)
-    # Rounding can leave the target at or past the running total: take the last kept.
+    offs = b * BLOCK + tl.arange(0, BLOCK)
+    y = _load_y(X, offs, V, inv_t)
+    e = tl.exp(y - row_max)
+    kept, _ = _kept(y, offs, V, e, floor, border, ties_before, ties_kept, min_p)
+    mass = tl.where(kept, e, 0.0)
+    cdf = before + tl.cumsum(mass, axis=0)
+    picked = tl.min(tl.where((cdf > target) & (mass > 0.0), offs, V), axis=0)
+    last_kept = tl.max(tl.where(mass > 0.0, offs, 0), axis=0)
     tl.store(Out + pid, tl.where(picked < V, picked, last_kept).to(tl.int64))
 
 
 # Launch choices (bench/sampling.py on the H100 picked them).
 BLOCK = 4096
 RADIX = 4
-NUM_WARPS = 8
+NUM_WARPS = 16
 MAX_PASSES = 24
 
 
@@ -256,6 +266,9 @@ def draw_triton(
     out = torch.empty(m, dtype=torch.int64, device=logits.device)
     if m == 0:
         return out
+    vocab = logits.shape[1]
+    num_blocks = triton.next_power_of_2(triton.cdiv(vocab, BLOCK))
+    scratch = torch.empty(m, 2, num_blocks, dtype=torch.float32, device=logits.device)
     _draw_kernel[(m,)](
         logits,
         logits.stride(0),
@@ -265,9 +278,11 @@ def draw_triton(
         top_ps,
         min_ps,
         uniforms,
+        scratch,
         out,
-        V=logits.shape[1],
+        V=vocab,
         BLOCK=BLOCK,
+        NUM_BLOCKS=num_blocks,
         RADIX=RADIX,
         USE_TOP_K=use_top_k,
         USE_TOP_P=use_top_p,
