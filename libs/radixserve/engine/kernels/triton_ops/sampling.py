@@ -212,6 +212,8 @@ def _draw_kernel(
         ties += n_ties
         tl.store(sums + b, tl.sum(tl.where(kept, e, 0.0), axis=0))
         tl.store(sums + NUM_BLOCKS + b, n_ties.to(tl.float32))
+    # Other threads of the program stored those sums: wait for every store.
+    tl.debug_barrier()
     bs = tl.arange(0, NUM_BLOCKS)
     valid = bs < tl.cdiv(V, BLOCK)
     block_mass = tl.load(sums + bs, mask=valid, other=0.0)
