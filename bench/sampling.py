@@ -12,11 +12,13 @@ Where FlashInfer is installed, its `top_k_top_p_sampling_from_logits` runs besid
 top-k + top-p setting for reference (another random stream: not the engine's draw).
 
     python bench/sampling.py [--batch-sizes 1 64 256 512 --reps 20]
+    python bench/sampling.py --sweep   # the kernel's launch choices, best first
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 from collections.abc import Callable
@@ -61,6 +63,46 @@ def time_ms(fn: Callable[[], object], reps: int) -> float:
     return statistics.median(times)
 
 
+def sweep(batch_sizes: list[int], reps: int, scale: float) -> None:
+    """Time the kernel alone over its launch choices (blocks, thresholds a search pass,
+    warps) per batch size and setting; print the five best and today's choice."""
+    from radixserve.engine.kernels.triton_ops import sampling as kernel
+
+    chosen = (kernel.BLOCK, kernel.RADIX, kernel.NUM_WARPS)
+    device = torch.device("cuda")
+    for bs in batch_sizes:
+        logits = (torch.randn(bs, VOCAB, device=device) * scale).bfloat16()
+        for name, fields in SETTINGS.items():
+            params = SamplingParams(**fields)  # type: ignore[arg-type]
+            reqs = [SamplingRequest(params=params, seed=i, output_ids=[1] * 7) for i in range(bs)]
+            rows = SamplingBatch.build(reqs, VOCAB, device).sampled
+            if rows is None:
+                continue
+            timed = []
+            for block, radix, warps in itertools.product((2048, 4096, 8192), (2, 4, 8), (8, 16)):
+                kernel.BLOCK, kernel.RADIX, kernel.NUM_WARPS = block, radix, warps
+                ms = time_ms(
+                    lambda r=rows, x=logits: kernel.draw_triton(
+                        x,
+                        r.rows,
+                        r.temperatures,
+                        r.top_ks,
+                        r.top_ps,
+                        r.min_ps,
+                        r.uniforms,
+                        use_top_k=r.max_top_k > 0,
+                        use_top_p=r.use_top_p,
+                        use_min_p=r.use_min_p,
+                    ),
+                    reps,
+                )
+                timed.append((ms, (block, radix, warps)))
+            kernel.BLOCK, kernel.RADIX, kernel.NUM_WARPS = chosen
+            now = next(ms for ms, launch in timed if launch == chosen)
+            best = " ".join(f"{ms:.3f}@{b}/{r}/{w}" for ms, (b, r, w) in sorted(timed)[:5])
+            print(f"bs {bs:4d}  {name:22s} now {now:.3f}  best {best}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -69,9 +111,13 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--scale", type=float, default=3.0)
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--sweep", action="store_true", help="the kernel's launch choices")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench/sampling.py needs a CUDA device")
+    if args.sweep:
+        sweep(args.batch_sizes, args.reps, args.scale)
+        return
     device = torch.device("cuda")
     try:
         import flashinfer
