@@ -11,7 +11,10 @@ Runs, each stage in its own process (a failing stage is reported, the rest still
 2. bench/offline.py: offline throughput, ShareGPT-like (1000 requests) and
    generated-shared-prefix (64 x 16, 2048 + 128 tokens, 256 out), radix cache on and off;
 3. tests/gpu/test_backend_parity_cuda.py: greedy tokens equal Hugging Face's on the same
-   random weights for every backend, with and without CUDA graphs (and overlap).
+   random weights for every backend, with and without CUDA graphs (and overlap);
+4. bench/sampling.py: the sampler's time per call by setting and batch size, the
+   one-kernel draw beside the sort-based torch path, and tests/gpu/test_sampling_cuda.py
+   (the kernel's draws against the torch path's).
 
 Writes every stage's JSON, `suite.json` (all of it, with date, device and commit) and
 `suite.md` (the tables, each target met or not) to `--out`, and prints the tables.
@@ -42,6 +45,7 @@ from offline import default_tokenizer_dir
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 PARITY_TEST = "tests/gpu/test_backend_parity_cuda.py"
+SAMPLING_TEST = "tests/gpu/test_sampling_cuda.py"
 
 
 @dataclass(frozen=True)
@@ -142,11 +146,18 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
     argv = [str(BENCH / "offline.py"), "--tokenizer", tokenizer, "--radix", "both"]
     argv += ["--scale", "0.1" if args.quick else "1.0", "--json", str(path)]
     offline = stages.run("offline", argv, path)
-    parity = None
+    parity = sampling_check = None
     if not args.skip_parity:
         path = out / "parity.xml"
         argv = ["-m", "pytest", "-q", PARITY_TEST, "-p", "no:cacheprovider"]
         parity = stages.run("parity", [*argv, f"--junitxml={path}"], path)
+        path = out / "sampling_check.xml"
+        argv = ["-m", "pytest", "-q", SAMPLING_TEST, "-p", "no:cacheprovider"]
+        sampling_check = stages.run("sampling check", [*argv, f"--junitxml={path}"], path)
+    path = out / "sampling.json"
+    argv = [str(BENCH / "sampling.py"), "--json", str(path), "--batch-sizes"]
+    argv += ["1", "64", "512"] if args.quick else ["1", "64", "256", "512"]
+    sampling = stages.run("sampling", argv, path)
     probe = next((r for r in one_batch if r is not None), None)
     return {
         "date": date.today().isoformat(),
@@ -161,6 +172,8 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
         "prefill_2048": [row for r in prefill if r for row in r["rows"]],
         "offline": offline,
         "parity": parity,
+        "sampling": sampling,
+        "sampling_check": sampling_check,
         "errors": stages.errors,
     }
 
@@ -212,13 +225,19 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append(
             f"| {target.name} | {where} | {_fmt(figure)} | {op} {target.threshold} | {met} |"
         )
-    parity = result["parity"]
-    if parity is not None:
-        ok = "yes" if parity["failures"] + parity["errors"] == 0 and parity["passed"] else "no"
+    checks = (
+        ("greedy tokens == HF, every backend x graphs (x overlap)", PARITY_TEST, "parity"),
+        ("sampling kernel's draws == the torch sampler's", SAMPLING_TEST, "sampling_check"),
+    )
+    for what, test, key in checks:
+        junit = result.get(key)
+        if junit is None:
+            continue
+        failed = junit["failures"] + junit["errors"]
+        ok = "yes" if failed == 0 and junit["passed"] else "no"
         lines.append(
-            f"| greedy tokens == HF, every backend x graphs (x overlap) | {PARITY_TEST} | "
-            f"{parity['passed']} passed, {parity['failures'] + parity['errors']} failed, "
-            f"{parity['skipped']} skipped | all pass | {ok} |"
+            f"| {what} | {test} | {junit['passed']} passed, {failed} failed, "
+            f"{junit['skipped']} skipped | all pass | {ok} |"
         )
     lines += [
         "",
@@ -255,9 +274,33 @@ def markdown(result: dict[str, Any]) -> str:
                 f"{r['output_throughput']:.0f} | {r['total_throughput']:.0f} | "
                 f"{r['cache_hit_rate']:.3f} |"
             )
+    lines += _sampling_table(result.get("sampling"))
     if result["errors"]:
         lines += ["", "Failed stages:", *(f"- {e}" for e in result["errors"])]
     return "\n".join(lines) + "\n"
+
+
+def _sampling_table(sampling: dict[str, Any] | None) -> list[str]:
+    """bench/sampling.py's rows: per batch size and setting, kernel beside torch."""
+    if sampling is None:
+        return []
+    by_key: dict[tuple[int, str], dict[str, float]] = {}
+    for row in sampling["rows"]:
+        by_key.setdefault((row["bs"], row["setting"]), {})[row["path"]] = row["ms"]
+    lines = [
+        "",
+        "Sampling, one `sample` call on [bs, 128256] bf16 logits (ms):",
+        "",
+        "| batch | setting | kernel | torch (sort) | torch / kernel |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for (bs, setting), paths in by_key.items():
+        kernel, torch_ms = paths.get("triton"), paths.get("torch")
+        ratio = None if kernel is None or torch_ms is None else torch_ms / kernel
+        lines.append(
+            f"| {bs} | {setting} | {_fmt(kernel, 3)} | {_fmt(torch_ms, 3)} | {_fmt(ratio, 1)} |"
+        )
+    return lines
 
 
 def _scaled(value: float | None) -> float | None:
@@ -272,7 +315,9 @@ def main() -> int:
     ap.add_argument("--tokenizer", type=Path, default=None, help="a folder of tokenizer files")
     ap.add_argument("--quick", action="store_true", help="reduced scale, a few minutes")
     ap.add_argument("--backends", nargs="+", default=None, help="default: every fast one")
-    ap.add_argument("--skip-parity", action="store_true")
+    ap.add_argument(
+        "--skip-parity", action="store_true", help="skip the parity and sampling checks"
+    )
     ap.add_argument("--commit", default=None, help="default: git rev-parse --short HEAD")
     args = ap.parse_args()
     if not torch.cuda.is_available():

@@ -66,6 +66,15 @@ def _result(**overrides: Any) -> dict[str, Any]:
         "prefill_2048": [prefill],
         "offline": {"rows": offline_rows, "radix_on_over_off": {"shared-prefix": 3.2}},
         "parity": {"tests": 6, "failures": 0, "errors": 0, "skipped": 1, "passed": 5},
+        "sampling": {
+            "device": "GPU",
+            "rows": [
+                {"bs": 64, "setting": "greedy", "path": "triton", "ms": 0.04},
+                {"bs": 64, "setting": "top-p 0.9", "path": "triton", "ms": 0.25},
+                {"bs": 64, "setting": "top-p 0.9", "path": "torch", "ms": 1.5},
+            ],
+        },
+        "sampling_check": {"tests": 9, "failures": 1, "errors": 0, "skipped": 0, "passed": 8},
         "errors": [],
     } | overrides
 
@@ -86,7 +95,11 @@ def test_report_marks_targets_and_unmeasured_figures(suite: ModuleType) -> None:
     assert f"| {suite.PREFILL_2048.name} | triton | 0.83 | >= 0.8 | yes |" in table
     assert f"| {suite.DECODE_BS1.name} | triton, graphs on | 1.60 | <= 1.1 | no |" in table
     assert "| 5 passed, 0 failed, 1 skipped | all pass | yes |" in table
+    assert "| 8 passed, 1 failed, 0 skipped | all pass | no |" in table
+    assert "| 64 | top-p 0.9 | 0.250 | 1.500 | 6.0 |" in table
+    assert "| 64 | greedy | 0.040 | n/a | n/a |" in table
     # A failed stage: its figures are n/a and the failure is listed.
-    broken = suite.markdown(_result(offline=None, errors=["offline: exit status 1"]))
+    broken = suite.markdown(_result(offline=None, sampling=None, errors=["offline: exit status 1"]))
+    assert "Sampling, one" not in broken
     assert f"| {suite.SHARED_PREFIX.name} | default backend | n/a | >= 5.0 | n/a |" in broken
     assert "- offline: exit status 1" in broken
