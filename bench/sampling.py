@@ -13,6 +13,8 @@ top-k + top-p setting for reference (another random stream: not the engine's dra
 
     python bench/sampling.py [--batch-sizes 1 64 256 512 --reps 20]
     python bench/sampling.py --sweep   # the kernel's launch choices, best first
+    python bench/sampling.py --cpu     # the CPU path (SmolLM2's 49152-token vocabulary):
+                                       # its candidate search beside a whole-row sort
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ import argparse
 import itertools
 import json
 import statistics
+import time
 from collections.abc import Callable
 
 import torch
 
 from radixserve.engine.kernels import dispatch
+from radixserve.engine.sampling import sampler
 from radixserve.engine.sampling.batch import SamplingBatch, SamplingRequest
 from radixserve.engine.sampling.params import SamplingParams
 from radixserve.engine.sampling.sampler import sample
@@ -61,6 +65,44 @@ def time_ms(fn: Callable[[], object], reps: int) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def time_cpu_ms(fn: Callable[[], object], reps: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def cpu_bench(batch_sizes: list[int], reps: int, scale: float) -> list[dict[str, object]]:
+    """The CPU's torch path: top-k/top-p decided among each row's most probable tokens
+    (`sampler.CANDIDATES`), beside the same with every row sorted whole."""
+    vocab = 49152
+    tiers = sampler.CANDIDATES
+    rows: list[dict[str, object]] = []
+    for bs in batch_sizes:
+        gen = torch.Generator().manual_seed(bs)
+        logits = torch.randn(bs, vocab, generator=gen) * scale
+        for name, fields in SETTINGS.items():
+            params = SamplingParams(**fields)  # type: ignore[arg-type]
+            reqs = [SamplingRequest(params=params, seed=i, output_ids=[1] * 7) for i in range(bs)]
+            batch = SamplingBatch.build(reqs, vocab, "cpu")
+            picks = {}
+            for path, path_tiers in (("candidates", tiers), ("full sort", ())):
+                sampler.CANDIDATES = path_tiers
+                ms = time_cpu_ms(lambda b=batch, x=logits: sample(x, b), reps)
+                picks[path] = sample(logits, batch).next_token_ids
+                rows.append({"bs": bs, "setting": name, "path": path, "ms": ms})
+                print(f"bs {bs:4d}  {name:22s} {path:10s} {ms:8.3f} ms", flush=True)
+            sampler.CANDIDATES = tiers
+            same = float((picks["candidates"] == picks["full sort"]).float().mean())
+            rows[-1]["same_picks"] = same
+            print(f"bs {bs:4d}  {name:22s} same picks {same:.4f}", flush=True)
+    return rows
 
 
 def sweep(batch_sizes: list[int], reps: int, scale: float) -> None:
@@ -107,12 +149,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64, 256, 512])
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=None)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--scale", type=float, default=3.0)
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--sweep", action="store_true", help="the kernel's launch choices")
+    ap.add_argument("--cpu", action="store_true", help="the CPU path")
     args = ap.parse_args()
+    if args.cpu:
+        cpu_rows = cpu_bench(args.batch_sizes or [1, 8, 32], args.reps, args.scale)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": "cpu", "rows": cpu_rows}, f, indent=1)
+        return
+    args.batch_sizes = args.batch_sizes or [1, 64, 256, 512]
     if not torch.cuda.is_available():
         raise SystemExit("bench/sampling.py needs a CUDA device")
     if args.sweep:
