@@ -123,21 +123,7 @@ def sweep(batch_sizes: list[int], reps: int, scale: float) -> None:
             timed = []
             for block, radix, warps in itertools.product((2048, 4096, 8192), (2, 4, 8), (8, 16)):
                 kernel.BLOCK, kernel.RADIX, kernel.NUM_WARPS = block, radix, warps
-                ms = time_ms(
-                    lambda r=rows, x=logits: kernel.draw_triton(
-                        x,
-                        r.rows,
-                        r.temperatures,
-                        r.top_ks,
-                        r.top_ps,
-                        r.min_ps,
-                        r.uniforms,
-                        use_top_k=r.max_top_k > 0,
-                        use_top_p=r.use_top_p,
-                        use_min_p=r.use_min_p,
-                    ),
-                    reps,
-                )
+                ms = time_ms(lambda r=rows, x=logits: sampler._draw_triton(x, r), reps)
                 timed.append((ms, (block, radix, warps)))
             kernel.BLOCK, kernel.RADIX, kernel.NUM_WARPS = chosen
             now = next(ms for ms, launch in timed if launch == chosen)

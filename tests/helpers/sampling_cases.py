@@ -44,20 +44,8 @@ def make_rows(
 
 
 def kernel(logits: torch.Tensor, rows: SampledRows) -> torch.Tensor:
-    from radixserve.engine.kernels.triton_ops.sampling import draw_triton
-
-    return draw_triton(
-        logits,
-        rows.rows,
-        rows.temperatures,
-        rows.top_ks,
-        rows.top_ps,
-        rows.min_ps,
-        rows.uniforms,
-        use_top_k=rows.max_top_k > 0,
-        use_top_p=rows.use_top_p,
-        use_min_p=rows.use_min_p,
-    )
+    """The Triton draw, as the sampler calls it on CUDA."""
+    return sampler._draw_triton(logits, rows)
 
 
 def reference_kept(logits: torch.Tensor, rows: SampledRows) -> torch.Tensor:
