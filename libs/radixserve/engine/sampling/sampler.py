@@ -63,29 +63,31 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
         # All greedy: the argmax of 16-bit logits is that of their exact float32 copy.
         return SampleResult(next_token_ids=logits.argmax(dim=-1))
     # The draw reads 16-bit logits as they are (their float32 values are exact); the
-    # penalties and the stop mask need a float32 copy to write into.
-    processed = logits
+    # penalties, the stop mask and the logprobs need one float32 copy.
+    needs_float = batch.penalties is not None or batch.stop_mask is not None or batch.return_logprob
+    raw = logits.float() if needs_float else logits
+    processed = raw
     if batch.penalties is not None:
-        processed = batch.penalties.apply(logits.float())
+        processed = batch.penalties.apply(processed)
     if batch.stop_mask is not None:
-        processed = batch.stop_mask.apply(processed.float())
+        processed = batch.stop_mask.apply(processed)
     next_ids = _choose(processed, batch.sampled)
     if not batch.return_logprob:
         return SampleResult(next_token_ids=next_ids)
-    return _with_logprobs(logits.float(), next_ids, min(batch.top_logprobs_num, batch.vocab_size))
+    return _with_logprobs(raw, next_ids, min(batch.top_logprobs_num, batch.vocab_size))
 
 
 def _choose(logits: torch.Tensor, sampled: SampledRows | None) -> torch.Tensor:
     if sampled is None:
         return logits.argmax(dim=-1)
     if dispatch.use_triton(logits):
-        drawn = _draw_triton(logits, sampled)
-        if sampled.is_whole_batch:
-            return drawn
-        return logits.argmax(dim=-1).index_copy(0, sampled.rows, drawn)
+        drawn = _draw_triton(logits, sampled)  # reads the sampled rows in place
+    elif sampled.is_whole_batch:
+        drawn = _draw(logits, sampled)
+    else:
+        drawn = _draw(logits.index_select(0, sampled.rows), sampled)
     if sampled.is_whole_batch:
-        return _draw(logits, sampled)
-    drawn = _draw(logits.index_select(0, sampled.rows), sampled)
+        return drawn
     return logits.argmax(dim=-1).index_copy(0, sampled.rows, drawn)
 
 
@@ -146,12 +148,10 @@ def _top_k_top_p_sorted(probs: torch.Tensor, rows: SampledRows) -> torch.Tensor:
     alone). On the CPU, where a branch costs nothing, each row is first decided among its
     most probable tokens (a partial sort, ~25x cheaper than sorting the vocabulary); a
     row whose border lies outside them looks among more, then is sorted whole."""
-    vocab = probs.shape[-1]
     # top-k off: k = vocab, whose threshold (the row's least probability) removes nothing.
-    top_ks = rows.top_ks.clamp(max=vocab)
     if probs.is_cuda:
-        return _removed_by_full_sort(probs, top_ks, rows.top_ps)
-    return _removed_on_cpu(probs, top_ks, rows.top_ps, CANDIDATES)
+        return _removed_by_full_sort(probs, rows.top_ks, rows.top_ps)
+    return _removed_on_cpu(probs, rows.top_ks, rows.top_ps, CANDIDATES)
 
 
 # How many of a row's most probable tokens the CPU looks among first; rows left
