@@ -71,3 +71,31 @@ def test_sample_on_cuda_draws_what_the_cpu_sampler_draws(fields: dict[str, float
     on_cpu = sample(logits, SamplingBatch.build(reqs, VOCAB, "cpu")).next_token_ids
     on_gpu = sample(logits.cuda(), SamplingBatch.build(reqs, VOCAB, DEVICE)).next_token_ids
     assert (on_gpu.cpu() != on_cpu).sum() <= 1, (on_gpu.cpu(), on_cpu)
+
+
+def test_warm_up_compiles_the_one_kernel_every_filter_mix_then_uses() -> None:
+    from radixserve.engine.kernels.triton_ops.sampling import _draw_kernel
+    from radixserve.engine.sampling import sampler
+
+    def compiled() -> int:
+        return sum(len(caches[0]) for caches in _draw_kernel.device_caches.values())
+
+    sampler.warm_up(VOCAB, torch.bfloat16, DEVICE)
+    before = compiled()
+    assert before >= 2  # bf16 and float32 logits
+    mixes = [
+        {"temperature": 0.7},
+        {"temperature": 0.7, "top_k": 40},
+        {"temperature": 0.7, "top_p": 0.9},
+        {"temperature": 0.7, "min_p": 0.05},
+        {"temperature": 0.7, "top_k": 40, "top_p": 0.9, "min_p": 0.05},
+    ]
+    logits = torch.randn(len(mixes), VOCAB, device=DEVICE).bfloat16()
+    reqs = [
+        SamplingRequest(params=SamplingParams(**mix), seed=i, output_ids=[1, 2])  # type: ignore[arg-type]
+        for i, mix in enumerate(mixes)
+    ]
+    batch = SamplingBatch.build(reqs, VOCAB, DEVICE)
+    sample(logits, batch)
+    sample(logits.float(), batch)
+    assert compiled() == before

@@ -94,8 +94,10 @@ def random_case(
 
 
 def assert_tied_borders(logits: torch.Tensor, top_k: int, top_p: float) -> None:
-    """On logits with many ties, the kept set equals the torch sampler's exactly: the
-    draws at u near 0 and near 1 are its first and last kept token by token id."""
+    """On logits with many ties, the kept set equals the torch sampler's: the draws at u
+    near 0 and near 1 are its first and last kept token by token id. The last may differ
+    by a tie at the top-p border only where the mass before that tie lies within float32
+    rounding of the bound (the two paths sum in different orders)."""
     m, vocab = logits.shape
     for u in (1e-7, 1 - 1e-7):
         rows = make_rows(
@@ -106,4 +108,24 @@ def assert_tied_borders(logits: torch.Tensor, top_k: int, top_p: float) -> None:
         ids = torch.arange(vocab).expand(m, -1)
         first = torch.where(kept, ids, vocab).amin(dim=-1)
         last = torch.where(kept, ids, -1).amax(dim=-1)
-        assert torch.equal(got, first if u < 0.5 else last), (u, got, first, last)
+        want = first if u < 0.5 else last
+        for r in torch.nonzero(got != want).flatten().tolist():
+            assert u > 0.5, (u, r, got, want)
+            _assert_border_within_rounding(logits[r].cpu(), top_k, top_p, int(got[r]), int(want[r]))
+
+
+def _assert_border_within_rounding(
+    logits: torch.Tensor, top_k: int, top_p: float, a: int, b: int
+) -> None:
+    """Tokens a and b are ties at the top-p border, and the later one's mass before it (in
+    float64, ties ordered by id) is within 1e-5 of top_p x the top-k-kept mass."""
+    assert logits[a] == logits[b], f"{a} and {b} are not tied"
+    p = torch.softmax(logits.double(), dim=-1)
+    if 0 < top_k < logits.numel():
+        kth = logits.topk(top_k).values[-1]
+        p = torch.where(logits >= kth, p, 0.0)
+    later = max(a, b)
+    ids = torch.arange(logits.numel())
+    before = p[(logits > logits[later]) | ((logits == logits[later]) & (ids < later))].sum()
+    bound = top_p * p.sum()
+    assert abs(float(before - bound)) <= 1e-5 * float(p.sum()), (a, b, float(before), float(bound))

@@ -70,9 +70,6 @@ def test_a_row_draws_the_same_token_in_any_batch_and_reads_rows_in_place() -> No
         rows.top_ps[pick],
         rows.min_ps[pick],
         rows.uniforms[pick],
-        use_top_k=True,
-        use_top_p=True,
-        use_min_p=True,
     )
     assert torch.equal(subset, whole[pick])
 

@@ -18,6 +18,7 @@ from radixserve.engine.graphs.cuda_graph_runner import CudaGraphRunner
 from radixserve.engine.kvcache.pool import KVPool, ReqToTokenPool
 from radixserve.engine.model.config import ModelConfig
 from radixserve.engine.model.loader import load_model, resolve_dtype, resolve_model_path
+from radixserve.engine.sampling import sampler
 
 log = logging.getLogger(__name__)
 
@@ -202,6 +203,8 @@ class ModelRunner:
         self.graphs = self._capture_graphs()
         if self.cascade and self.device.type == "cuda" and not self._cascade_captured():
             self._warm_up_cascade()
+        if self.device.type == "cuda":
+            sampler.warm_up(self.vocab_size, self.dtype, self.device)
 
     def _capture_graphs(self) -> CudaGraphRunner | None:
         """Decode graphs, on CUDA with a backend that supports them, unless disabled."""

@@ -127,7 +127,18 @@ def _kept(y, offs, V: tl.constexpr, e, floor, border, ties_before, ties_kept, mi
     return kept & (e >= min_p) & (offs < V), is_tie
 
 
-@triton.jit
+# The per-row parameters are columns of one upload (sampling/batch.py) at any offset:
+# not specializing on their alignment keeps one compile (the warm-up's) for them all.
+@triton.jit(
+    do_not_specialize_on_alignment=[
+        "Rows",
+        "Temperatures",
+        "TopKs",
+        "TopPs",
+        "MinPs",
+        "Uniforms",
+    ]
+)
 def _draw_kernel(
     Logits,
     stride,
@@ -143,9 +154,7 @@ def _draw_kernel(
     BLOCK: tl.constexpr,
     NUM_BLOCKS: tl.constexpr,
     RADIX: tl.constexpr,
-    USE_TOP_K: tl.constexpr,
-    USE_TOP_P: tl.constexpr,
-    USE_MIN_P: tl.constexpr,
+    FILTERED: tl.constexpr,
     MAX_PASSES: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -167,36 +176,39 @@ def _draw_kernel(
     row_min = tl.min(vmin, axis=0)
     finite = tl.sum(vfinite, axis=0)
 
-    # top-k: the k-th largest y is the largest t with count(y >= t) > k - 1 (-inf when
-    # fewer than k tokens are finite: then the zero-mass ones are kept too, and all is).
-    floor = float("-inf")
-    if USE_TOP_K:
+    # The filters are switched per row, by value: top-k off is k = V, top-p off any
+    # p >= 1, min-p off 0. FILTERED is off for a batch with none on any row (the common
+    # temperature-only batch: a leaner kernel); else one kernel serves every mix.
+    floor = float("-inf")  # no top-k floor
+    border = float("-inf")  # no top-p border: every token from the floor up is kept
+    ties_kept = 0
+    min_p = 0.0
+    if FILTERED:
+        # top-k: the k-th largest y is the largest t with count(y >= t) > k - 1 (-inf
+        # when fewer than k tokens are finite: then the zero-mass ones are kept too).
         k = tl.load(TopKs + pid).to(tl.float32)
         if k <= finite - 1.0:
             floor = _search(
                 X, inv_t, row_max, row_min, floor, k - 1.0, V, BLOCK, RADIX, False, MAX_PASSES
             )
-
-    border = float("-inf")  # no top-p border: every token from the floor up is kept
-    ties_kept = 0
-    if USE_TOP_P:
         top_p = tl.load(TopPs + pid)
-        kept_mass = _mass_at_or_above(X, inv_t, row_max, floor, V, BLOCK)
-        bound = top_p * kept_mass
-        if kept_mass > bound:
-            # The border's e is at least (1 - top_p) x kept / V (the tokens at or below
-            # it hold the rest of the mass): start there, a unit below for rounding.
-            lowest = row_max + tl.log((1.0 - top_p) * kept_mass / V) - 1.0
-            lo = tl.maximum(tl.maximum(lowest, floor), row_min)
-            border = _search(X, inv_t, row_max, lo, floor, bound, V, BLOCK, RADIX, True, MAX_PASSES)
-            # Mass strictly above the border (and at or above the floor, which is lower).
-            above = _mass_at_or_above(X, inv_t, row_max, _next_up(border), V, BLOCK)
-            # Tie j (0-based, by token id) has mass before = above + j x e(border).
-            ratio = (bound - above) / tl.exp(border - row_max)
-            ties_kept = (tl.floor(tl.minimum(tl.maximum(ratio, -1.0), V)) + 1.0).to(tl.int32)
-
-    min_p = 0.0
-    if USE_MIN_P:
+        if top_p < 1.0:
+            kept_mass = _mass_at_or_above(X, inv_t, row_max, floor, V, BLOCK)
+            bound = top_p * kept_mass
+            if kept_mass > bound:
+                # The border's e is at least (1 - top_p) x kept / V (the tokens at or
+                # below it hold the rest of the mass): start there, a unit below for
+                # rounding.
+                lowest = row_max + tl.log((1.0 - top_p) * kept_mass / V) - 1.0
+                lo = tl.maximum(tl.maximum(lowest, floor), row_min)
+                border = _search(
+                    X, inv_t, row_max, lo, floor, bound, V, BLOCK, RADIX, True, MAX_PASSES
+                )
+                # Mass strictly above the border (and at or above the floor, below it).
+                above = _mass_at_or_above(X, inv_t, row_max, _next_up(border), V, BLOCK)
+                # Tie j (0-based, by token id) has mass before = above + j x e(border).
+                ratio = (bound - above) / tl.exp(border - row_max)
+                ties_kept = (tl.floor(tl.minimum(tl.maximum(ratio, -1.0), V)) + 1.0).to(tl.int32)
         min_p = tl.load(MinPs + pid)
 
     # Each block's kept mass and border ties, kept in Scratch [m, 2, NUM_BLOCKS]; then
@@ -255,13 +267,13 @@ def draw_triton(
     min_ps: torch.Tensor,
     uniforms: torch.Tensor,
     *,
-    use_top_k: bool,
-    use_top_p: bool,
-    use_min_p: bool,
+    filtered: bool = True,
 ) -> torch.Tensor:
     """[m] int64: the token drawn for each of `rows` of `logits` [bs, vocab] (any float
     dtype, last dim contiguous); the per-row parameters are [m] or [m, 1] tensors
-    (top_ks int64, the others float32) on the logits' device."""
+    (top_ks int64, the others float32) on the logits' device. A filter is off for a row
+    where its value says so: top-k >= vocab, top-p >= 1, min-p 0; `filtered=False`
+    (every row has every filter off) takes the leaner temperature-only kernel."""
     if logits.dim() != 2 or logits.stride(-1) != 1:
         raise ValueError("draw_triton needs 2-D logits with a contiguous last dim")
     m = rows.numel()
@@ -286,9 +298,7 @@ def draw_triton(
         BLOCK=BLOCK,
         NUM_BLOCKS=num_blocks,
         RADIX=RADIX,
-        USE_TOP_K=use_top_k,
-        USE_TOP_P=use_top_p,
-        USE_MIN_P=use_min_p,
+        FILTERED=filtered,
         MAX_PASSES=MAX_PASSES,
         num_warps=NUM_WARPS,
     )
