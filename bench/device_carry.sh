@@ -7,13 +7,16 @@
 #     kernels there), repacked here as flashinfer.tar.xz (18 MB) so that it travels in
 #     one call with the rest;
 #   msgspec, apache-tvm-ffi (FlashInfer's and xgrammar's FFI), xgrammar, and pydantic with
-#     its dependencies (7 MB of wheels).
+#     its dependencies (7 MB of wheels);
+#   the embedded model's tokenizer files (tokenizer/, 3.5 MB), which the tests' tiny
+#     Llamas and the GPU suite use (RADIXSERVE_TEST_TOKENIZER_DIR): that machine has no
+#     GGUF.
 #
 # Every call carries [".carry/whl", ...] and starts with
 #   source bench/device_carry.sh --env || exit 1;
 # which installs them once per machine into /tmp/site (it lasts while the machine stays
 # warm, 30 s after a call) and exports PYTHONPATH (the installs, libs/ and the repository
-# root), PYTHONUNBUFFERED and MAX_JOBS (FlashInfer's JIT).
+# root), RADIXSERVE_TEST_TOKENIZER_DIR, PYTHONUNBUFFERED and MAX_JOBS (FlashInfer's JIT).
 #
 # Here:  bash bench/device_carry.sh      # download into .carry/whl
 
@@ -42,6 +45,8 @@ _radixserve_download() (
     tar -C "$fi_dir/site" -cf - . | xz -T0 -6 >.carry/whl/flashinfer.tar.xz
     rm -rf "$fi_dir"
   fi
+  PYTHONPATH=libs:. "${PYTHON:-.venv/bin/python}" -c "from tests.helpers.tiny_models import _smollm2_tokenizer as t
+t().save_pretrained('.carry/whl/tokenizer')" >/dev/null
   du -sh .carry/whl
 )
 
@@ -50,7 +55,8 @@ case "${1:-}" in
     if [ ! -f "$_radixserve_site/.radixserve-whl" ]; then
       _radixserve_install .carry/whl && touch "$_radixserve_site/.radixserve-whl"
     fi &&
-      export PYTHONPATH="$_radixserve_site:$PWD/libs:$PWD" PYTHONUNBUFFERED=1 MAX_JOBS=16
+      export PYTHONPATH="$_radixserve_site:$PWD/libs:$PWD" PYTHONUNBUFFERED=1 MAX_JOBS=16 \
+        RADIXSERVE_TEST_TOKENIZER_DIR="$PWD/.carry/whl/tokenizer"
     ;;
   "")
     _radixserve_download
