@@ -26,11 +26,7 @@ pytest.importorskip("triton", reason="triton is not installed (the dev extra bri
 from radixserve import Engine
 from radixserve.engine.attention.triton_ops.common import INTERPRETED
 from radixserve.engine.forward_batch import ForwardBatch, ForwardMode, SharedPrefix
-from radixserve.engine.graphs.cuda_graph_runner import (
-    CudaGraphRunner,
-    capture_batch_sizes,
-    fastest_graphs,
-)
+from radixserve.engine.graphs.cuda_graph_runner import CudaGraphRunner, capture_batch_sizes
 from radixserve.engine.request import Req
 from radixserve.engine.sched import scheduler as scheduler_module
 from radixserve.engine.sched.scheduler import Scheduler
@@ -50,20 +46,6 @@ def test_capture_ladder() -> None:
     assert capture_batch_sizes(1) == [1]
     with pytest.raises(ValueError):
         capture_batch_sizes(0)
-
-
-def test_a_batch_runs_on_the_smallest_graph_unless_a_larger_one_is_faster() -> None:
-    sizes = [1, 2, 4, 8, 16, 24, 32]
-    # Steady times: every batch takes the smallest graph that holds it.
-    plain = fastest_graphs(sizes, [1.0, 1.0, 1.1, 1.2, 1.5, 1.8, 2.0])
-    assert [plain[bs] for bs in (1, 2, 3, 5, 8, 9, 17, 25, 32)] == [1, 2, 4, 8, 8, 16, 24, 32, 32]
-    # 16 and 24 replay slower than 32 (as cuBLAS's GEMMs do at some row counts): 9-24
-    # take 32; a larger graph within 1% of the smallest one's time is not taken.
-    dip = fastest_graphs(sizes, [1.0, 1.005, 1.1, 1.2, 2.6, 2.5, 2.2])
-    assert [dip[bs] for bs in (1, 2, 8, 9, 16, 17, 24, 32)] == [1, 2, 8, 32, 32, 32, 32, 32]
-    assert sorted(dip) == list(range(1, 33))
-    assert fastest_graphs([1, 2], [1.0, 0.995])[1] == 1  # within the timing noise
-    assert fastest_graphs([1, 2], [1.0, 0.9])[1] == 2
 
 
 def _engine(model_dir: Path, **kwargs: object) -> Engine:

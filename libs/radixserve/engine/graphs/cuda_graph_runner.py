@@ -6,11 +6,8 @@ to run them. A replay launches the whole captured pass in one call.
 
 How (SGLang's CudaGraphRunner, smaller):
 
-- One graph per size of a ladder (`capture_batch_sizes`); a decode batch runs on a
-  graph that holds it, the rows past its size being padding: the smallest, unless a
-  larger one replayed faster at start-up (`fastest_graphs`). cuBLAS's GEMMs are not
-  monotone in the row count: on the H100 an 8B model's decode GEMMs take 13.7 ms at 480
-  rows and 13.1 ms at 512 (`bench/gemms.py --steps`).
+- One graph per size of a ladder (`capture_batch_sizes`); a decode batch runs on the
+  smallest graph that holds it, the rows past its size being padding.
 - Static inputs: one [5, max_bs] int64 buffer (token ids, positions, KV slots of the
   new tokens, request rows, KV lengths) that every graph reads a prefix of; a replay
   copies the batch into it, in one copy when the batch builder uploaded the batch's
@@ -71,28 +68,6 @@ _WARMUP_PASSES = 2
 CASCADE_MIN_BS = 8
 
 
-# A larger graph serves a batch only when its replay is this much faster than the
-# smallest graph's that holds the batch (beyond the timing's noise).
-FASTER_BY = 0.01
-_TIMING_ROUNDS = 3
-_TIMED_REPLAYS = 3
-
-
-def fastest_graphs(sizes: list[int], replay_ms: list[float]) -> dict[int, int]:
-    """For each batch size 1..max(sizes), the graph size to replay it on: the smallest
-    size that holds it, unless a larger one replays faster by FASTER_BY or more (then the
-    fastest of those). `replay_ms[i]` is the replay time of `sizes[i]` (ascending)."""
-    routes: dict[int, int] = {}
-    first = 0
-    for bs in range(1, sizes[-1] + 1):
-        while sizes[first] < bs:
-            first += 1
-        best = min(range(first, len(sizes)), key=lambda i: (replay_ms[i], sizes[i]))
-        faster = replay_ms[best] < replay_ms[first] * (1.0 - FASTER_BY)
-        routes[bs] = sizes[best] if faster else sizes[first]
-    return routes
-
-
 def capture_batch_sizes(max_bs: int) -> list[int]:
     """1, 2, 4, 8, 16, 24, 32, then steps of 16, up to and including `max_bs`."""
     if max_bs < 1:
@@ -142,7 +117,6 @@ class CudaGraphRunner:
         # The cascade variants run on batches of their own: a replay sets their groups.
         self._cascade_batches = {bs: self._static_batch(bs) for bs in self.cascade_sizes}
         self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
-        self._routes = fastest_graphs(self.batch_sizes, [0.0] * len(self.batch_sizes))
         self._logits: torch.Tensor | None = None  # [max_bs, vocab], at the first pass
         if capture:
             try:
@@ -172,7 +146,7 @@ class CudaGraphRunner:
 
     def padded_size(self, bs: int) -> int:
         """The graph a batch of `bs` requests runs on."""
-        return self._routes[bs]
+        return self.batch_sizes[bisect.bisect_left(self.batch_sizes, bs)]
 
     def replay(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [bs, vocab] of a DECODE batch (a view of the graph's output)."""
@@ -245,34 +219,6 @@ class CudaGraphRunner:
             return logits
         return self.model(batch, self.attn, self._logits[: batch.batch_size])
 
-    def _smallest(self, bs: int) -> int:
-        return self.batch_sizes[bisect.bisect_left(self.batch_sizes, bs)]
-
-    def _replay_times(self) -> list[float]:
-        """Ms of a replay of each (non-cascade) graph on its padding inputs: the GEMMs and
-        per-token kernels of a step of that size, with no attention to speak of, which is
-        what padding a batch to that size costs. The graphs take turns, _TIMING_ROUNDS
-        rounds of _TIMED_REPLAYS back-to-back replays each, and each keeps its best
-        round's mean (clock and neighbour noise only ever slow a round)."""
-        for bs in self.batch_sizes:
-            # Every input row is padding still; host-planning backends plan this batch.
-            self.attn.init_forward_metadata_replay(self._batches[bs], bs)
-            self._graphs[bs, False].replay()
-        best = [float("inf")] * len(self.batch_sizes)
-        for _ in range(_TIMING_ROUNDS):
-            for i, bs in enumerate(self.batch_sizes):
-                self.attn.init_forward_metadata_replay(self._batches[bs], bs)
-                graph = self._graphs[bs, False]
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(_TIMED_REPLAYS):
-                    graph.replay()
-                end.record()
-                end.synchronize()
-                best[i] = min(best[i], start.elapsed_time(end) / _TIMED_REPLAYS)
-        return best
-
     @torch.inference_mode()
     def _capture_all(self) -> None:
         started = time.perf_counter()
@@ -295,10 +241,6 @@ class CudaGraphRunner:
                 self._graphs[bs, cascade] = graph
         torch.cuda.synchronize(self.kv_pool.device)
         used = free_before - torch.cuda.mem_get_info(self.kv_pool.device)[0]
-        self._routes = fastest_graphs(self.batch_sizes, self._replay_times())
-        larger = {bs: size for bs, size in self._routes.items() if size != self._smallest(bs)}
-        if larger:
-            log.info("decode batches run on larger, faster graphs: %s", _ranges(larger))
         log.info(
             "captured %d decode graphs (batch sizes %s; cascade variants from %s) in %.1f s, "
             "%.0f MiB",
@@ -308,16 +250,3 @@ class CudaGraphRunner:
             time.perf_counter() - started,
             used / 2**20,
         )
-
-
-def _ranges(routes: dict[int, int]) -> str:
-    """'449-464 -> 512, 481-496 -> 512' for {449: 512, ..., 496: 512}."""
-    spans: list[list[int]] = []
-    for bs, size in sorted(routes.items()):
-        if spans and spans[-1][1] == bs - 1 and spans[-1][2] == size:
-            spans[-1][1] = bs
-        else:
-            spans.append([bs, bs, size])
-    return ", ".join(
-        f"{lo}-{hi} -> {size}" if lo < hi else f"{lo} -> {size}" for lo, hi, size in spans
-    )
