@@ -6,8 +6,9 @@
 #   flashinfer-python: a 60 MB pure-Python wheel (427 MB unpacked: it JIT-compiles its
 #     kernels there), repacked here as flashinfer.tar.xz (18 MB) so that it travels in
 #     one call with the rest;
-#   msgspec, apache-tvm-ffi (FlashInfer's and xgrammar's FFI), xgrammar, and pydantic with
-#     its dependencies (7 MB of wheels);
+#   msgspec, apache-tvm-ffi (FlashInfer's and xgrammar's FFI), xgrammar, pydantic and
+#     jsonschema (the structured-output tests' checker) with their dependencies (8 MB of
+#     wheels);
 #   the embedded model's tokenizer files (tokenizer/, 3.5 MB), which the tests' tiny
 #     Llamas and the GPU suite use (RADIXSERVE_TEST_TOKENIZER_DIR): that machine has no
 #     GGUF.
@@ -36,7 +37,8 @@ _radixserve_download() (
   mkdir -p .carry/whl
   python3 -m pip download -q --no-deps "${tags[@]}" -d .carry/whl msgspec==0.22.0 \
     apache-tvm-ffi==0.1.15.post2 xgrammar==0.2.8 pydantic==2.14.4 pydantic-core==2.50.5 \
-    annotated-types==0.8.0 typing-inspection==0.4.5
+    annotated-types==0.8.0 typing-inspection==0.4.5 jsonschema==4.26.0 \
+    jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1 attrs==26.1.0
   if [ ! -f .carry/whl/flashinfer.tar.xz ]; then
     fi_dir=$(mktemp -d)
     python3 -m pip download -q --no-deps "${tags[@]}" -d "$fi_dir" flashinfer-python==0.7.2.post1
@@ -52,8 +54,10 @@ t().save_pretrained('.carry/whl/tokenizer')" >/dev/null
 
 case "${1:-}" in
   --env)
-    if [ ! -f "$_radixserve_site/.radixserve-whl" ]; then
-      _radixserve_install .carry/whl && touch "$_radixserve_site/.radixserve-whl"
+    # Installed once per machine, again when the carried set changes.
+    _radixserve_set=$(ls .carry/whl)
+    if [ "$(cat "$_radixserve_site/.radixserve-whl" 2>/dev/null)" != "$_radixserve_set" ]; then
+      _radixserve_install .carry/whl && echo "$_radixserve_set" >"$_radixserve_site/.radixserve-whl"
     fi &&
       export PYTHONPATH="$_radixserve_site:$PWD/libs:$PWD" PYTHONUNBUFFERED=1 MAX_JOBS=16 \
         RADIXSERVE_TEST_TOKENIZER_DIR="$PWD/.carry/whl/tokenizer"

@@ -141,6 +141,12 @@ def main() -> None:
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--sweep", action="store_true", help="the kernel's launch choices")
     ap.add_argument("--cpu", action="store_true", help="the CPU path")
+    ap.add_argument(
+        "--no-flashinfer",
+        action="store_true",
+        help="skip FlashInfer's sampling for reference (its JIT build takes minutes on a "
+        "fresh machine)",
+    )
     args = ap.parse_args()
     if args.cpu:
         cpu_rows = cpu_bench(args.batch_sizes or [1, 8, 32], args.reps, args.scale)
@@ -158,6 +164,8 @@ def main() -> None:
     try:
         import flashinfer
     except ImportError:
+        flashinfer = None
+    if args.no_flashinfer:
         flashinfer = None
     rows = []
     for bs in args.batch_sizes:
