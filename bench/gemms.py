@@ -11,6 +11,7 @@ device better.
     python bench/gemms.py --m 512 --json gemms.json
     python bench/gemms.py --steps 256 512 16   # torch alone: a decode step's GEMMs
                                                  # (32 layers + head) at each M
+    python bench/gemms.py --steps 2400 2600 1 --blas both   # cuBLAS and cuBLASLt
 """
 
 from __future__ import annotations
@@ -125,30 +126,42 @@ def matmul_rate(reps: int) -> float:
     return 2 * 8192**3 / ms / 1e9
 
 
-def step_table(sizes: range, reps: int) -> list[dict[str, float]]:
+def step_table(sizes: range, reps: int, blas: str) -> list[dict[str, object]]:
     """Torch's GEMM time of a whole step (32 layers' projections and the head) at each M,
-    and for each M the size >= M whose step is fastest (what padding to it would give)."""
+    and for each M the size >= M whose step is fastest (what padding to it would give).
+    `blas`: the library torch routes GEMMs to (cublas, cublaslt, or both, side by side at
+    each M)."""
+    libraries = ["cublas", "cublaslt"] if blas == "both" else [blas]
     weights = {
         name: torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
         for name, k, n in [*SHAPES, HEAD]
     }
-    rows = []
+    step_ms: dict[str, list[float]] = {library: [] for library in libraries}
+    rows: list[dict[str, object]] = []
     for m in sizes:
-        ms = {}
-        for name, w in weights.items():
-            x = torch.randn(m, w.shape[1], device="cuda", dtype=torch.bfloat16)
-            ms[name] = time_ms(lambda x=x, w=w: torch.nn.functional.linear(x, w), reps)
-        step = LAYERS * sum(ms[name] for name, _, _ in SHAPES) + ms["head"]
-        rows.append({"m": m, "step_ms": step, **{f"{k}_us": v * 1e3 for k, v in ms.items()}})
+        row: dict[str, object] = {"m": m}
+        for library in libraries:
+            torch.backends.cuda.preferred_blas_library(library)
+            ms = {}
+            for name, w in weights.items():
+                x = torch.randn(m, w.shape[1], device="cuda", dtype=torch.bfloat16)
+                ms[name] = time_ms(lambda x=x, w=w: torch.nn.functional.linear(x, w), reps)
+            step = LAYERS * sum(ms[name] for name, _, _ in SHAPES) + ms["head"]
+            step_ms[library].append(step)
+            row[f"{library}_step_ms"] = step
+            row.update({f"{library}_{name}_us": t * 1e3 for name, t in ms.items()})
+        rows.append(row)
     for i, row in enumerate(rows):
-        best = min(rows[i:], key=lambda r: r["step_ms"])
-        row["pad_to"], row["pad_step_ms"] = best["m"], best["step_ms"]
-        print(
-            f"M {row['m']:5d} step GEMMs {row['step_ms']:6.2f} ms "
-            + " ".join(f"{name} {row[name + '_us']:6.1f}" for name in weights)
-            + f"  fastest at or above: M {best['m']} {best['step_ms']:.2f} ms",
-            flush=True,
-        )
+        parts = [f"M {row['m']:5d}"]
+        for library in libraries:
+            times = step_ms[library]
+            best = min(range(i, len(rows)), key=times.__getitem__)
+            row[f"{library}_pad_to"] = rows[best]["m"]
+            parts.append(
+                f"{library} {times[i]:6.2f} ms (fastest at or above: M {rows[best]['m']} "
+                f"{times[best]:.2f})"
+            )
+        print("  ".join(parts), flush=True)
     return rows
 
 
@@ -157,6 +170,12 @@ def main() -> None:
     ap.add_argument("--m", type=int, nargs="+", default=[480, 512, 2528])
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--steps", type=int, nargs=3, metavar=("FIRST", "LAST", "STRIDE"))
+    ap.add_argument(
+        "--blas",
+        choices=["cublas", "cublaslt", "both"],
+        default="cublaslt",
+        help="--steps: torch's GEMM library (the engine's is cublaslt)",
+    )
     ap.add_argument("--json")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -166,7 +185,7 @@ def main() -> None:
     print(f"matmul rate {rate:.0f} TFLOP/s ({torch.cuda.get_device_name()})", flush=True)
     if args.steps:
         first, last, stride = args.steps
-        table = step_table(range(first, last + 1, stride), args.reps)
+        table = step_table(range(first, last + 1, stride), args.reps, args.blas)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"matmul_tflops": rate, "steps": table}, f, indent=1)
