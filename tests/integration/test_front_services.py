@@ -540,3 +540,36 @@ async def test_scheduler_answers_503_without_workers_and_429_over_its_bound(
         ]
     finally:
         scheduler.stop()
+
+
+async def test_a_request_the_scheduler_cannot_send_to_its_worker_is_a_503_not_a_leak(
+    nats_url: str, bus: Bus, tmp_path: Path
+) -> None:
+    # A tokenized request just under NATS's payload limit: routed, it grows past it, the
+    # scheduler's publish fails, and the request must not keep its place in flight.
+    flags = ["--max-pending-requests", "1"]
+    scheduler = await asyncio.to_thread(_start, nats_url, tmp_path, {"scheduler": flags})
+    try:
+        subjects = scheduler.subjects
+        gateway = await _gateway(bus, subjects)
+        worker = _id("w")
+        async with _workers(bus, subjects, {worker: 0}) as workers:
+            limit = bus.nats_client.max_payload
+
+            def tokenized(rid: str, n: int) -> bytes:
+                ids = pack_tokens([7] * n)
+                req = TokenizedRequest(rid=rid, gateway_id=gateway.gateway_id, input_ids=ids)
+                return encode(req)
+
+            n = (limit - len(tokenized("r-big", 0))) // 4 - 2
+            big = tokenized("r-big", n)
+            assert limit - 16 < len(big) <= limit
+            await bus.publish(subjects.schedule, big)
+            error = await gateway.error()
+            assert (error.rid, error.http_status, error.code) == ("r-big", 503, "worker_lost")
+            assert "could not be sent" in error.message
+            # Its place is free: with one place in all, the next request is routed.
+            await bus.publish(subjects.schedule, tokenized("r-next", 2))
+            assert (await workers.runs.next(RoutedRequest)).rid == "r-next"
+    finally:
+        scheduler.stop()

@@ -195,6 +195,19 @@ def test_more_than_the_bound_is_a_429_until_one_finishes() -> None:
     assert _routed_to(d.admit(_request("r4"), 0.0, 0.0)) == "w0"
 
 
+def test_a_request_that_never_reached_its_worker_frees_its_place_with_a_503() -> None:
+    d = _dispatcher(1, "w0")
+    assert _routed_to(d.admit(_request("r1", gateway_id="gw-7"), 0.0, 0.0)) == "w0"
+    lost = d.unroute("r1", "the request could not be sent to worker w0")
+    assert lost is not None
+    assert lost.gateway_id == "gw-7"
+    assert (lost.error.rid, lost.error.http_status, lost.error.code) == ("r1", 503, WORKER_LOST)
+    assert "could not be sent to worker w0" in lost.error.message
+    assert d.unroute("r1", "again") is None  # no longer in flight
+    assert d.abort("r1", 0.0) is None
+    assert _routed_to(d.admit(_request("r2"), 0.0, 0.0)) == "w0"  # its place is free
+
+
 def test_an_abort_is_forwarded_to_the_worker_holding_the_request() -> None:
     d = _dispatcher(100, "w0", "w1")
     d.on_stats(_stats("w0", running=3), now=0.0)

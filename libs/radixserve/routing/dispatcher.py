@@ -160,6 +160,12 @@ class Dispatcher:
         )
         return Routed(routed)
 
+    def unroute(self, rid: str, why: str) -> Rejected | None:
+        """The request routed to a worker never reached it (its publish failed): it is no
+        longer in flight, and its gateway gets a 503 to retry (None if not in flight)."""
+        entry = self.inflight.remove(rid)
+        return None if entry is None else Rejected(entry.gateway_id, self._error(entry, why))
+
     def abort(self, rid: str, now: float) -> str | None:
         """The worker to forward the abort to; None when the request is not in flight
         (then it is remembered a while, in case the request itself is still coming)."""

@@ -139,7 +139,19 @@ async def start(ctx: ServiceContext, settings: SchedulerSettings) -> None:
                 log.debug("routed to %s", routed.worker_id, extra={"rid": request.rid})
                 metrics.observe_routed(routed.worker_id)
                 span.set_attribute(genai.WORKER_ID, routed.worker_id)
-                await bus.publish(subjects.worker_run(routed.worker_id), encode(routed))
+                try:
+                    await bus.publish(subjects.worker_run(routed.worker_id), encode(routed))
+                except BusError as exc:
+                    # Not sent (too large, NATS unreachable past its reconnect buffer):
+                    # no worker holds it, so it must not hold a place in flight.
+                    log.error(
+                        "not sent to %s: %r", routed.worker_id, exc, extra={"rid": request.rid}
+                    )
+                    lost = dispatcher.unroute(
+                        request.rid, f"the request could not be sent to worker {routed.worker_id}"
+                    )
+                    if lost is not None:
+                        await send_errors([lost])
             elif isinstance(decision, Rejected):
                 log.info("rejected: %s", decision.error.code, extra={"rid": request.rid})
                 span.set_attribute(genai.ERROR_CODE, decision.error.code)
