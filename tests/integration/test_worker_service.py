@@ -199,6 +199,48 @@ async def test_abort_frees_kv_and_flush_answers(nats_url: str, worker: tuple[str
         assert flushed.ok and flushed.worker_id == worker_id
 
 
+async def test_an_abort_right_behind_a_constrained_run_is_answered(
+    nats_url: str, worker: tuple[str, str]
+) -> None:
+    # The run waits for its grammar in a task; the abort, sent in the same flush, may
+    # cancel that task before it ever ran: the abort must still end the request.
+    prefix, worker_id = worker
+    subjects = protocol.Subjects(prefix)
+    finals: dict[str, protocol.StepOutput] = {}
+
+    async with _bus(nats_url) as bus:
+
+        async def on_detok(msg: BusMsg) -> None:
+            for out in protocol.decode(msg.data, protocol.StepOutputBatch).outputs:
+                if out.finish_reason is not None:
+                    finals[out.rid] = out
+
+        await bus.subscribe(subjects.detok, on_detok)
+        await _wait_ready(bus, subjects, worker_id)
+        schema = '{"type": "object"}'
+        for i in range(3):
+            rid = f"gone-{i}"
+            request = protocol.TokenizedRequest(
+                rid=rid,
+                gateway_id="gw",
+                input_ids=protocol.pack_tokens([5, 6, 7]),
+                sampling=protocol.SamplingParams(json_schema=schema, max_new_tokens=8),
+                grammar_key=protocol.grammar_key("json_schema", schema, f"tok-{i}"),
+            )
+            routed = protocol.RoutedRequest(request=request, worker_id=worker_id)
+            await bus.publish(subjects.worker_run(worker_id), protocol.encode(routed))
+            await bus.publish(
+                subjects.worker_abort(worker_id), protocol.encode(protocol.AbortRequest(rid=rid))
+            )
+        await bus.nats_client.flush()
+        async with asyncio.timeout(10):
+            while len(finals) < 3:
+                await asyncio.sleep(0.02)
+        for i in range(3):
+            reason = finals[f"gone-{i}"].finish_reason
+            assert reason is not None and reason.kind == "abort"
+
+
 async def test_bad_parameters_are_rejected_to_the_gateway(
     nats_url: str, worker: tuple[str, str]
 ) -> None:

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import time
 from typing import Any
 
 from radixserve import protocol
-from radixserve.bus import BusMsg
+from radixserve.bus import BusError, BusMsg
 from radixserve.engine.flags import add_engine_arguments, engine_kwargs
 from radixserve.services.runtime import ServiceContext, run_service, settings_from_args
 from radixserve.telemetry.tracing import get_tracer
@@ -28,6 +29,7 @@ log = logging.getLogger("radixserve.worker")
 SERVICE = "worker"
 STATS_INTERVAL_S = 1.0
 GRAMMAR_FETCH_TIMEOUT_S = 5.0
+FLUSH_TIMEOUT_S = 10.0  # the engine's answer to flush_cache (it flushes between steps)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -139,6 +141,7 @@ class WorkerService:
                 with self.telemetry.active(routed.rid):  # the grammar fetch: a child span
                     task = self.ctx.spawn(self._submit_constrained(routed), f"grammar-{routed.rid}")
                 self._grammar_waits[routed.rid] = task
+                task.add_done_callback(functools.partial(self._grammar_wait_done, routed))
             else:
                 self.driver.submit(routed)
         elif kind == "abort":
@@ -150,17 +153,33 @@ class WorkerService:
             else:
                 self.driver.abort(abort.rid)
         elif kind == "flush_cache":
+            # In a task of its own: runs and aborts behind it are not held up.
             request = protocol.decode(msg.data, protocol.FlushCacheRequest)
-            try:
-                ok = await asyncio.wait_for(asyncio.wrap_future(self.driver.flush_cache()), 10.0)
-                message = "" if ok else "requests are running; the cache was not flushed"
-            except TimeoutError:
-                ok, message = False, "the engine did not answer within 10 s"
-            reply = protocol.FlushCacheReply(
-                rid=request.rid, ok=ok, worker_id=self.worker_id, message=message
+            self.ctx.spawn(self._flush_cache(msg, request), f"flush-{request.rid}")
+
+    async def _flush_cache(self, msg: BusMsg, request: protocol.FlushCacheRequest) -> None:
+        try:
+            ok = await asyncio.wait_for(
+                asyncio.wrap_future(self.driver.flush_cache()), FLUSH_TIMEOUT_S
             )
-            if msg.reply:
+            message = "" if ok else "requests are running; the cache was not flushed"
+        except TimeoutError:
+            ok, message = False, f"the engine did not answer within {FLUSH_TIMEOUT_S:g} s"
+        reply = protocol.FlushCacheReply(
+            rid=request.rid, ok=ok, worker_id=self.worker_id, message=message
+        )
+        if msg.reply:
+            try:
                 await self.ctx.bus.respond(msg, protocol.encode(reply))
+            except BusError as exc:  # the asker times out on its own
+                log.warning("flush_cache reply not sent: %r", exc, extra={"rid": request.rid})
+
+    def _grammar_wait_done(self, routed: protocol.RoutedRequest, task: asyncio.Task[Any]) -> None:
+        """A grammar wait cancelled before it ever ran (an abort right behind its run
+        message) ran none of its own handlers: answer the abort here."""
+        if task.cancelled() and self._grammar_waits.pop(routed.rid, None) is not None:
+            self.telemetry.forget(routed.rid)
+            self.driver.abort_unsubmitted(routed)
 
     # -- structured outputs: the grammar first, then the engine ---------------------------
     async def _submit_constrained(self, routed: protocol.RoutedRequest) -> None:
@@ -185,8 +204,6 @@ class WorkerService:
         self, request: protocol.GrammarFetchRequest
     ) -> protocol.GrammarFetchReply | None:
         """The grammar service's answer, or None without one (the loader then compiles)."""
-        from radixserve.bus import BusNoResponders, BusTimeout
-
         try:
             with self.ctx.metrics.time_nats("grammar.fetch"):
                 raw = await self.ctx.bus.request(
@@ -195,7 +212,7 @@ class WorkerService:
                     timeout_s=GRAMMAR_FETCH_TIMEOUT_S,
                 )
             return protocol.decode(raw.data, protocol.GrammarFetchReply)
-        except (BusTimeout, BusNoResponders, protocol.ProtocolError) as exc:
+        except (BusError, protocol.ProtocolError) as exc:  # timeout, no responders, closed
             log.warning("grammar fetch failed: %r", exc, extra={"rid": request.rid})
             return None
 
@@ -211,7 +228,12 @@ class WorkerService:
 
     async def _reject(self, error: protocol.RequestError, gateway_id: str) -> None:
         log.info("rejected: %s", error.message, extra={"rid": error.rid})
-        await self.ctx.bus.publish(self.subjects.gateway_errors(gateway_id), protocol.encode(error))
+        try:
+            await self.ctx.bus.publish(
+                self.subjects.gateway_errors(gateway_id), protocol.encode(error)
+            )
+        except BusError as exc:  # the gateway's own deadline answers the client
+            log.error("rejection not sent: %r", exc, extra={"rid": error.rid})
 
     # -- background tasks -------------------------------------------------------------------
     async def _publish_steps(self) -> None:
@@ -220,9 +242,14 @@ class WorkerService:
             batch = protocol.StepOutputBatch(worker_id=self.worker_id, step=step, outputs=outputs)
             # Each request's own span context for the detokenizer (the batch mixes requests).
             headers = self.telemetry.batch_headers(outputs)
-            await self.ctx.bus.publish(
-                self.subjects.detok, protocol.encode(batch), headers=headers or None
-            )
+            try:
+                await self.ctx.bus.publish(
+                    self.subjects.detok, protocol.encode(batch), headers=headers or None
+                )
+            except BusError as exc:
+                # NATS unreachable past its reconnect buffer, say: these outputs are lost
+                # (the detokenizer logs the gap), the worker and its other requests are not.
+                log.error("step %d's %d outputs not published: %r", step, len(outputs), exc)
 
     async def _watch_engine(self) -> None:
         while True:

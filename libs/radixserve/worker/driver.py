@@ -151,7 +151,7 @@ class EngineDriver:
                 self._publish(aborted)
             elif isinstance(command, _Abort):
                 self.engine.abort(command.rid)
-            else:
+            elif command.done.set_running_or_notify_cancel():  # not given up on meanwhile
                 command.done.set_result(self.engine.flush_cache())
             deadline = 0.0  # after the first command, only drain what is already there
 
