@@ -542,7 +542,7 @@ async def test_scheduler_answers_503_without_workers_and_429_over_its_bound(
         scheduler.stop()
 
 
-async def test_a_request_the_scheduler_cannot_send_to_its_worker_is_a_503_not_a_leak(
+async def test_a_request_the_scheduler_cannot_send_to_its_worker_is_refused_not_leaked(
     nats_url: str, bus: Bus, tmp_path: Path
 ) -> None:
     # A tokenized request just under NATS's payload limit: routed, it grows past it, the
@@ -566,8 +566,8 @@ async def test_a_request_the_scheduler_cannot_send_to_its_worker_is_a_503_not_a_
             assert limit - 16 < len(big) <= limit
             await bus.publish(subjects.schedule, big)
             error = await gateway.error()
-            assert (error.rid, error.http_status, error.code) == ("r-big", 503, "worker_lost")
-            assert "could not be sent" in error.message
+            assert (error.rid, error.http_status, error.code) == ("r-big", 413, "request_too_large")
+            assert error.retry_after_s is None  # sending it again cannot succeed
             # Its place is free: with one place in all, the next request is routed.
             await bus.publish(subjects.schedule, tokenized("r-next", 2))
             assert (await workers.runs.next(RoutedRequest)).rid == "r-next"

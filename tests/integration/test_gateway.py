@@ -278,6 +278,21 @@ async def test_invalid_parameters_are_400_with_param(
     assert pipeline.submits.empty()  # none of these reached the bus
 
 
+async def test_a_prompt_larger_than_the_bus_carries_is_413(
+    pipeline: FakePipeline, client: openai.AsyncOpenAI
+) -> None:
+    # NATS's default max_payload is 1 MiB: a 1.2 MB prompt cannot reach the tokenizer,
+    # and retrying cannot help (not a 503 "cannot reach the tokenizer").
+    with pytest.raises(openai.APIStatusError) as info:
+        await client.completions.create(model=MODEL, prompt="word " * 240_000, max_tokens=1)
+    assert info.value.status_code == 413
+    body: Any = info.value.body
+    assert body["code"] == "request_too_large" and body["type"] == "invalid_request_error"
+    assert "message bus" in body["message"]
+    assert "retry-after" not in info.value.response.headers
+    assert pipeline.submits.empty()
+
+
 async def test_unknown_model_is_404(pipeline: FakePipeline, client: openai.AsyncOpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as info:
         await client.chat.completions.create(

@@ -206,6 +206,14 @@ def test_a_request_that_never_reached_its_worker_frees_its_place_with_a_503() ->
     assert d.unroute("r1", "again") is None  # no longer in flight
     assert d.abort("r1", 0.0) is None
     assert _routed_to(d.admit(_request("r2"), 0.0, 0.0)) == "w0"  # its place is free
+    # Past the bus's payload limit: a 413 without a retry hint.
+    big = d.unroute("r2", "not sent", too_large=True)
+    assert big is not None
+    assert (big.error.http_status, big.error.code, big.error.retry_after_s) == (
+        413,
+        "request_too_large",
+        None,
+    )
 
 
 def test_an_abort_is_forwarded_to_the_worker_holding_the_request() -> None:

@@ -16,7 +16,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from radixserve.protocol import RequestError
+from radixserve.protocol import REQUEST_TOO_LARGE, RequestError
 
 INVALID_REQUEST = "invalid_request_error"
 SERVER_ERROR = "server_error"
@@ -57,6 +57,11 @@ class ApiError(Exception):
             "model",
             "model_not_found",
         )
+
+    @classmethod
+    def too_large(cls, message: str) -> ApiError:
+        """413: the request is larger than the services can pass along."""
+        return cls(413, message, INVALID_REQUEST, None, REQUEST_TOO_LARGE)
 
     @classmethod
     def unavailable(

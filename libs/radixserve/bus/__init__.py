@@ -15,6 +15,7 @@ from radixserve.bus.errors import (
     BusConnectError,
     BusError,
     BusNoResponders,
+    BusPayloadTooLarge,
     BusTimeout,
 )
 from radixserve.bus.message import BusMsg
@@ -30,6 +31,7 @@ __all__ = [
     "BusHealth",
     "BusMsg",
     "BusNoResponders",
+    "BusPayloadTooLarge",
     "BusSettings",
     "BusSubscription",
     "BusTimeout",

@@ -40,7 +40,14 @@ from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from opentelemetry import context as otel_context
 
-from radixserve.bus.errors import BusClosed, BusConnectError, BusError, BusNoResponders, BusTimeout
+from radixserve.bus.errors import (
+    BusClosed,
+    BusConnectError,
+    BusError,
+    BusNoResponders,
+    BusPayloadTooLarge,
+    BusTimeout,
+)
 from radixserve.bus.message import BusMsg
 from radixserve.bus.settings import BusSettings
 from radixserve.bus.tracing import extract_trace, inject_trace
@@ -359,4 +366,6 @@ def _translate(exc: nats.errors.Error, action: str) -> Exception:
         return ValueError(f"{action}: invalid subject")
     if isinstance(exc, (nats.errors.ConnectionClosedError, nats.errors.ConnectionDrainingError)):
         return BusClosed(f"{action}: connection is closed or draining")
+    if isinstance(exc, nats.errors.MaxPayloadError):
+        return BusPayloadTooLarge(f"{action}: larger than the server's max_payload")
     return BusError(f"{action} failed: {exc!r}")

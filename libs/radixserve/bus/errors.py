@@ -15,6 +15,11 @@ class BusClosed(BusError):
     """The bus was drained or closed; it cannot publish or subscribe any more."""
 
 
+class BusPayloadTooLarge(BusError):
+    """A message larger than the server's max_payload (1 MiB by default): resending it
+    cannot succeed, so callers answer "too large" rather than "retry"."""
+
+
 class BusTimeout(BusError, TimeoutError):
     """A request got no reply within its timeout."""
 

@@ -14,10 +14,12 @@ from __future__ import annotations
 from radixserve.protocol.base import Message
 from radixserve.protocol.codec import convert, decode, decoder_for, encode
 from radixserve.protocol.control import (
+    REQUEST_TOO_LARGE,
     AbortRequest,
     FlushCacheReply,
     FlushCacheRequest,
     RequestError,
+    too_large_error,
 )
 from radixserve.protocol.errors import ProtocolError
 from radixserve.protocol.grammar import (
@@ -80,6 +82,7 @@ from radixserve.protocol.workers import (
 
 __all__ = [
     "DEFAULT_PREFIX",
+    "REQUEST_TOO_LARGE",
     "TOKEN_DTYPE",
     "AbortRequest",
     "AllBlocksCleared",
@@ -130,6 +133,7 @@ __all__ = [
     "num_tokens",
     "pack_tokens",
     "subject_matches",
+    "too_large_error",
     "unpack_tokens",
     "unpack_tokens_array",
 ]

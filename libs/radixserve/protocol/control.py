@@ -34,6 +34,21 @@ class RequestError(Message, frozen=True):
     retry_after_s: float | None = None  # 429 / 503: the gateway's Retry-After header
 
 
+REQUEST_TOO_LARGE = "request_too_large"
+
+
+def too_large_error(rid: str, service: str, what: str) -> RequestError:
+    """413 for a request that grew past the bus's payload limit on its way (`what` says
+    where): sending it again cannot succeed, so no retry hint."""
+    return RequestError(
+        rid=rid,
+        code=REQUEST_TOO_LARGE,
+        message=f"the request is too large to pass {what}; send a shorter prompt",
+        http_status=413,
+        service=service,
+    )
+
+
 class FlushCacheRequest(Message, frozen=True):
     """Empty the radix caches (`POST /flush_cache`): gateway -> scheduler -> each worker.
 

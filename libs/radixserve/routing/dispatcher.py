@@ -23,6 +23,7 @@ from radixserve.protocol import (
     RoutedRequest,
     TokenizedRequest,
     WorkerStats,
+    too_large_error,
 )
 from radixserve.routing.aborts import RecentAborts
 from radixserve.routing.inflight import InflightEntry, InflightTable
@@ -160,11 +161,16 @@ class Dispatcher:
         )
         return Routed(routed)
 
-    def unroute(self, rid: str, why: str) -> Rejected | None:
+    def unroute(self, rid: str, why: str, *, too_large: bool = False) -> Rejected | None:
         """The request routed to a worker never reached it (its publish failed): it is no
-        longer in flight, and its gateway gets a 503 to retry (None if not in flight)."""
+        longer in flight, and its gateway gets a 503 to retry, or with `too_large` (past
+        the bus's payload limit) a 413 (None if it is not in flight)."""
         entry = self.inflight.remove(rid)
-        return None if entry is None else Rejected(entry.gateway_id, self._error(entry, why))
+        if entry is None:
+            return None
+        if too_large:
+            return Rejected(entry.gateway_id, too_large_error(rid, SERVICE, "to a worker"))
+        return Rejected(entry.gateway_id, self._error(entry, why))
 
     def abort(self, rid: str, now: float) -> str | None:
         """The worker to forward the abort to; None when the request is not in flight

@@ -15,7 +15,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from radixserve.bus import BusError, BusMsg, BusNoResponders, BusTimeout
+from radixserve.bus import BusError, BusMsg, BusNoResponders, BusPayloadTooLarge, BusTimeout
 from radixserve.protocol import (
     AbortRequest,
     FlushCacheReply,
@@ -148,7 +148,9 @@ async def start(ctx: ServiceContext, settings: SchedulerSettings) -> None:
                         "not sent to %s: %r", routed.worker_id, exc, extra={"rid": request.rid}
                     )
                     lost = dispatcher.unroute(
-                        request.rid, f"the request could not be sent to worker {routed.worker_id}"
+                        request.rid,
+                        f"the request could not be sent to worker {routed.worker_id}",
+                        too_large=isinstance(exc, BusPayloadTooLarge),
                     )
                     if lost is not None:
                         await send_errors([lost])

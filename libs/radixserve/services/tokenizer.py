@@ -18,8 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from radixserve.bus import BusMsg, BusNoResponders, BusTimeout
+from radixserve.bus import BusError, BusMsg, BusNoResponders, BusPayloadTooLarge, BusTimeout
 from radixserve.protocol import (
+    REQUEST_TOO_LARGE,
     GrammarCompileReply,
     ProtocolError,
     QueueGroups,
@@ -28,6 +29,7 @@ from radixserve.protocol import (
     TokenizedRequest,
     decode,
     encode,
+    too_large_error,
 )
 from radixserve.services.runtime import (
     ServiceContext,
@@ -212,7 +214,27 @@ class _Tokenizer:
             return
         log.debug("tokenized: %d prompt tokens", tokenized.prompt_tokens, extra={"rid": req.rid})
         span.set_attribute(genai.USAGE_INPUT_TOKENS, tokenized.prompt_tokens)
-        await self.ctx.bus.publish(self.ctx.subjects.schedule, encode(tokenized))
+        try:
+            await self.ctx.bus.publish(self.ctx.subjects.schedule, encode(tokenized))
+        except BusPayloadTooLarge:
+            # Token ids take 4 bytes each: a prompt under the limit as text may pass it.
+            self.metrics.observe_refused(REQUEST_TOO_LARGE)
+            await self._send_error(
+                req.gateway_id, too_large_error(req.rid, SERVICE, "to the scheduler as tokens")
+            )
+        except BusError as exc:
+            log.error("not sent to the scheduler: %r", exc, extra={"rid": req.rid})
+            self.metrics.observe_refused("scheduler_unreachable")
+            error = RequestError(
+                rid=req.rid,
+                code="scheduler_unreachable",
+                message="the tokenizer could not reach the scheduler; retry",
+                http_status=503,
+                error_type="server_error",
+                service=SERVICE,
+                retry_after_s=1.0,
+            )
+            await self._send_error(req.gateway_id, error)
 
     async def _tokenize(self, req: SubmitRequest) -> TokenizedRequest:
         from radixserve.prep import grammar_spec, tokenized_request
@@ -248,4 +270,7 @@ class _Tokenizer:
         return key_from_reply(reply, spec)
 
     async def _send_error(self, gateway_id: str, error: RequestError) -> None:
-        await self.ctx.bus.publish(self.ctx.subjects.gateway_errors(gateway_id), encode(error))
+        try:
+            await self.ctx.bus.publish(self.ctx.subjects.gateway_errors(gateway_id), encode(error))
+        except BusError as exc:  # the gateway's own deadline answers the client
+            log.error("error not sent to the gateway: %r", exc, extra={"rid": error.rid})

@@ -21,7 +21,7 @@ from typing import Any
 from opentelemetry.context import Context
 
 from radixserve.api import ApiError, Assembly, ChoiceUpdate, GenerationPlan
-from radixserve.bus import BusError
+from radixserve.bus import BusError, BusPayloadTooLarge
 from radixserve.protocol import RequestError, TextDelta, encode, num_tokens
 from radixserve.services.gateway.hub import ClientGone, HubEvent
 from radixserve.services.gateway.state import GatewayState
@@ -84,6 +84,12 @@ class Inflight:
             with self.trace.active():  # the tokenizer's span continues this trace
                 for submit in plan.submits:
                     await state.bus.publish(state.subjects.tokenize, encode(submit))
+        except BusPayloadTooLarge as exc:
+            limit = state.bus.nats_client.max_payload
+            raise ApiError.too_large(
+                f"the request is larger than the message bus carries ({limit} bytes); "
+                "send a shorter prompt"
+            ) from exc
         except BusError as exc:
             raise ApiError.unavailable(f"cannot reach the tokenizer: {exc}", "no_bus") from exc
         state.records.update(self.rid, {"state": "queued", "queued_at": time.time()})
