@@ -241,6 +241,53 @@ async def test_an_abort_right_behind_a_constrained_run_is_answered(
             assert reason is not None and reason.kind == "abort"
 
 
+async def test_sigterm_mid_request_ends_it_with_a_final_output_and_exits_0(
+    nats_url: str, model_dir: Path
+) -> None:
+    # Its own worker: a request that would run for minutes is running at SIGTERM; the
+    # drain aborts it within the drain budget (10 s), its final output goes out, exit 0.
+    prefix, worker_id = f"t{uuid.uuid4().hex[:8]}", "w-drain"
+    subjects = protocol.Subjects(prefix)
+    finals: dict[str, protocol.StepOutput] = {}
+    started = asyncio.Event()
+    proc = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "radixserve.cli", "serve", "worker"),
+            *("--nats-url", nats_url, "--subject-prefix", prefix),
+            *("--instance-id", worker_id, "--model", str(model_dir)),
+            *("--device", "cpu", "--max-total-tokens", "4096"),
+        ],
+    )
+    try:
+        async with _bus(nats_url) as bus:
+
+            async def on_detok(msg: BusMsg) -> None:
+                for out in protocol.decode(msg.data, protocol.StepOutputBatch).outputs:
+                    started.set()
+                    if out.finish_reason is not None:
+                        finals[out.rid] = out
+
+            await bus.subscribe(subjects.detok, on_detok)
+            await _wait_ready(bus, subjects, worker_id)
+            await bus.publish(
+                subjects.worker_run(worker_id),
+                _routed(
+                    "endless", list(range(300, 340)), worker_id, max_new_tokens=400, ignore_eos=True
+                ),
+            )
+            await asyncio.wait_for(started.wait(), 30)
+            proc.terminate()
+            code = await asyncio.to_thread(proc.wait, 20)
+            assert code == 0
+            await bus.nats_client.flush()
+            final = finals["endless"].finish_reason
+            assert final is not None and final.kind in ("abort", "length")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
 async def test_bad_parameters_are_rejected_to_the_gateway(
     nats_url: str, worker: tuple[str, str]
 ) -> None:

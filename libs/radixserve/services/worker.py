@@ -307,23 +307,28 @@ class WorkerService:
 
     # -- drain --------------------------------------------------------------------------------
     async def _drain(self) -> None:
+        """Within the service's drain budget (which cancels this past it): running
+        requests get 60% of it to finish, then are aborted; their final outputs and the
+        outbox get until 85%; the engine thread stops within the rest."""
+        started, budget = time.monotonic(), self.ctx.settings.drain_timeout_s
+
+        def until(share: float) -> float:
+            return started + budget * share
+
         self.status = protocol.WorkerStatus.DRAINING
         await self._heartbeat()
         for waiting in list(self._grammar_waits.values()):
             waiting.cancel()  # not started yet: answered as aborted
-        deadline = time.monotonic() + self.ctx.settings.drain_timeout_s * 0.8
-        while self.driver.num_tracked and time.monotonic() < deadline:
+        while self.driver.num_tracked and time.monotonic() < until(0.6):
             await asyncio.sleep(0.05)
         for rid in list(self.driver.builder.gateways):
             self.driver.abort(rid)
-        # The aborts' final outputs come from the next step.
-        for _ in range(40):
-            if not self.driver.num_tracked:
-                break
+        # The aborts' final outputs come from the next step, then leave through the outbox.
+        while self.driver.num_tracked and time.monotonic() < until(0.75):
             await asyncio.sleep(0.05)
-        while not self.outbox.empty():
+        while not self.outbox.empty() and time.monotonic() < until(0.85):
             await asyncio.sleep(0.01)
         self.status = protocol.WorkerStatus.STOPPING
         await self._heartbeat()
-        self.driver.stop()
+        await asyncio.to_thread(self.driver.stop, max(until(0.95) - time.monotonic(), 0.1))
         self.telemetry.end_all()
