@@ -209,10 +209,12 @@ class ServiceContext:
 
     def _task_done(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
-        if task.cancelled() or self.stopping.is_set():
+        if task.cancelled():
             return
         exc = task.exception()
-        if exc is not None:
+        if exc is not None and self.stopping.is_set():  # already stopping: report only
+            log.error("task %s failed while stopping: %r", task.get_name(), exc, exc_info=exc)
+        elif exc is not None:
             log.error(
                 "task %s crashed: %r; stopping the service", task.get_name(), exc, exc_info=exc
             )

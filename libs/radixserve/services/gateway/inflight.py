@@ -152,6 +152,12 @@ class Inflight:
                     return
 
         self._watcher = asyncio.create_task(watch(), name=f"disconnect-{self.rid}")
+        self._watcher.add_done_callback(self._watcher_done)
+
+    def _watcher_done(self, task: asyncio.Task[None]) -> None:
+        """A watcher that failed (not cancelled) leaves the request to its deadline: say so."""
+        if not task.cancelled() and task.exception() is not None:
+            log.error("disconnect watcher failed: %r", task.exception(), extra={"rid": self.rid})
 
     async def stop_watching(self) -> None:
         """Before a streaming response takes over `receive` (Starlette watches it then)."""
