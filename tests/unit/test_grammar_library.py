@@ -321,6 +321,46 @@ async def test_loader_uses_the_artifact_else_compiles_the_source(
     await registry.close()
 
 
+async def test_loads_of_one_key_share_one_compile_even_past_its_timeout(tokenizer: Any) -> None:
+    from radixserve.engine.constrained import GrammarBackend
+    from radixserve.worker.grammars import GrammarLoader, GrammarLoadError
+
+    class CountingBackend(GrammarBackend):
+        compiles = 0
+
+        def compile_keyed(self, key: str, source: Any) -> Any:
+            CountingBackend.compiles += 1
+            return super().compile_keyed(key, source)
+
+    async def silent(req: GrammarFetchRequest) -> GrammarFetchReply | None:
+        return None  # no grammar service: the source is compiled here
+
+    # A schema that takes about a second to compile, against a 50 ms timeout.
+    schema = '{"type": "object", "properties": {"s": {"type": "string", "maxLength": 2048}}}'
+    request = TokenizedRequest(
+        rid="slow",
+        gateway_id="gw",
+        input_ids=pack_tokens([1, 2, 3]),
+        sampling=SamplingParams(json_schema=schema),
+        grammar_key="json_schema:slow",
+    )
+    loader = GrammarLoader(
+        CountingBackend(tokenizer, len(tokenizer)), silent, compile_timeout_s=0.05
+    )
+    outcomes = await asyncio.gather(
+        *(loader.load(request) for _ in range(4)), return_exceptions=True
+    )
+    assert all(isinstance(o, GrammarLoadError) and o.http_status == 503 for o in outcomes)
+    assert CountingBackend.compiles == 1  # the waiters did not start compiles of their own
+    # The compile went on past the timeout and cached its grammar for the next request.
+    deadline = asyncio.get_running_loop().time() + 30
+    while loader.backend.cached("json_schema:slow") is None:
+        assert asyncio.get_running_loop().time() < deadline
+        await asyncio.sleep(0.05)
+    assert await loader.load(request) is loader.backend.cached("json_schema:slow")
+    assert CountingBackend.compiles == 1
+
+
 # -- protocol, prep and the API mapping ---------------------------------------------------------
 
 

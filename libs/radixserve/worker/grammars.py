@@ -20,6 +20,7 @@ One load per key at a time: 64 requests of one schema fetch it once.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
@@ -74,7 +75,10 @@ class GrammarLoader:
         self.backend = backend
         self.fetch = fetch
         self.compile_timeout_s = compile_timeout_s
-        self._locks: dict[str, asyncio.Lock] = {}
+        # One load per key at a time; concurrent requests for the key share its outcome
+        # (a compile past its timeout included: its thread goes on and caches the result,
+        # so the next request after it finds the grammar instead of compiling again).
+        self._loads: dict[str, asyncio.Task[Any]] = {}
         # How grammars were had (tests and logs read them).
         self.loaded_artifacts = 0
         self.compiled_sources = 0
@@ -87,16 +91,21 @@ class GrammarLoader:
         compiled = self.backend.cached(key)
         if compiled is not None:
             return compiled
-        lock = self._locks.setdefault(key, asyncio.Lock())
-        try:
-            async with lock:  # the first one loads; the others find it cached
-                compiled = self.backend.cached(key)
-                if compiled is None:
-                    compiled = await self._load(key, request)
-                return compiled
-        finally:
-            if not lock.locked() and self._locks.get(key) is lock:
-                del self._locks[key]
+        task = self._loads.get(key)
+        if task is None:
+            task = asyncio.get_running_loop().create_task(
+                self._load(key, request), name=f"grammar-load-{key}"
+            )
+            self._loads[key] = task
+            task.add_done_callback(functools.partial(self._load_done, key))
+        # A waiter cancelled (its request aborted) leaves the load to the others.
+        return await asyncio.shield(task)
+
+    def _load_done(self, key: str, task: asyncio.Task[Any]) -> None:
+        if self._loads.get(key) is task:
+            del self._loads[key]
+        if not task.cancelled():
+            task.exception()  # retrieved: its waiters (if any are left) get it raised
 
     async def _load(self, key: str, request: protocol.TokenizedRequest) -> Any:
         reply = await self.fetch(GrammarFetchRequest(rid=request.rid, key=key))
