@@ -293,6 +293,29 @@ async def test_a_prompt_larger_than_the_bus_carries_is_413(
     assert pipeline.submits.empty()
 
 
+async def test_a_body_far_past_the_bus_limit_is_413_before_it_is_parsed(
+    pipeline: FakePipeline, http: httpx.AsyncClient
+) -> None:
+    # 4 x the 1 MiB max_payload: refused by its Content-Length, and while it streams in
+    # (chunked, no length); not parsed (it is not even JSON).
+    body = b"x" * (4 * 1024 * 1024 + 1)
+    declared = await http.post(
+        "/v1/completions", content=body, headers={"content-type": "application/json"}
+    )
+
+    async def chunks() -> Any:
+        for _ in range(5):
+            yield b"x" * (1024 * 1024)
+
+    streamed = await http.post(
+        "/v1/completions", content=chunks(), headers={"content-type": "application/json"}
+    )
+    for response in (declared, streamed):
+        assert response.status_code == 413, response.text
+        assert response.json()["error"]["code"] == "request_too_large"
+    assert pipeline.submits.empty()
+
+
 async def test_unknown_model_is_404(pipeline: FakePipeline, client: openai.AsyncOpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as info:
         await client.chat.completions.create(

@@ -77,11 +77,35 @@ class SSEResponse(StreamingResponse):
             self._on_close()
 
 
+# A body this many times the bus's max_payload cannot fit in it, even after JSON escapes
+# (6 bytes of a \u escape for up to 3 of text) shrink: refused before it is parsed.
+BODY_LIMIT_PAYLOADS = 4
+
+
+async def _bounded_body(state: GatewayState, request: Request) -> bytes:
+    """The request body, or a 413 past BODY_LIMIT_PAYLOADS x the bus's max_payload (by
+    its Content-Length before reading, else as it streams in)."""
+    limit = BODY_LIMIT_PAYLOADS * state.bus.nats_client.max_payload
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _body_too_large(limit)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise _body_too_large(limit)
+    return bytes(body)
+
+
+def _body_too_large(limit: int) -> ApiError:
+    return ApiError.too_large(f"the request body is larger than {limit} bytes")
+
+
 async def handle_generation(state: GatewayState, request: Request, endpoint: Endpoint) -> Response:
     response_id = new_response_id(endpoint)
     try:
         state.check_accepting()
-        plan = _plan(state, endpoint, response_id, await request.body())
+        plan = _plan(state, endpoint, response_id, await _bounded_body(state, request))
     except ApiError as exc:
         state.metrics.observe_request(status=exc.status, error_type=exc.type, error_code=exc.code)
         return error_response(exc, response_id)
