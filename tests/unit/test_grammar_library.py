@@ -19,7 +19,15 @@ import pytest
 
 from radixserve.grammar import GrammarSource, InvalidGrammar
 from radixserve.grammar.artifact import ArtifactMismatch, artifact_format, deserialize, serialize
-from radixserve.grammar.compile import XGrammarCompiler, clean_error, json_safe_lengths
+from radixserve.grammar.compile import (
+    BOUNDED_STRING_CHARS,
+    JSON_SAFE_CHARS,
+    MAX_PATTERN_BOUND,
+    XGrammarCompiler,
+    clean_error,
+    json_safe_lengths,
+    json_schema_grammar,
+)
 from radixserve.grammar.entry import GrammarEntry
 from radixserve.grammar.lru import BoundedLru
 from radixserve.grammar.registry import GrammarRegistry, RegistrySettings, entry_builder
@@ -128,6 +136,30 @@ def test_length_bounded_strings_hold_no_raw_control_characters(compiler: XGramma
         "maxLength": {"type": "integer"},
         "p": {"type": "string", "pattern": "^a$", "maxLength": 3},
     }
+
+
+@pytest.mark.parametrize("bound", [MAX_PATTERN_BOUND + 1, 5000])
+def test_large_length_bounds_stay_repetitions_without_raw_control_characters(
+    compiler: XGrammarCompiler, bound: int
+) -> None:
+    import xgrammar as xgr
+
+    schema = {
+        "type": "object",
+        "properties": {"s": {"type": "string", "maxLength": bound}},
+        "required": ["s"],
+    }
+    # Left to xgrammar (a pattern of that bound would be expanded: seconds to compile),
+    # its character rule narrowed: an xgrammar that prints the rule otherwise fails here.
+    assert json.loads(json_safe_lengths(schema))["properties"]["s"] == schema["properties"]["s"]
+    ebnf = json_schema_grammar(schema)
+    assert JSON_SAFE_CHARS in ebnf and BOUNDED_STRING_CHARS not in ebnf
+    assert f"{{0, {bound}}}" in ebnf
+    compiled = compiler.compile(GrammarSource("json_schema", json.dumps(schema)))
+    assert xgr.GrammarMatcher(compiled).accept_string('{"s": "' + "a" * bound + '"}')
+    assert not xgr.GrammarMatcher(compiled).accept_string('{"s": "' + "a" * (bound + 1))
+    for raw in ("\t", "\n", "\x15", "\\"):
+        assert not xgr.GrammarMatcher(compiled).accept_string('{"s": "a' + raw)
 
 
 @pytest.mark.parametrize(
