@@ -19,6 +19,7 @@ from radixserve.protocol.control import (
     FlushCacheReply,
     FlushCacheRequest,
     RequestError,
+    retry_later_error,
     too_large_error,
 )
 from radixserve.protocol.errors import ProtocolError
@@ -132,6 +133,7 @@ __all__ = [
     "grammar_key",
     "num_tokens",
     "pack_tokens",
+    "retry_later_error",
     "subject_matches",
     "too_large_error",
     "unpack_tokens",

@@ -37,6 +37,22 @@ class RequestError(Message, frozen=True):
 REQUEST_TOO_LARGE = "request_too_large"
 
 
+def retry_later_error(
+    rid: str, code: str, message: str, service: str, retry_after_s: float = 1.0
+) -> RequestError:
+    """503 for a request a service could not carry on with now (draining, a peer lost or
+    unreachable): the client may send it again after `retry_after_s`."""
+    return RequestError(
+        rid=rid,
+        code=code,
+        message=message,
+        http_status=503,
+        error_type="server_error",
+        service=service,
+        retry_after_s=retry_after_s,
+    )
+
+
 def too_large_error(rid: str, service: str, what: str) -> RequestError:
     """413 for a request that grew past the bus's payload limit on its way (`what` says
     where): sending it again cannot succeed, so no retry hint."""

@@ -23,6 +23,7 @@ from radixserve.protocol import (
     RoutedRequest,
     TokenizedRequest,
     WorkerStats,
+    retry_later_error,
     too_large_error,
 )
 from radixserve.routing.aborts import RecentAborts
@@ -193,15 +194,8 @@ class Dispatcher:
         ]
 
     def _error(self, entry: InflightEntry, why: str) -> RequestError:
-        return RequestError(
-            rid=entry.rid,
-            code=WORKER_LOST,
-            message=f"{why}; the request was lost, retry it",
-            http_status=503,
-            error_type="server_error",
-            service=SERVICE,
-            retry_after_s=self.retry_after_s,
-        )
+        message = f"{why}; the request was lost, retry it"
+        return retry_later_error(entry.rid, WORKER_LOST, message, SERVICE, self.retry_after_s)
 
     def _reject(
         self, request: TokenizedRequest, status: int, code: str, message: str, error_type: str

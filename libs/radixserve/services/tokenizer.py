@@ -29,6 +29,7 @@ from radixserve.protocol import (
     TokenizedRequest,
     decode,
     encode,
+    retry_later_error,
     too_large_error,
 )
 from radixserve.services.runtime import (
@@ -225,15 +226,8 @@ class _Tokenizer:
         except BusError as exc:
             log.error("not sent to the scheduler: %r", exc, extra={"rid": req.rid})
             self.metrics.observe_refused("scheduler_unreachable")
-            error = RequestError(
-                rid=req.rid,
-                code="scheduler_unreachable",
-                message="the tokenizer could not reach the scheduler; retry",
-                http_status=503,
-                error_type="server_error",
-                service=SERVICE,
-                retry_after_s=1.0,
-            )
+            message = "the tokenizer could not reach the scheduler; retry"
+            error = retry_later_error(req.rid, "scheduler_unreachable", message, SERVICE)
             await self._send_error(req.gateway_id, error)
 
     async def _tokenize(self, req: SubmitRequest) -> TokenizedRequest:

@@ -122,18 +122,10 @@ class WorkerService:
         if kind == "run":
             routed = protocol.decode(msg.data, protocol.RoutedRequest)
             if self.status is not protocol.WorkerStatus.READY:
-                await self._reject(
-                    protocol.RequestError(
-                        rid=routed.rid,
-                        code="worker_draining",
-                        message="the worker is shutting down; retry",
-                        http_status=503,
-                        error_type="service_unavailable",
-                        service=SERVICE,
-                        retry_after_s=1.0,
-                    ),
-                    routed.request.gateway_id,
+                error = protocol.retry_later_error(
+                    routed.rid, "worker_draining", "the worker is shutting down; retry", SERVICE
                 )
+                await self._reject(error, routed.request.gateway_id)
                 return
             log.debug("run", extra={"rid": routed.rid})
             self.telemetry.received(routed)  # in the scheduler's trace context
