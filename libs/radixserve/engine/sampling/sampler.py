@@ -32,14 +32,13 @@ top_logprobs_num; a row that asked for fewer ignores the extra columns) come bac
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import torch
 
 from radixserve.engine.kernels import dispatch
-from radixserve.engine.sampling.batch import SampledRows, SamplingBatch
-from radixserve.engine.sampling.params import resolve_seed
+from radixserve.engine.sampling.batch import SampledRows, SamplingBatch, SamplingRequest
+from radixserve.engine.sampling.params import SamplingParams, resolve_seed
 
 __all__ = ["SampleResult", "resolve_seed", "sample", "warm_up"]
 
@@ -110,28 +109,16 @@ def _draw_triton(logits: torch.Tensor, rows: SampledRows) -> torch.Tensor:
 def warm_up(vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
     """Compile the draw kernel now, for logits of the model's `dtype` and of float32
     (what penalties write), rather than in the first sampled step (a stall of a second or
-    more for the whole batch): its two variants, temperature only and any filters."""
+    more for the whole batch): its two variants, temperature only and any filters, each
+    on rows built as every step builds them."""
     probe = torch.zeros(1, vocab_size, device=device)
     if not dispatch.use_triton(probe):
         return
-    from radixserve.engine.kernels.triton_ops.sampling import draw_triton
-
-    def col(value: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return torch.full((1, 1), value, dtype=dtype, device=device)
-
-    for logits_dtype, filtered in itertools.product(
-        dict.fromkeys((dtype, torch.float32)), (False, True)
-    ):
-        draw_triton(
-            probe.to(logits_dtype),
-            torch.zeros(1, dtype=torch.int64, device=device),
-            col(1.0),
-            col(vocab_size, torch.int64),
-            col(0.5),
-            col(0.1),
-            col(0.5),
-            filtered=filtered,
-        )
+    for params in (SamplingParams(temperature=0.5), SamplingParams(temperature=0.5, top_p=0.5)):
+        rows = SamplingBatch.build([SamplingRequest(params, seed=0)], vocab_size, device).sampled
+        assert rows is not None  # a temperature above 0 is sampled
+        for logits_dtype in dict.fromkeys((dtype, torch.float32)):
+            _draw_triton(probe.to(logits_dtype), rows)
 
 
 def _draw(logits: torch.Tensor, rows: SampledRows) -> torch.Tensor:
