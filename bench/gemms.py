@@ -23,6 +23,8 @@ import json
 import torch
 import triton
 import triton.language as tl
+from one_batch import measure_matmul
+from sampling import time_ms  # the CUDA-event median the sampling bench uses
 
 # (name, K, N) of Llama-3.1-8B's projections: out = x [M, K] @ W [N, K]^T.
 SHAPES = [
@@ -103,29 +105,6 @@ CONFIGS = [
 ] + [(128, 128, 128, 8, 3, 8), (128, 128, 128, 8, 4, 8)]
 
 
-def time_ms(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start = torch.cuda.Event(enable_timing=True)
-        end = torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    return times[len(times) // 2]
-
-
-def matmul_rate(reps: int) -> float:
-    """TFLOP/s of a large square bf16 GEMM: the device's measured matmul rate."""
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    ms = time_ms(lambda: a @ a, reps)
-    return 2 * 8192**3 / ms / 1e9
-
-
 def step_table(sizes: range, reps: int, blas: str) -> list[dict[str, object]]:
     """Torch's GEMM time of a whole step (32 layers' projections and the head) at each M,
     and for each M the size >= M whose step is fastest (what padding to it would give).
@@ -181,7 +160,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench/gemms.py needs a CUDA device")
     torch.manual_seed(0)
-    rate = matmul_rate(args.reps)
+    rate = measure_matmul(repeats=args.reps) / 1e12
     print(f"matmul rate {rate:.0f} TFLOP/s ({torch.cuda.get_device_name()})", flush=True)
     if args.steps:
         first, last, stride = args.steps
