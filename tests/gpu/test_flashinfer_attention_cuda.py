@@ -118,6 +118,20 @@ def test_shared_prefix_decode_matches_torch(page_size: int) -> None:
     assert error_against_torch(p, layers=(0, 1)) < TOLERANCE
 
 
+def test_shared_prefix_decodes_beside_prefills_match_torch() -> None:
+    # A mixed batch as the shared-prefix benchmark's second wave has them: 48 decoders
+    # in 3 groups of 16 over 2048-token prefixes (cascade, on the side stream), then
+    # three 128-token questions after a cached 2048-token prefix and one whole prompt
+    # (the prefill wrapper, on the current stream), over two layers.
+    gen = torch.Generator().manual_seed(6)
+    decoding = (2048 + torch.randint(1, 300, (48,), generator=gen)).tolist()
+    p = make_pass(decoding + [2048] * 3 + [0], [1] * 48 + [128] * 3 + [700], (32, 8), seed=6)
+    groups = [(2048, list(range(g, 48, 3))) for g in range(3)]
+    attention_passes.share_prefixes(p, groups)
+    assert p.batch.cascade_rows == 48
+    assert error_against_torch(p, layers=(0, 1)) < TOLERANCE
+
+
 def test_float32_is_refused() -> None:
     with pytest.raises(ValueError, match="float16 or bfloat16"):
         FlashInferAttentionBackend(torch.device("cuda"), torch.float32)

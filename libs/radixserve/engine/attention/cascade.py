@@ -194,12 +194,17 @@ class CascadeDecode:
         scale: float,
         out: torch.Tensor | None = None,  # where to write [rows, num_heads, head_dim]
     ) -> torch.Tensor:
-        if self._scratch is None:
-            self._scratch = self._first_layer(q, k_buffer.shape[1])
-        mid_out, mid_lse, prefix_splits = self._scratch
+        mid_out, mid_lse, prefix_splits = self.prepare(q, k_buffer.shape[1])
         return _attend(
             self._tables, q, k_buffer, v_buffer, scale, mid_out, mid_lse, prefix_splits, out
         )
+
+    def prepare(self, q: torch.Tensor, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The pass's tiles and scratch, made at the first layer (on the current stream:
+        a caller that runs `forward` on a side stream calls this first)."""
+        if self._scratch is None:
+            self._scratch = self._first_layer(q, num_kv_heads)
+        return self._scratch
 
     def _first_layer(
         self, q: torch.Tensor, num_kv_heads: int
