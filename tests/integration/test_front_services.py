@@ -573,3 +573,54 @@ async def test_a_request_the_scheduler_cannot_send_to_its_worker_is_refused_not_
             assert (await workers.runs.next(RoutedRequest)).rid == "r-next"
     finally:
         scheduler.stop()
+
+
+# -- acknowledged sends: a request nobody takes is answered, not left to the timeout ---------
+
+
+async def test_the_tokenizer_and_the_scheduler_acknowledge_what_they_receive(
+    front: Services, bus: Bus
+) -> None:
+    subjects = front.subjects
+    gateway = await _gateway(bus, subjects)
+    submit = SubmitRequest(
+        rid=_id("r"), gateway_id=gateway.gateway_id, sampling=SamplingParams(), text="hi"
+    )
+    reply = await bus.request(subjects.tokenize, encode(submit), timeout_s=WAIT_S)
+    assert reply.data == b""
+    tokenized = TokenizedRequest(
+        rid=_id("r"), gateway_id=gateway.gateway_id, input_ids=pack_tokens([1, 2])
+    )
+    reply = await bus.request(subjects.schedule, encode(tokenized), timeout_s=WAIT_S)
+    assert reply.data == b""
+
+
+async def test_the_tokenizer_answers_503_when_no_scheduler_takes_the_request(
+    nats_url: str, bus: Bus, model_dir: Path, tmp_path: Path
+) -> None:
+    flags = ["--model", str(model_dir), "--context-length", str(CONTEXT)]
+    flags += ["--schedule-ack-timeout-s", "0.5"]
+    tokenizer = await asyncio.to_thread(_start, nats_url, tmp_path, {"tokenizer": flags})
+    try:
+        subjects = tokenizer.subjects
+        gateway = await _gateway(bus, subjects)
+        # No scheduler at all: the server says so at once.
+        rid = await gateway.submit(text="hello")
+        error = await gateway.error()
+        assert (error.rid, error.http_status, error.code) == (rid, 503, "scheduler_unreachable")
+        assert error.retry_after_s == 1.0
+        assert "no scheduler is running" in error.message
+        # One that takes requests but never acknowledges (as if the message were lost):
+        # 503 after the ack timeout, and an abort in case the request arrives after all.
+        received, aborts = Inbox(), Inbox()
+        await bus.subscribe(subjects.schedule, received.handler, queue="scheduler")
+        await bus.subscribe(subjects.abort, aborts.handler, queue="scheduler")
+        rid = await gateway.submit(text="hello again")
+        error = await gateway.error()
+        assert (error.rid, error.http_status, error.code) == (rid, 503, "scheduler_unreachable")
+        assert "did not acknowledge the request within 0.5 s" in error.message
+        assert (await received.next(TokenizedRequest)).rid == rid
+        abort = await aborts.next(AbortRequest)
+        assert (abort.rid, abort.reason) == (rid, "scheduler_unresponsive")
+    finally:
+        tokenizer.stop()

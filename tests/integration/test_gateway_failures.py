@@ -13,11 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from radixserve.bus import Bus
+from radixserve.bus import Bus, BusMsg
 from radixserve.infra import NatsServer, free_port
-from radixserve.protocol import (
-    Subjects,
-)
+from radixserve.protocol import AbortRequest, Subjects, SubmitRequest, decode
 from radixserve.services.gateway.records import RecordWriter
 from radixserve.store import Store, StoreSettings
 from radixserve.telemetry import GatewayMetrics
@@ -99,6 +97,53 @@ async def test_nats_down_is_503_and_recovers(
                 assert time.monotonic() < deadline, gateway.log()
                 await asyncio.sleep(0.05)
     finally:
+        gen.close()
+
+
+# -- acknowledged submits ---------------------------------------------------------------------
+
+
+async def test_a_request_no_tokenizer_acknowledges_is_503_not_a_wait_for_the_timeout(
+    nats_url: str, redis_url: str, tmp_path: Path
+) -> None:
+    # The request timeout (60 s) is far past the client's (WAIT_S): a request left
+    # waiting would fail the test with a read timeout.
+    flags = ("--request-timeout-s", "60", "--submit-ack-timeout-s", "0.5")
+    gen = _start_gateway(nats_url, redis_url, tmp_path / "ack.log", *flags)
+    gateway = next(gen)
+    bus = await Bus.connect(nats_url)
+    subjects = Subjects(gateway.prefix)
+    try:
+        async with httpx.AsyncClient(base_url=gateway.base_url, timeout=WAIT_S) as http:
+            # No tokenizer under this prefix: NATS says so at once.
+            refused = await http.post("/v1/completions", json={"prompt": "x"})
+            assert refused.status_code == 503, refused.text
+            assert refused.json()["error"]["code"] == "no_tokenizer"
+            assert refused.headers["retry-after"] == "1"
+            # A tokenizer that takes requests but never acknowledges (a lost message
+            # looks the same): 503 after the ack timeout, and the request is aborted.
+            submits: asyncio.Queue[SubmitRequest] = asyncio.Queue()
+            aborts: asyncio.Queue[AbortRequest] = asyncio.Queue()
+
+            async def swallow(msg: BusMsg) -> None:
+                submits.put_nowait(decode(msg.data, SubmitRequest))
+
+            async def on_abort(msg: BusMsg) -> None:
+                aborts.put_nowait(decode(msg.data, AbortRequest))
+
+            await bus.subscribe(subjects.tokenize, swallow, queue="tokenizer")
+            await bus.subscribe(subjects.abort, on_abort, queue="scheduler")
+            body = {"model": "test-model", "messages": [{"role": "user", "content": "y"}]}
+            refused = await http.post("/v1/chat/completions", json=body)
+            assert refused.status_code == 503, refused.text
+            error = refused.json()["error"]
+            assert error["code"] == "tokenizer_unresponsive"
+            assert "within 0.5 s" in error["message"]
+            submit = submits.get_nowait()
+            abort = await asyncio.wait_for(aborts.get(), WAIT_S)
+            assert abort.rid == submit.rid == refused.headers["x-request-id"]
+    finally:
+        await bus.close()
         gen.close()
 
 

@@ -83,12 +83,14 @@ class Subjects:
     # -- the request path --------------------------------------------------------
     @cached_property
     def tokenize(self) -> str:
-        """gateway -> tokenizer (queue group): `SubmitRequest`."""
+        """gateway -> tokenizer (queue group): `SubmitRequest`, sent as a request that the
+        tokenizer acknowledges on receipt with an empty reply."""
         return self._join("tokenize")
 
     @cached_property
     def schedule(self) -> str:
-        """tokenizer -> scheduler: `TokenizedRequest`."""
+        """tokenizer -> scheduler: `TokenizedRequest`, sent as a request that the scheduler
+        acknowledges on receipt with an empty reply."""
         return self._join("schedule")
 
     def worker_run(self, worker_id: str) -> str:

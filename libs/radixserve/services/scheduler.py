@@ -124,6 +124,7 @@ async def start(ctx: ServiceContext, settings: SchedulerSettings) -> None:
             await bus.publish(subjects.gateway_errors(item.gateway_id), encode(item.error))
 
     async def on_schedule(msg: BusMsg) -> None:
+        await bus.acknowledge(msg)  # received: the tokenizer stops waiting for it
         try:
             request = decode(msg.data, TokenizedRequest)
         except ProtocolError as exc:

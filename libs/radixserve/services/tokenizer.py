@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 from radixserve.bus import BusError, BusMsg, BusNoResponders, BusPayloadTooLarge, BusTimeout
 from radixserve.protocol import (
     REQUEST_TOO_LARGE,
+    AbortRequest,
     GrammarCompileReply,
     ProtocolError,
     QueueGroups,
@@ -60,6 +61,8 @@ class TokenizerSettings:
     model: str | None = None  # None: the embedded SmolLM2
     context_length: int | None = None  # None: the model's max_position_embeddings
     grammar_timeout_s: float = 5.0
+    # How long the scheduler has to acknowledge a request it was sent; then 503.
+    schedule_ack_timeout_s: float = 10.0
     # Requests in progress at once (most of them waiting on the grammar service);
     # past it the subscription waits and NATS buffers.
     max_concurrent_requests: int = 256
@@ -69,6 +72,10 @@ class TokenizerSettings:
             raise ValueError(f"--context-length must be > 0, got {self.context_length}")
         if self.grammar_timeout_s <= 0:
             raise ValueError(f"--grammar-timeout-s must be > 0, got {self.grammar_timeout_s}")
+        if self.schedule_ack_timeout_s <= 0:
+            raise ValueError(
+                f"--schedule-ack-timeout-s must be > 0, got {self.schedule_ack_timeout_s}"
+            )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -85,6 +92,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "max_position_embeddings)",
     )
     parser.add_argument("--grammar-timeout-s", type=float, default=5.0)
+    parser.add_argument(
+        "--schedule-ack-timeout-s",
+        type=float,
+        default=10.0,
+        help="answer 503 when the scheduler has not acknowledged a request within this long",
+    )
 
 
 def settings_from(ns: argparse.Namespace) -> TokenizerSettings:
@@ -93,6 +106,7 @@ def settings_from(ns: argparse.Namespace) -> TokenizerSettings:
         model=ns.model or os.environ.get(ENV_MODEL, "").strip() or None,
         context_length=ns.context_length,
         grammar_timeout_s=ns.grammar_timeout_s,
+        schedule_ack_timeout_s=ns.schedule_ack_timeout_s,
     )
 
 
@@ -153,6 +167,7 @@ class _Tokenizer:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
     async def on_message(self, msg: BusMsg) -> None:
+        await self.ctx.bus.acknowledge(msg)  # received: the gateway stops waiting for it
         await self._slots.acquire()
         task = self.ctx.spawn(self._handle(msg), name="tokenize-request")
         self._active.add(task)
@@ -215,20 +230,45 @@ class _Tokenizer:
             return
         log.debug("tokenized: %d prompt tokens", tokenized.prompt_tokens, extra={"rid": req.rid})
         span.set_attribute(genai.USAGE_INPUT_TOKENS, tokenized.prompt_tokens)
+        await self._schedule(req, tokenized)
+
+    async def _schedule(self, req: SubmitRequest, tokenized: TokenizedRequest) -> None:
+        """Send to the scheduler, which acknowledges on receipt; the gateway hears 503 when
+        no scheduler runs or none acknowledges in time (a lost message would otherwise
+        keep the client waiting for its whole request timeout)."""
+        timeout_s = self.settings.schedule_ack_timeout_s
         try:
-            await self.ctx.bus.publish(self.ctx.subjects.schedule, encode(tokenized))
+            await self.ctx.bus.request(
+                self.ctx.subjects.schedule, encode(tokenized), timeout_s=timeout_s
+            )
+            return
         except BusPayloadTooLarge:
             # Token ids take 4 bytes each: a prompt under the limit as text may pass it.
             self.metrics.observe_refused(REQUEST_TOO_LARGE)
             await self._send_error(
                 req.gateway_id, too_large_error(req.rid, SERVICE, "to the scheduler as tokens")
             )
+            return
+        except BusNoResponders:
+            message = "no scheduler is running; retry"
+        except BusTimeout:
+            message = f"the scheduler did not acknowledge the request within {timeout_s:g} s; retry"
+            # It may still get there late: it must not run with nobody waiting for it.
+            await self._publish_abort(req.rid)
         except BusError as exc:
-            log.error("not sent to the scheduler: %r", exc, extra={"rid": req.rid})
-            self.metrics.observe_refused("scheduler_unreachable")
             message = "the tokenizer could not reach the scheduler; retry"
-            error = retry_later_error(req.rid, "scheduler_unreachable", message, SERVICE)
-            await self._send_error(req.gateway_id, error)
+            log.error("not sent to the scheduler: %r", exc, extra={"rid": req.rid})
+        log.warning("%s", message, extra={"rid": req.rid})
+        self.metrics.observe_refused("scheduler_unreachable")
+        error = retry_later_error(req.rid, "scheduler_unreachable", message, SERVICE)
+        await self._send_error(req.gateway_id, error)
+
+    async def _publish_abort(self, rid: str) -> None:
+        abort = AbortRequest(rid=rid, reason="scheduler_unresponsive")
+        try:
+            await self.ctx.bus.publish(self.ctx.subjects.abort, encode(abort))
+        except BusError as exc:
+            log.error("abort not sent to the scheduler: %r", exc, extra={"rid": rid})
 
     async def _tokenize(self, req: SubmitRequest) -> TokenizedRequest:
         from radixserve.prep import grammar_spec, tokenized_request

@@ -1,7 +1,7 @@
 """One HTTP generation request on the bus: publish, wait for its deltas, abort, account.
 
     run = Inflight(state, plan)             # registers its rids with the hub
-    await run.submit()                      # record + SubmitRequest(s) on {p}.tokenize
+    await run.submit()                      # record + SubmitRequest(s) on {p}.tokenize, acked
     while not run.assembly.done:
         update = await run.next_update()    # ApiError (bus error, 504), ClientDisconnected
     run.close()                             # metrics, record, hub; aborts what still runs
@@ -21,7 +21,7 @@ from typing import Any
 from opentelemetry.context import Context
 
 from radixserve.api import ApiError, Assembly, ChoiceUpdate, GenerationPlan
-from radixserve.bus import BusError, BusPayloadTooLarge
+from radixserve.bus import BusError, BusNoResponders, BusPayloadTooLarge, BusTimeout
 from radixserve.protocol import RequestError, TextDelta, encode, num_tokens
 from radixserve.services.gateway.hub import ClientGone, HubEvent
 from radixserve.services.gateway.state import GatewayState
@@ -80,15 +80,32 @@ class Inflight:
                 "received_at": time.time(),
             },
         )
+        # Each prompt goes out as a request the tokenizer acknowledges on receipt: with no
+        # tokenizer running, or a message lost on the way, the client hears 503 in
+        # seconds instead of waiting out request_timeout_s.
+        ack_timeout_s = state.settings.submit_ack_timeout_s
         try:
             with self.trace.active():  # the tokenizer's span continues this trace
-                for submit in plan.submits:
-                    await state.bus.publish(state.subjects.tokenize, encode(submit))
+                await asyncio.gather(
+                    *(
+                        state.bus.request(
+                            state.subjects.tokenize, encode(submit), timeout_s=ack_timeout_s
+                        )
+                        for submit in plan.submits
+                    )
+                )
         except BusPayloadTooLarge as exc:
             limit = state.bus.nats_client.max_payload
             raise ApiError.too_large(
                 f"the request is larger than the message bus carries ({limit} bytes); "
                 "send a shorter prompt"
+            ) from exc
+        except BusNoResponders as exc:
+            raise ApiError.unavailable("no tokenizer is running", "no_tokenizer") from exc
+        except BusTimeout as exc:
+            raise ApiError.unavailable(
+                f"the tokenizer did not acknowledge the request within {ack_timeout_s:g} s",
+                "tokenizer_unresponsive",
             ) from exc
         except BusError as exc:
             raise ApiError.unavailable(f"cannot reach the tokenizer: {exc}", "no_bus") from exc

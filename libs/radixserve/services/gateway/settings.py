@@ -39,13 +39,21 @@ class GatewaySettings:
     record_queue_size: int = 10_000
     record_write_timeout_s: float = 2.0
     flush_timeout_s: float = 10.0
+    # How long the tokenizer has to acknowledge a request it was sent; then 503.
+    submit_ack_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if not self.served_model_name:
             raise ValueError("the served model name must not be empty")
-        for name in ("request_timeout_s", "record_ttl_s", "worker_timeout_s", "flush_timeout_s"):
+        for name in (
+            "request_timeout_s",
+            "record_ttl_s",
+            "worker_timeout_s",
+            "flush_timeout_s",
+            "submit_ack_timeout_s",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.record_queue_size < 1:
@@ -85,6 +93,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"abort and answer 504 after this long; default ${ENV_REQUEST_TIMEOUT_S} or 600",
     )
     parser.add_argument(
+        "--submit-ack-timeout-s",
+        type=float,
+        default=None,
+        help="answer 503 when the tokenizer has not acknowledged a request within this "
+        "long (default 10)",
+    )
+    parser.add_argument(
         "--record-ttl-s",
         type=float,
         default=None,
@@ -117,4 +132,9 @@ def gateway_settings_from_args(
         served_model_name=served_model_name(ns.served_model_name, ns.model, env),
         request_timeout_s=defaults.request_timeout_s if timeout is None else float(timeout),
         record_ttl_s=defaults.record_ttl_s if ttl is None else float(ttl),
+        submit_ack_timeout_s=(
+            defaults.submit_ack_timeout_s
+            if ns.submit_ack_timeout_s is None
+            else ns.submit_ack_timeout_s
+        ),
     )
