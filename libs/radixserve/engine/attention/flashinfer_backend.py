@@ -256,16 +256,18 @@ class FlashInferAttentionBackend(AttentionBackend):
             step.wrapper.run(q[first:], paged, out=out[first:])
             return out
         # A mixed batch: the decoders' cascade (memory-bound) runs on a side stream beside
-        # the prompts' prefill (compute-bound) on this one. Every tensor the side stream
-        # touches was made on this stream before the fork, and this stream waits for it
-        # before the layer's output is read.
+        # the prompts' prefill (compute-bound) on this one, launched after it (its small
+        # programs fill what the prefill's leave free: 8.41-8.42 s of mixed steps against
+        # 8.45-8.46 s the other way round). Every tensor the side stream touches was made
+        # on this stream before the fork, and this stream waits for it before the layer's
+        # output is read.
         self._cascade.prepare(q[:first], k_buffer.shape[1])
         main = torch.cuda.current_stream(self.device)
         side = self._side_stream()
         side.wait_stream(main)
+        step.wrapper.run(q[first:], paged, out=out[first:])
         with torch.cuda.stream(side):
             self._cascade.forward(q[:first], k_buffer, v_buffer, scale, out=out[:first])
-        step.wrapper.run(q[first:], paged, out=out[first:])
         main.wait_stream(side)
         return out
 
