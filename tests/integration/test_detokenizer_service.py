@@ -18,8 +18,10 @@ import pytest
 
 from radixserve.bus import Bus, BusMsg, BusSettings
 from radixserve.protocol import (
+    AbortRequest,
     DetokParams,
     FinishReason,
+    RequestError,
     ServiceHeartbeat,
     StepOutput,
     StepOutputBatch,
@@ -221,3 +223,74 @@ async def test_two_gateways_get_their_text(
     log = log_path.read_text()
     assert "1 step batch(es) missing before step" in log
     assert "drained with 0 unfinished streams" in log, log
+
+
+async def test_a_stream_missing_tokens_is_failed_and_aborted_not_finished_with_a_hole(
+    nats_url: str, tokenizer: Any, service: tuple[str, subprocess.Popen[bytes], Path]
+) -> None:
+    prefix, _, _ = service
+    subjects = Subjects(prefix)
+    ids = tokenizer.encode("one two three four")
+    bus = await Bus.connect(BusSettings(url=nats_url, name="test-detok-lost"))
+    alive = asyncio.Event()
+    errors: asyncio.Queue[RequestError] = asyncio.Queue()
+    aborts: asyncio.Queue[AbortRequest] = asyncio.Queue()
+    texts: dict[str, str] = defaultdict(str)
+    finished: asyncio.Queue[str] = asyncio.Queue()
+    try:
+
+        async def on_alive(msg: BusMsg) -> None:
+            if decode(msg.data, ServiceHeartbeat).service == "detokenizer":
+                alive.set()
+
+        async def on_error(msg: BusMsg) -> None:
+            errors.put_nowait(decode(msg.data, RequestError))
+
+        async def on_abort(msg: BusMsg) -> None:
+            aborts.put_nowait(decode(msg.data, AbortRequest))
+
+        async def on_deltas(msg: BusMsg) -> None:
+            for delta in decode(msg.data, TextDeltaBatch).deltas:
+                texts[delta.rid] += delta.text
+                if delta.finish_reason is not None:
+                    finished.put_nowait(delta.rid)
+
+        await bus.subscribe(subjects.alive_all, on_alive)
+        await bus.subscribe(subjects.gateway_errors("gw"), on_error)
+        await bus.subscribe(subjects.abort, on_abort, queue="scheduler")
+        await bus.subscribe(subjects.gateway_deltas("gw"), on_deltas)
+        await asyncio.wait_for(alive.wait(), START_TIMEOUT_S)
+
+        def out(rid: str, lo: int, hi: int, finish: FinishReason | None = None) -> StepOutput:
+            return StepOutput(
+                rid=rid,
+                gateway_id="gw",
+                new_token_ids=pack_tokens(ids[lo:hi]),
+                finish_reason=finish,
+                completion_tokens=hi,
+                detok=DetokParams() if lo == 0 else None,
+            )
+
+        steps = [
+            [out("lost", 0, 1), out("whole", 0, 1)],
+            [out("whole", 1, 2)],  # "lost"'s second token is in a batch that never comes
+            [out("lost", 2, 3), out("whole", 2, len(ids), LENGTH)],
+            [out("lost", 3, len(ids), LENGTH)],
+        ]
+        for number, outputs in enumerate(steps):
+            batch = StepOutputBatch(worker_id="w0", step=number, outputs=outputs)
+            await bus.publish(subjects.detok, encode(batch))
+
+        error = await asyncio.wait_for(errors.get(), WAIT_S)
+        assert (error.rid, error.http_status, error.code) == ("lost", 503, "output_lost")
+        assert error.retry_after_s == 1.0
+        abort = await asyncio.wait_for(aborts.get(), WAIT_S)
+        assert (abort.rid, abort.reason) == ("lost", "output_lost")
+        assert await asyncio.wait_for(finished.get(), WAIT_S) == "whole"
+        await bus.nats_client.flush(timeout=2)  # type: ignore[arg-type]
+        await asyncio.sleep(0.2)  # nothing more may come
+        assert texts["whole"] == tokenizer.decode(ids)
+        assert texts["lost"] == tokenizer.decode(ids[:1])  # before the hole, nothing after
+        assert errors.empty() and aborts.empty() and finished.empty()
+    finally:
+        await bus.close()

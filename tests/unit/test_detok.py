@@ -50,8 +50,12 @@ def step_output(
     rid: str = "r0",
     gateway_id: str = "gw0",
     detok: DetokParams | None = None,
+    sent_before: int = 0,
     **fields: Any,
 ) -> StepOutput:
+    """One output; its `completion_tokens` (the worker's total) counts `sent_before`
+    tokens of the stream's earlier outputs plus these."""
+    fields.setdefault("completion_tokens", sent_before + len(ids))
     return StepOutput(
         rid=rid,
         gateway_id=gateway_id,
@@ -70,9 +74,12 @@ def stream(
 ) -> list[str]:
     """Feed one stream's chunks, one step batch each; the last chunk carries `finish`."""
     texts = []
+    sent = 0
     for step, chunk in enumerate(chunks):
         last = step == len(chunks) - 1
-        out = step_output(chunk, finish if last else None, detok=params if step == 0 else None)
+        first = params if step == 0 else None
+        out = step_output(chunk, finish if last else None, detok=first, sent_before=sent)
+        sent += len(chunk)
         (delta,) = detok.process(StepOutputBatch(worker_id="w0", step=step, outputs=[out]))["gw0"]
         texts.append(delta.text)
     return texts
@@ -242,8 +249,8 @@ def test_choices_and_repeats_in_one_batch_keep_their_own_state(tokenizer: Any) -
     outputs = [
         step_output(a[:1], index=0),
         step_output(b[:1], index=1),
-        step_output(a[1:], LENGTH, index=0),  # the same stream twice in one batch
-        step_output(b[1:], LENGTH, index=1),
+        step_output(a[1:], LENGTH, index=0, sent_before=1),  # one stream twice in a batch
+        step_output(b[1:], LENGTH, index=1, sent_before=1),
     ]
     deltas = detok.process(StepOutputBatch(worker_id="w0", step=0, outputs=outputs))["gw0"]
     assert [d.index for d in deltas] == [0, 1, 0, 1]
@@ -258,10 +265,48 @@ def test_the_lru_bound_evicts_the_oldest_unfinished_stream(tokenizer: Any) -> No
         detok.process(StepOutputBatch(worker_id="w0", step=0, outputs=[step_output([5], rid=rid)]))
     assert len(detok) == 2 and detok.evicted == 1
     assert detok.status("a") is None and detok.status("b") is not None
-    detok.process(StepOutputBatch(worker_id="w0", step=1, outputs=[step_output([6], LENGTH, "c")]))
+    last = step_output([6], LENGTH, "c", sent_before=1)
+    detok.process(StepOutputBatch(worker_id="w0", step=1, outputs=[last]))
     assert len(detok) == 1 and detok.status("c") is None
     with pytest.raises(ValueError, match="max_requests"):
         IncrementalDetokenizer(tokenizer, max_requests=0)
+
+
+def test_a_stream_with_lost_tokens_fails_its_request_instead_of_a_hole(tokenizer: Any) -> None:
+    detok = IncrementalDetokenizer(tokenizer)
+    a, b = tokenizer.encode("one two three four"), tokenizer.encode("five six")
+
+    def step(n: int, *outputs: StepOutput) -> list[TextDelta]:
+        batch = StepOutputBatch(worker_id="w0", step=n, outputs=list(outputs))
+        return detok.process(batch).get("gw0", [])
+
+    assert len(step(0, step_output(a[:1], rid="r0"), step_output(b[:1], rid="r1"))) == 2
+    assert len(step(1, step_output(a[1:2], rid="r0", sent_before=1))) == 1
+    assert detok.take_lost() == []
+    # r0's step with a[2:3] never arrives; its next output says 3 tokens came before.
+    deltas = step(2, step_output(a[3:], rid="r0", sent_before=3), step_output(b[1:], rid="r1"))
+    # r1's second output claims no earlier tokens, though one arrived: lost as well.
+    assert deltas == []
+    assert [(x.rid, x.gateway_id) for x in detok.take_lost()] == [("r0", "gw0"), ("r1", "gw0")]
+    assert detok.take_lost() == [] and len(detok) == 0
+    # Later outputs of a failed request are dropped, every choice, and reported once.
+    assert step(3, step_output([], LENGTH, rid="r0", sent_before=4)) == []
+    assert detok.take_lost() == []
+
+
+def test_a_new_detokenizer_fails_streams_that_began_before_it(tokenizer: Any) -> None:
+    ids = tokenizer.encode("hello world")
+    detok = IncrementalDetokenizer(tokenizer)
+    mid = step_output(ids[2:], LENGTH, sent_before=2)  # the first two went to another one
+    assert detok.process(StepOutputBatch(worker_id="w0", step=9, outputs=[mid])) == {}
+    assert [x.rid for x in detok.take_lost()] == ["r0"]
+    # An evicted stream (over max_requests) is failed the same way, not restarted.
+    small = IncrementalDetokenizer(tokenizer, max_requests=1)
+    for rid in ("a", "b"):
+        small.process(StepOutputBatch(worker_id="w0", step=0, outputs=[step_output([5], rid=rid)]))
+    later = step_output([6], LENGTH, "a", sent_before=1)
+    assert small.process(StepOutputBatch(worker_id="w0", step=1, outputs=[later])) == {}
+    assert [x.rid for x in small.take_lost()] == ["a"]
 
 
 def test_ids_outside_the_vocabulary_are_ignored(tokenizer: Any) -> None:
@@ -343,6 +388,6 @@ def test_a_choice_first_delta_names_its_worker(tokenizer: Any) -> None:
     first = step_output(ids[:1], detok=DetokParams())
     (delta,) = detok.process(StepOutputBatch(worker_id="w7", step=1, outputs=[first]))["gw0"]
     assert delta.worker_id == "w7"
-    later = step_output(ids[1:], LENGTH)
+    later = step_output(ids[1:], LENGTH, sent_before=1)
     (delta,) = detok.process(StepOutputBatch(worker_id="w7", step=2, outputs=[later]))["gw0"]
     assert delta.worker_id == ""

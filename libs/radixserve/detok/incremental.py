@@ -30,6 +30,7 @@ from radixserve.protocol import (
     TextDelta,
     TopLogprobEntry,
     TopLogprobs,
+    num_tokens,
 )
 
 if TYPE_CHECKING:
@@ -105,6 +106,7 @@ class DecodeStatus:
     held_text: str = ""
     sent_partial: int = 0
     finished: bool = False
+    tokens: int = 0  # ids received (valid or not): the worker's count before the next step
 
     def push(self, new_ids: Iterable[int]) -> None:
         if not self.finished:
@@ -232,11 +234,25 @@ class StepGaps:
 StreamKey = tuple[str, int]  # (rid, choice index)
 
 
+@dataclass(frozen=True)
+class LostStream:
+    """A request with an output stream whose tokens did not all arrive: a step batch
+    was lost (the detokenizer restarted, or fell behind), or its decoding state was
+    evicted. Its text would have a hole, so the request is failed instead."""
+
+    rid: str
+    gateway_id: str
+
+
 class IncrementalDetokenizer:
     """Per-request decoding state for every live stream, bounded as an LRU.
 
     A stream's state goes when its finish arrives; one whose finish is lost (a
     crashed worker) is evicted, oldest first, once `max_requests` streams are live.
+
+    Each output's `completion_tokens` (the worker's total so far) must continue from
+    the tokens this stream has received. One that skips ahead gets no delta: its
+    request goes to `take_lost()` and its later outputs (every choice) are dropped.
     """
 
     def __init__(
@@ -250,6 +266,8 @@ class IncrementalDetokenizer:
         self.token_texts = TokenTexts(tokenizer, self.vocab_size)
         self.evicted = 0  # streams dropped unfinished (a lost finish, or too many live)
         self._streams: OrderedDict[StreamKey, DecodeStatus] = OrderedDict()
+        self._failed: OrderedDict[str, None] = OrderedDict()  # rids failed for lost tokens
+        self._lost: list[LostStream] = []
 
     def __len__(self) -> int:
         return len(self._streams)
@@ -270,13 +288,43 @@ class IncrementalDetokenizer:
             for token_id in _logprob_ids(out)
         )
         deltas: dict[str, list[TextDelta]] = {}
-        for outputs in _rounds(batch.outputs):
+        for round_outputs in _rounds(batch.outputs):
+            outputs = [out for out in round_outputs if self._continues(out)]
             for out, text in zip(outputs, self._decode(outputs), strict=True):
                 delta = self._delta(out, text, batch.worker_id if out.detok else "")
                 deltas.setdefault(out.gateway_id, []).append(delta)
         return deltas
 
+    def take_lost(self) -> list[LostStream]:
+        """Requests failed for lost tokens since the last call (each once)."""
+        lost, self._lost = self._lost, []
+        return lost
+
     # -- internals --------------------------------------------------------------
+    def _continues(self, out: StepOutput) -> bool:
+        """Whether `out` follows what its stream has received; if not, fail its request."""
+        if out.rid in self._failed:
+            return False
+        status = self._streams.get((out.rid, out.index))
+        received = 0 if status is None else status.tokens
+        sent_before = out.completion_tokens - num_tokens(out.new_token_ids)
+        if sent_before == received:
+            return True
+        log.warning(
+            "choice %d lost tokens: %d received, the worker had sent %d; failing the request",
+            out.index,
+            received,
+            sent_before,
+            extra={"rid": out.rid},
+        )
+        for key in [key for key in self._streams if key[0] == out.rid]:
+            del self._streams[key]
+        self._failed[out.rid] = None
+        if len(self._failed) > self.max_requests:
+            self._failed.popitem(last=False)
+        self._lost.append(LostStream(out.rid, out.gateway_id))
+        return False
+
     def _decode(self, outputs: list[StepOutput]) -> list[str]:
         """Advance each stream (unique within `outputs`) with one batch_decode per option set."""
         statuses = [self._open(out) for out in outputs]
@@ -316,6 +364,7 @@ class IncrementalDetokenizer:
             self._streams.move_to_end(key)
             if out.detok is not None:  # sent again after a re-route
                 status.params = out.detok
+        status.tokens += num_tokens(out.new_token_ids)
         status.push(self._valid_ids(out))
         return status
 

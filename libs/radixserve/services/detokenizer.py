@@ -16,15 +16,17 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from radixserve.bus import BusMsg
-from radixserve.detok import DEFAULT_MAX_REQUESTS, IncrementalDetokenizer, StepGaps
+from radixserve.bus import BusError, BusMsg
+from radixserve.detok import DEFAULT_MAX_REQUESTS, IncrementalDetokenizer, LostStream, StepGaps
 from radixserve.protocol import (
+    AbortRequest,
     ProtocolError,
     StepOutputBatch,
     TextDeltaBatch,
     decode,
     encode,
     num_tokens,
+    retry_later_error,
 )
 from radixserve.services.runtime import (
     ServiceContext,
@@ -136,6 +138,8 @@ async def main(ctx: ServiceContext, settings: DetokenizerSettings) -> None:
             live_streams=len(detok),
         )
         spans.observe(msg.headers, batch)
+        for lost in detok.take_lost():
+            await fail_lost(lost)
         for gateway_id, deltas in by_gateway.items():
             try:
                 subject = subjects.gateway_deltas(gateway_id)
@@ -145,6 +149,23 @@ async def main(ctx: ServiceContext, settings: DetokenizerSettings) -> None:
             await ctx.bus.publish(
                 subject, encode(TextDeltaBatch(gateway_id=gateway_id, deltas=deltas))
             )
+
+    async def fail_lost(lost: LostStream) -> None:
+        """Its text would have a hole: 503 to its gateway, and an abort to stop the work."""
+        metrics.observe_lost_request()
+        error = retry_later_error(
+            lost.rid,
+            "output_lost",
+            "part of the output was lost on its way (the detokenizer restarted or fell "
+            "behind); retry",
+            SERVICE,
+        )
+        abort = AbortRequest(rid=lost.rid, reason="output_lost")
+        try:
+            await ctx.bus.publish(subjects.gateway_errors(lost.gateway_id), encode(error))
+            await ctx.bus.publish(subjects.abort, encode(abort))
+        except (BusError, ValueError) as exc:  # the gateway's deadline answers the client
+            log.error("lost output not reported: %r", exc, extra={"rid": lost.rid})
 
     subscription = await ctx.bus.subscribe(subjects.detok, on_step)
 

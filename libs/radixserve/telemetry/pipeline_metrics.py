@@ -146,6 +146,11 @@ class DetokenizerMetrics:
             "Token ids turned into text",
             registry=r,
         )
+        self.lost_requests = Counter(
+            PREFIX + "detokenizer_lost_requests",
+            "Requests failed (503 output_lost) because some of their tokens never arrived",
+            registry=r,
+        )
         self.live_streams = Gauge(
             PREFIX + "detokenizer_live_streams",
             "Decoding states kept (one per unfinished choice)",
@@ -167,3 +172,6 @@ class DetokenizerMetrics:
             self.missed_step_batches.labels(worker=worker).inc(missed)
         self.tokens.inc(tokens)
         self.duration.observe(seconds)
+
+    def observe_lost_request(self) -> None:
+        self.lost_requests.inc()
