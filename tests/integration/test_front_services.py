@@ -22,7 +22,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from radixserve.bus import Bus, BusMsg, BusSettings
+from radixserve.bus import Bus, BusMsg, BusSettings, BusSubscription
 from radixserve.engine.model.tokenizer import apply_chat_template, load_tokenizer
 from radixserve.protocol import (
     AbortRequest,
@@ -190,8 +190,12 @@ class Inbox:
 class FakeWorkers:
     """Workers as the scheduler sees them: heartbeats, one stats report, flush replies."""
 
-    def __init__(self, bus: Bus, subjects: Subjects, loads: dict[str, int]) -> None:
+    def __init__(
+        self, bus: Bus, subjects: Subjects, loads: dict[str, int], *, listen: bool = True
+    ) -> None:
         self.bus = bus
+        self.listen = listen  # subscribed to the run subjects (else NATS has no responders)
+        self.ack = True  # acknowledge each run on receipt, as the worker does
         self.subjects = subjects
         self.loads = loads
         self.status = WorkerStatus.READY
@@ -200,10 +204,12 @@ class FakeWorkers:
         self.runs = Inbox()  # every worker's run subject
         self.aborts = Inbox()
         self._beating: asyncio.Task[None] | None = None
+        self._run_sub: BusSubscription | None = None
 
     async def start(self) -> None:
         s = self.subjects
-        await self.bus.subscribe(s.worker_run_all, self.runs.handler)
+        if self.listen:
+            self._run_sub = await self.bus.subscribe(s.worker_run_all, self._on_run)
         await self.bus.subscribe(s.worker_abort_all, self.aborts.handler)
         for worker_id in self.loads:
             await self.bus.subscribe(
@@ -229,6 +235,8 @@ class FakeWorkers:
                 await self._beating
         self.status = WorkerStatus.STOPPING
         await self._beat_once()
+        if self._run_sub is not None:
+            await self._run_sub.unsubscribe()
         await self.bus.nats_client.flush()
 
     async def wait_routable(self) -> None:
@@ -254,6 +262,11 @@ class FakeWorkers:
         )
         batch = StepOutputBatch(worker_id=worker_id, step=1, outputs=[out])
         await self.bus.publish(self.subjects.detok, encode(batch))
+
+    async def _on_run(self, msg: BusMsg) -> None:
+        if self.ack:
+            await self.bus.acknowledge(msg)
+        await self.runs.handler(msg)
 
     def _flush_handler(self, worker_id: str) -> Any:
         async def on_flush(msg: BusMsg) -> None:
@@ -624,3 +637,50 @@ async def test_the_tokenizer_answers_503_when_no_scheduler_takes_the_request(
         assert (abort.rid, abort.reason) == (rid, "scheduler_unresponsive")
     finally:
         tokenizer.stop()
+
+
+async def test_a_run_no_worker_acknowledges_is_refused_and_aborted(
+    nats_url: str, bus: Bus, tmp_path: Path
+) -> None:
+    flags = ["--worker-ack-timeout-s", "0.5"]
+    scheduler = await asyncio.to_thread(_start, nats_url, tmp_path, {"scheduler": flags})
+    try:
+        subjects = scheduler.subjects
+        gateway = await _gateway(bus, subjects)
+
+        async def schedule(rid: str) -> None:
+            req = TokenizedRequest(
+                rid=rid, gateway_id=gateway.gateway_id, input_ids=pack_tokens([1, 2])
+            )
+            await bus.publish(subjects.schedule, encode(req))
+
+        worker = _id("w")
+        async with _workers(bus, subjects, {worker: 0}) as workers:
+            # It takes the run but never acknowledges (as if the message were lost).
+            workers.ack = False
+            await schedule("r-silent")
+            assert (await workers.runs.next(RoutedRequest)).rid == "r-silent"
+            error = await gateway.error()
+            assert (error.rid, error.http_status, error.code) == ("r-silent", 503, "worker_lost")
+            assert "did not acknowledge the request within 0.5 s" in error.message
+            abort = await workers.aborts.next(AbortRequest)
+            assert (abort.rid, abort.reason) == ("r-silent", "not_acknowledged")
+            # An acknowledged run stays in flight past the ack timeout.
+            workers.ack = True
+            await schedule("r-ok")
+            assert (await workers.runs.next(RoutedRequest)).rid == "r-ok"
+            await asyncio.sleep(1.5)
+            assert gateway.errors.messages.empty()
+            await workers.finish(worker, "r-ok", gateway.gateway_id)
+        # A worker that heartbeats but does not listen for runs: NATS says so at once.
+        deaf = FakeWorkers(bus, subjects, {_id("w"): 0}, listen=False)
+        await deaf.start()
+        try:
+            await schedule("r-deaf")
+            error = await gateway.error()
+            assert (error.rid, error.http_status, error.code) == ("r-deaf", 503, "worker_lost")
+            assert "does not listen for requests" in error.message
+        finally:
+            await deaf.stop()
+    finally:
+        scheduler.stop()

@@ -169,10 +169,13 @@ async def test_abort_frees_kv_and_flush_answers(nats_url: str, worker: tuple[str
         await bus.subscribe(subjects.stats(worker_id), on_stats)
         await _wait_ready(bus, subjects, worker_id)
         ids = list(range(300, 400))
-        await bus.publish(
+        # Sent as the scheduler does, with a reply subject: the worker acknowledges it.
+        ack = await bus.request(
             subjects.worker_run(worker_id),
             _routed("long", ids, worker_id, max_new_tokens=2000, ignore_eos=True),
+            timeout_s=10,
         )
+        assert ack.data == b""
         await asyncio.wait_for(first_token.wait(), 30)
         aborted_at = asyncio.get_running_loop().time()
         await bus.publish(

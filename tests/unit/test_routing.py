@@ -302,3 +302,21 @@ def test_bad_settings_are_refused() -> None:
         Dispatcher(max_pending_requests=0, worker_timeout_s=1.0, retry_after_s=1.0)
     with pytest.raises(ValueError):
         Dispatcher(max_pending_requests=1, worker_timeout_s=0.0, retry_after_s=1.0)
+
+
+def test_pending_acks_expire_in_send_order_and_late_acks_are_ignored() -> None:
+    from radixserve.routing import PendingAcks
+
+    acks = PendingAcks(timeout_s=2.0)
+    first = acks.sent("r1", "w0", now=10.0)
+    second = acks.sent("r2", "w1", now=11.0)
+    third = acks.sent("r3", "w0", now=11.5)
+    assert len({first, second, third}) == 3 and len(acks) == 3
+    assert acks.acked(second) == ("r2", "w1")
+    assert acks.expired(now=11.9) == []
+    assert acks.expired(now=12.0) == [("r1", "w0")]  # the deadline itself counts
+    assert acks.acked(first) is None  # too late: already answered as lost
+    assert acks.acked("unknown") is None
+    assert acks.expired(now=20.0) == [("r3", "w0")] and len(acks) == 0
+    with pytest.raises(ValueError, match="ack timeout"):
+        PendingAcks(timeout_s=0)

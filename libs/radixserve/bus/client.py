@@ -246,14 +246,21 @@ class Bus:
     # -- messaging -------------------------------------------------------------
 
     async def publish(
-        self, subject: str, data: bytes = b"", *, headers: Mapping[str, str] | None = None
+        self,
+        subject: str,
+        data: bytes = b"",
+        *,
+        headers: Mapping[str, str] | None = None,
+        reply: str = "",
     ) -> None:
-        """Publish ``data`` with ``headers`` plus the current ``traceparent``."""
+        """Publish ``data`` with ``headers`` plus the current ``traceparent``; a ``reply``
+        subject is where the receiver answers (NATS sends a no-responders status there,
+        header ``Status: 503``, when nobody listens on ``subject``)."""
         nc = self._client()
         payload = _as_bytes(data)
         carrier = inject_trace(headers)
         try:
-            await nc.publish(subject, payload, headers=carrier or None)
+            await nc.publish(subject, payload, reply=reply, headers=carrier or None)
         except nats.errors.Error as exc:
             raise _translate(exc, f"publish on {subject!r}") from exc
 

@@ -94,8 +94,22 @@ class Subjects:
         return self._join("schedule")
 
     def worker_run(self, worker_id: str) -> str:
-        """scheduler -> one worker: `RoutedRequest`."""
+        """scheduler -> one worker: `RoutedRequest`, with a reply subject the worker
+        acknowledges on receipt (`scheduler_ack`)."""
         return self._join("worker", check_token(worker_id, "worker id"), "run")
+
+    def scheduler_ack(self, scheduler_id: str, token: str) -> str:
+        """worker -> the scheduler that sent a run: an empty acknowledgement."""
+        return self._join(
+            "scheduler",
+            check_token(scheduler_id, "scheduler id"),
+            "ack",
+            check_token(token, "token"),
+        )
+
+    def scheduler_acks(self, scheduler_id: str) -> str:
+        """Every acknowledgement addressed to one scheduler (`scheduler_ack`'s wildcard)."""
+        return self._join("scheduler", check_token(scheduler_id, "scheduler id"), "ack", "*")
 
     @cached_property
     def detok(self) -> str:

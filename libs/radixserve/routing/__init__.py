@@ -13,6 +13,7 @@ is the default. Nothing here does I/O.
 from __future__ import annotations
 
 from radixserve.routing.aborts import RecentAborts
+from radixserve.routing.acks import PendingAcks
 from radixserve.routing.dispatcher import (
     NO_WORKER,
     QUEUE_FULL,
@@ -40,6 +41,7 @@ __all__ = [
     "InflightEntry",
     "InflightTable",
     "LeastLoadRouter",
+    "PendingAcks",
     "RecentAborts",
     "Rejected",
     "Route",

@@ -32,6 +32,7 @@ from radixserve.protocol import (
 from radixserve.routing import (
     Dispatcher,
     Dropped,
+    PendingAcks,
     Rejected,
     Routed,
     finished_choices,
@@ -51,6 +52,8 @@ log = logging.getLogger(__name__)
 
 SERVICE = "scheduler"
 _tracer = get_tracer(SERVICE)
+# The status NATS puts on a reply when nobody listens on the subject (a header).
+NO_RESPONDERS = "503"
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,8 @@ class SchedulerSettings:
     worker_timeout_s: float = 5.0
     retry_after_s: float = 1.0
     flush_timeout_s: float = 5.0  # per worker, all at once
+    # A run message a worker has not acknowledged within this long was lost: 503.
+    worker_ack_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.max_pending_requests < 1:
@@ -68,6 +73,8 @@ class SchedulerSettings:
             raise ValueError("--worker-timeout-s and the flush timeout must be > 0")
         if self.retry_after_s < 0:
             raise ValueError("--retry-after-s must be >= 0")
+        if self.worker_ack_timeout_s <= 0:
+            raise ValueError("--worker-ack-timeout-s must be > 0")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -86,6 +93,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--retry-after-s", type=float, default=1.0, help="Retry-After of 429 / 503 answers"
     )
+    parser.add_argument(
+        "--worker-ack-timeout-s",
+        type=float,
+        default=10.0,
+        help="a request whose worker has not acknowledged it within this long gets 503",
+    )
 
 
 def settings_from(ns: argparse.Namespace) -> SchedulerSettings:
@@ -94,6 +107,7 @@ def settings_from(ns: argparse.Namespace) -> SchedulerSettings:
         max_pending_requests=ns.max_pending_requests,
         worker_timeout_s=ns.worker_timeout_s,
         retry_after_s=ns.retry_after_s,
+        worker_ack_timeout_s=ns.worker_ack_timeout_s,
     )
 
 
@@ -114,6 +128,8 @@ async def start(ctx: ServiceContext, settings: SchedulerSettings) -> None:
     )
     bus, subjects = ctx.bus, ctx.subjects
     metrics = SchedulerMetrics(ctx.metrics)
+    acks = PendingAcks(settings.worker_ack_timeout_s)
+    scheduler_id = settings.service.instance_id
 
     def update_load() -> None:
         metrics.set_load(len(dispatcher.inflight), len(dispatcher.ready_workers()))
@@ -140,9 +156,15 @@ async def start(ctx: ServiceContext, settings: SchedulerSettings) -> None:
                 log.debug("routed to %s", routed.worker_id, extra={"rid": request.rid})
                 metrics.observe_routed(routed.worker_id)
                 span.set_attribute(genai.WORKER_ID, routed.worker_id)
+                token = acks.sent(request.rid, routed.worker_id, time.monotonic())
                 try:
-                    await bus.publish(subjects.worker_run(routed.worker_id), encode(routed))
+                    await bus.publish(
+                        subjects.worker_run(routed.worker_id),
+                        encode(routed),
+                        reply=subjects.scheduler_ack(scheduler_id, token),
+                    )
                 except BusError as exc:
+                    acks.acked(token)
                     # Not sent (too large, NATS unreachable past its reconnect buffer):
                     # no worker holds it, so it must not hold a place in flight.
                     log.error(
@@ -235,11 +257,37 @@ async def start(ctx: ServiceContext, settings: SchedulerSettings) -> None:
             return
         dispatcher.on_error(error.rid)
 
+    async def lose(rid: str, worker_id: str, why: str) -> None:
+        """A run that never reached its worker: out of flight, 503 to its gateway, and an
+        abort to the worker in case it arrives late."""
+        lost = dispatcher.unroute(rid, why)
+        if lost is None:
+            return  # finished or aborted meanwhile
+        log.error("%s", why, extra={"rid": rid})
+        await send_errors([lost])
+        try:
+            abort = AbortRequest(rid=rid, reason="not_acknowledged")
+            await bus.publish(subjects.worker_abort(worker_id), encode(abort))
+        except BusError as exc:
+            log.warning("abort not sent to %s: %r", worker_id, exc, extra={"rid": rid})
+        update_load()
+
+    async def on_ack(msg: BusMsg) -> None:
+        sent = acks.acked(msg.subject.rsplit(".", 1)[-1])
+        if sent is not None and msg.headers.get("Status") == NO_RESPONDERS:
+            rid, worker_id = sent
+            await lose(rid, worker_id, f"worker {worker_id} does not listen for requests")
+
     async def expire_workers() -> None:
-        interval_s = min(1.0, settings.worker_timeout_s / 4)
+        interval_s = min(1.0, settings.worker_timeout_s / 4, settings.worker_ack_timeout_s / 4)
         while True:
             await asyncio.sleep(interval_s)
-            await send_errors(dispatcher.expire(time.monotonic()))
+            now = time.monotonic()
+            await send_errors(dispatcher.expire(now))
+            for rid, worker_id in acks.expired(now):
+                timeout_s = settings.worker_ack_timeout_s
+                why = f"worker {worker_id} did not acknowledge the request within {timeout_s:g} s"
+                await lose(rid, worker_id, why)
             update_load()
 
     # Worker state first, so the first requests already see the workers.
@@ -247,6 +295,7 @@ async def start(ctx: ServiceContext, settings: SchedulerSettings) -> None:
     await bus.subscribe(subjects.stats_all, on_stats)
     await bus.subscribe(subjects.detok, on_step_outputs)
     await bus.subscribe(subjects.gateway_errors_all, on_request_error)
+    await bus.subscribe(subjects.scheduler_acks(scheduler_id), on_ack)
     schedule = await bus.subscribe(subjects.schedule, on_schedule, queue=QueueGroups.SCHEDULER)
     await bus.subscribe(subjects.abort, on_abort, queue=QueueGroups.SCHEDULER)
     await bus.subscribe(subjects.flush_cache, on_flush, queue=QueueGroups.SCHEDULER)

@@ -120,6 +120,7 @@ class WorkerService:
     async def _on_message(self, msg: BusMsg) -> None:
         kind = msg.subject.rsplit(".", 1)[-1]
         if kind == "run":
+            await self.ctx.bus.acknowledge(msg)  # received: the scheduler stops waiting
             routed = protocol.decode(msg.data, protocol.RoutedRequest)
             if self.status is not protocol.WorkerStatus.READY:
                 error = protocol.retry_later_error(
