@@ -47,11 +47,21 @@ async def test_models_health_and_request_ids(
     while True:
         health = await http.get("/health")
         assert health.status_code == 200
-        if health.json()["workers_ready"] == 1:
+        body = health.json()
+        if body["workers_ready"] == 1 and body["services"]["tokenizer"] == 1:
             break
-        assert time.monotonic() < deadline, health.json()
+        assert time.monotonic() < deadline, body
         await asyncio.sleep(0.05)
-    assert health.json()["status"] == "ok"
+    assert body["status"] == "ok"
+    # Services by their heartbeats: the gateway hears its own; nothing else runs here.
+    assert body["services"] == {
+        "gateway": 1,
+        "tokenizer": 1,
+        "scheduler": 0,
+        "worker": 0,
+        "grammar": 0,
+        "detokenizer": 0,
+    }
     assert len(health.headers["x-request-id"]) == 32
 
 

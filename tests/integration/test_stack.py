@@ -97,6 +97,7 @@ def test_health_cli_sees_every_service(stack: RunningStack) -> None:
         assert f"{service:<12} ready" in proc.stdout, proc.stdout
     health = httpx.get(f"{stack.url}/health", timeout=10).json()
     assert health["workers_ready"] == 1
+    assert set(health["services"].values()) == {1}, health  # one of each, all ready
 
 
 def test_chat_equals_the_engine_streaming_or_not(

@@ -99,7 +99,13 @@ def create_app(state: GatewayState) -> FastAPI:
             return json_response({"status": "draining"}, 503)
         if not state.bus.is_connected:
             return json_response({"status": "no_bus", "workers_ready": 0}, 503)
-        return json_response({"status": "ok", "workers_ready": state.workers.ready_count()})
+        state.workers.prune()
+        body = {
+            "status": "ok",
+            "workers_ready": state.workers.ready_count(),
+            "services": state.workers.services(),
+        }
+        return json_response(body)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -78,6 +78,7 @@ async def main(ctx: ServiceContext, settings: GatewaySettings) -> None:
     await bus.subscribe(subjects.gateway_all(settings.gateway_id), state.hub.on_message)
     await bus.subscribe(subjects.heartbeat_all, state.workers.on_heartbeat)
     await bus.subscribe(subjects.stats_all, state.workers.on_stats)
+    await bus.subscribe(subjects.alive_all, state.workers.on_alive)
     ctx.spawn(state.records.run(), "record-writer")
     ctx.spawn(state.aborts.run(), "abort-sender")
 

@@ -1,9 +1,12 @@
-"""What the gateway knows about workers: who is ready (for /health) and their load (metrics).
+"""What the gateway knows about workers and services: who is ready (for /health) and the
+workers' load (metrics).
 
     tracker = WorkerTracker(metrics, timeout_s=5.0)
     await bus.subscribe(subjects.heartbeat_all, tracker.on_heartbeat)
     await bus.subscribe(subjects.stats_all, tracker.on_stats)
+    await bus.subscribe(subjects.alive_all, tracker.on_alive)
     tracker.ready_count()        # workers whose last heartbeat said ready, recently
+    tracker.services()           # {"tokenizer": 2, ...}: instances heard from recently, ready
 
 Routing is the scheduler's; this is only a view, kept from the same messages.
 """
@@ -14,7 +17,15 @@ import logging
 import time
 
 from radixserve.bus import BusMsg
-from radixserve.protocol import Heartbeat, ProtocolError, WorkerStats, WorkerStatus, decode
+from radixserve.protocol import (
+    Heartbeat,
+    ProtocolError,
+    ServiceHeartbeat,
+    WorkerStats,
+    WorkerStatus,
+    decode,
+)
+from radixserve.services.health import SERVICES
 from radixserve.telemetry import GatewayMetrics
 
 log = logging.getLogger(__name__)
@@ -27,6 +38,8 @@ class WorkerTracker:
         # worker id -> (monotonic time of its last heartbeat, its status then)
         self._heartbeats: dict[str, tuple[float, WorkerStatus]] = {}
         self._stats_seen: dict[str, float] = {}  # worker id -> monotonic time of its stats
+        # (service, instance id) -> (monotonic time of its last ServiceHeartbeat, status)
+        self._alive: dict[tuple[str, str], tuple[float, str]] = {}
 
     async def on_heartbeat(self, msg: BusMsg) -> None:
         try:
@@ -35,6 +48,23 @@ class WorkerTracker:
             log.warning("dropping a malformed heartbeat on %s: %s", msg.subject, exc)
             return
         self._heartbeats[beat.worker_id] = (time.monotonic(), beat.status)
+
+    async def on_alive(self, msg: BusMsg) -> None:
+        try:
+            beat = decode(msg.data, ServiceHeartbeat)
+        except ProtocolError as exc:
+            log.warning("dropping a malformed service heartbeat on %s: %s", msg.subject, exc)
+            return
+        self._alive[beat.service, beat.instance_id] = (time.monotonic(), beat.status)
+
+    def services(self) -> dict[str, int]:
+        """Instances of each service whose last heartbeat, within the timeout, said ready."""
+        cutoff = time.monotonic() - self.timeout_s
+        counts = dict.fromkeys(SERVICES, 0)
+        for (service, _), (seen, status) in self._alive.items():
+            if seen >= cutoff and status == "ready":
+                counts[service] = counts.get(service, 0) + 1
+        return counts
 
     async def on_stats(self, msg: BusMsg) -> None:
         try:
@@ -63,3 +93,6 @@ class WorkerTracker:
         for worker, (seen, _) in list(self._heartbeats.items()):
             if seen < cutoff:
                 del self._heartbeats[worker]
+        for instance, (seen, _) in list(self._alive.items()):
+            if seen < cutoff:
+                del self._alive[instance]
