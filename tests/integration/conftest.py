@@ -1,5 +1,7 @@
-"""The gateway harness's fixtures, for the integration tests only (they need openai)."""
+"""The gateway harness's and the front services' fixtures, for the integration tests only
+(they need openai). A module's own fixture of the same name takes precedence."""
 
+from tests.fixtures.front import bus, front, model_dir, tokenizer
 from tests.fixtures.gateway import client, gateway, http, pipeline
 
-__all__ = ["client", "gateway", "http", "pipeline"]
+__all__ = ["bus", "client", "front", "gateway", "http", "model_dir", "pipeline", "tokenizer"]

@@ -76,6 +76,20 @@ class Stream:
         )
 
 
+async def detokenizer_alive(bus: Bus, subjects: Subjects) -> None:
+    """Until the service's first heartbeat: sent once its tokenizer is loaded and it
+    subscribed."""
+    alive = asyncio.Event()
+
+    async def on_alive(msg: BusMsg) -> None:
+        if decode(msg.data, ServiceHeartbeat).service == "detokenizer":
+            alive.set()
+
+    subscription = await bus.subscribe(subjects.alive_all, on_alive)
+    await asyncio.wait_for(alive.wait(), START_TIMEOUT_S)
+    await subscription.unsubscribe()
+
+
 @pytest.fixture(scope="module")
 def tokenizer() -> Any:
     from radixserve.engine.model.tokenizer import load_tokenizer
@@ -147,12 +161,7 @@ async def test_two_gateways_get_their_text(
 
     bus = await Bus.connect(BusSettings(url=nats_url, name="test-detok"))
     batches: dict[str, list[TextDeltaBatch]] = defaultdict(list)
-    alive = asyncio.Event()
     try:
-
-        async def on_alive(msg: BusMsg) -> None:
-            if decode(msg.data, ServiceHeartbeat).service == "detokenizer":
-                alive.set()
 
         def collector(gateway_id: str) -> Any:
             async def on_deltas(msg: BusMsg) -> None:
@@ -160,11 +169,10 @@ async def test_two_gateways_get_their_text(
 
             return on_deltas
 
-        await bus.subscribe(subjects.alive_all, on_alive)
         for gateway_id in ("gwA", "gwB"):
             await bus.subscribe(subjects.gateway_deltas(gateway_id), collector(gateway_id))
         # The first heartbeat comes after the tokenizer is loaded and the subscription made.
-        await asyncio.wait_for(alive.wait(), START_TIMEOUT_S)
+        await detokenizer_alive(bus, subjects)
 
         num_steps = max(len(s.ids) for s in streams)
         steps_with: dict[str, int] = defaultdict(int)
@@ -232,16 +240,11 @@ async def test_a_stream_missing_tokens_is_failed_and_aborted_not_finished_with_a
     subjects = Subjects(prefix)
     ids = tokenizer.encode("one two three four")
     bus = await Bus.connect(BusSettings(url=nats_url, name="test-detok-lost"))
-    alive = asyncio.Event()
     errors: asyncio.Queue[RequestError] = asyncio.Queue()
     aborts: asyncio.Queue[AbortRequest] = asyncio.Queue()
     texts: dict[str, str] = defaultdict(str)
     finished: asyncio.Queue[str] = asyncio.Queue()
     try:
-
-        async def on_alive(msg: BusMsg) -> None:
-            if decode(msg.data, ServiceHeartbeat).service == "detokenizer":
-                alive.set()
 
         async def on_error(msg: BusMsg) -> None:
             errors.put_nowait(decode(msg.data, RequestError))
@@ -255,11 +258,10 @@ async def test_a_stream_missing_tokens_is_failed_and_aborted_not_finished_with_a
                 if delta.finish_reason is not None:
                     finished.put_nowait(delta.rid)
 
-        await bus.subscribe(subjects.alive_all, on_alive)
         await bus.subscribe(subjects.gateway_errors("gw"), on_error)
         await bus.subscribe(subjects.abort, on_abort, queue="scheduler")
         await bus.subscribe(subjects.gateway_deltas("gw"), on_deltas)
-        await asyncio.wait_for(alive.wait(), START_TIMEOUT_S)
+        await detokenizer_alive(bus, subjects)
 
         def out(rid: str, lo: int, hi: int, finish: FinishReason | None = None) -> StepOutput:
             return StepOutput(
