@@ -10,7 +10,9 @@ running, then asks Redis (another replica, or this one before a restart, compile
 it), and only then compiles, in a worker thread with a timeout. A compile that
 outlives the timeout keeps running and caches its result, so the client's retry
 (the reply is a 503 `grammar_unavailable`) finds it. Refusals (invalid grammars)
-are cached in memory only: they are cheap to reproduce and not worth sharing.
+are cached in memory only: they are cheap to reproduce and not worth sharing. The
+service's `build` runs each compile in a child process stopped past a hard limit
+(`processes.CompileProcesses`); that stop is a refusal too.
 """
 
 from __future__ import annotations
@@ -111,8 +113,10 @@ class GrammarRegistry:
         executor: Executor | None = None,
         spawn: Spawn | None = None,
         vocab_size: int = 0,
+        release: Callable[[], None] | None = None,
     ) -> None:
         self.build = build
+        self._release = release  # blocking: stops what `build` holds (its processes)
         self.vocab_size = vocab_size  # informational: what the artifacts are built for
         self.tokenizer_id = tokenizer_id
         self.remote = remote
@@ -285,10 +289,13 @@ class GrammarRegistry:
         self._tasks = {t for t in self._tasks if not t.done()}
 
     async def close(self, timeout_s: float = 2.0) -> None:
-        """Wait (bounded) for the compiles and Redis writes in flight; stop the threads."""
+        """Wait (bounded) for the compiles and Redis writes in flight; stop the threads
+        (and the compile processes)."""
         pending = [t for t in self._tasks if not t.done()]
         if pending:
             await asyncio.wait(pending, timeout=timeout_s)
+        if self._release is not None:
+            await asyncio.to_thread(self._release)
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 

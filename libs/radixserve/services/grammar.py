@@ -6,7 +6,9 @@ compiler's reason (400 `invalid_grammar`), or "retry later" (503: a compile past
 `--compile-timeout-s`, a tokenizer this replica does not serve). `{p}.grammar.fetch`
 (from a worker) answers the serialized compiled grammar with its source. The logic
 (memory LRU, Redis, one compile per key, the timeout) is `radixserve.grammar.registry`;
-this file only moves messages. Replicas share compiled grammars through Redis.
+compiles run in `--compile-workers` child processes, each compile stopped past
+`--compile-limit-s` (`radixserve.grammar.processes`); this file only moves messages.
+Replicas share compiled grammars through Redis.
 """
 
 from __future__ import annotations
@@ -67,7 +69,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="answer 'retry later' past this (the compile goes on and is cached); keep it "
         "below the tokenizer's --grammar-timeout-s",
     )
-    parser.add_argument("--compile-threads", type=int, default=2)
+    parser.add_argument(
+        "--compile-limit-s",
+        type=float,
+        default=30.0,
+        help="stop a compile past this and refuse its grammar (400 invalid_grammar); 0: "
+        "compile in threads, without a limit",
+    )
+    parser.add_argument(
+        "--compile-workers",
+        type=int,
+        default=2,
+        help="compiles at once, each in its own process (each holds the tokenizer's xgrammar info)",
+    )
     parser.add_argument(
         "--cache-ttl-s", type=float, default=7 * 24 * 3600.0, help="compiled grammars in Redis"
     )
@@ -104,7 +118,8 @@ async def _registry(
         model,
         remote=remote,
         compile_timeout_s=ns.compile_timeout_s,
-        compile_threads=ns.compile_threads,
+        compile_limit_s=ns.compile_limit_s,
+        compile_workers=ns.compile_workers,
         spawn=ctx.spawn,
     )
     log.info(
