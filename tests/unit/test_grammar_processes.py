@@ -46,6 +46,7 @@ SLOW = GrammarSource(
     ),
 )
 QUICK = GrammarSource("regex", "[0-9]{3}")
+STOPS: list[str] = []  # the kinds the pool reported stopped (its on_stop)
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +59,7 @@ def tokenizer() -> Any:
 @pytest.fixture(scope="module")
 def processes(tokenizer: Any) -> Iterator[CompileProcesses]:
     spec = CompilerSpec(str(embedded_model_dir()), TOKENIZER_ID, len(tokenizer))
-    pool = CompileProcesses(spec, processes=1, limit_s=LIMIT_S)
+    pool = CompileProcesses(spec, processes=1, limit_s=LIMIT_S, on_stop=STOPS.append)
     yield pool
     pool.close()
     assert pool.pids == [None]
@@ -105,7 +106,7 @@ def test_a_compile_past_the_limit_is_stopped_and_refused(processes: CompileProce
     took = time.monotonic() - started
     assert entry.error == too_long_message(LIMIT_S) and entry.artifact is None
     assert LIMIT_S <= took < LIMIT_S + 5
-    assert processes.counters.stopped == stopped + 1
+    assert processes.counters.stopped == stopped + 1 and STOPS[-1] == "json_schema"
     assert _gone(pid)  # killed, not left compiling
     # The next compile waits for the new process, and it compiles.
     assert processes(QUICK).ok

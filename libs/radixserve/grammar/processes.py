@@ -32,6 +32,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
@@ -248,7 +249,9 @@ class CompileProcesses:
         processes: int = 2,
         limit_s: float = 30.0,
         start_timeout_s: float = 120.0,
+        on_stop: Callable[[str], None] | None = None,
     ) -> None:
+        """`on_stop(kind)` is called (from the compiling thread) for each compile stopped."""
         if processes < 1:
             raise ValueError(f"need at least one compile process, got {processes}")
         if limit_s <= 0:
@@ -256,6 +259,7 @@ class CompileProcesses:
         self.spec = spec
         self.limit_s = limit_s
         self.counters = ProcessCounters()
+        self._on_stop = on_stop
         self._closed = False
         self._children = [_Child(spec, i, start_timeout_s) for i in range(processes)]
         self._idle: queue.Queue[_Child] = queue.Queue()
@@ -306,6 +310,8 @@ class CompileProcesses:
                     time.monotonic() - started,
                     self.limit_s,
                 )
+                if self._on_stop is not None:
+                    self._on_stop(source.kind)
                 return GrammarEntry(
                     kind=source.kind,
                     source=source.source,

@@ -23,13 +23,14 @@ def registry_for_model(
     compile_limit_s: float = 30.0,
     compile_workers: int = 2,
     spawn: Spawn | None = None,
+    on_stop: Callable[[str], None] | None = None,
 ) -> GrammarRegistry:
     """`model` None: the embedded SmolLM2 (as every service resolves it). Blocking: loads
     the tokenizer, or starts the compile processes (call it off the event loop).
 
     `compile_limit_s` > 0: `compile_workers` child processes compile, each compile
-    stopped past that limit (`processes.CompileProcesses`); 0: threads compile, without
-    a limit (a compile that never ends holds its thread).
+    stopped past that limit (`processes.CompileProcesses`, which calls `on_stop(kind)`);
+    0: threads compile, without a limit (a compile that never ends holds its thread).
     """
     from radixserve.engine.model.config import ModelConfig
     from radixserve.engine.model.loader import resolve_model_path
@@ -48,7 +49,10 @@ def registry_for_model(
         from radixserve.grammar.processes import CompileProcesses, CompilerSpec
 
         processes = CompileProcesses(
-            CompilerSpec(str(folder), name, vocab_size), compile_workers, compile_limit_s
+            CompilerSpec(str(folder), name, vocab_size),
+            compile_workers,
+            compile_limit_s,
+            on_stop=on_stop,
         )
         build, release = processes, processes.close
     else:

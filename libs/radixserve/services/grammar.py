@@ -93,13 +93,14 @@ def run(ns: argparse.Namespace) -> int:
     model = getattr(ns, "model", None) or os.environ.get(ENV_MODEL, "").strip() or None
 
     async def main(ctx: ServiceContext) -> None:
-        await start(ctx, await _registry(ctx, ns, model))
+        metrics = GrammarMetrics(ctx.metrics)
+        await start(ctx, await _registry(ctx, ns, model, metrics), metrics)
 
     return run_service(settings, main)
 
 
 async def _registry(
-    ctx: ServiceContext, ns: argparse.Namespace, model: str | None
+    ctx: ServiceContext, ns: argparse.Namespace, model: str | None, metrics: GrammarMetrics
 ) -> GrammarBackend:
     # Heavy imports (transformers, xgrammar) only once the service really starts.
     from radixserve.grammar.setup import registry_for_model
@@ -121,6 +122,7 @@ async def _registry(
         compile_limit_s=ns.compile_limit_s,
         compile_workers=ns.compile_workers,
         spawn=ctx.spawn,
+        on_stop=metrics.observe_stop,
     )
     log.info(
         "compiling grammars for tokenizer %s (vocabulary %d), Redis cache %s",
@@ -131,8 +133,7 @@ async def _registry(
     return registry
 
 
-async def start(ctx: ServiceContext, grammars: GrammarBackend) -> None:
-    metrics = GrammarMetrics(ctx.metrics)
+async def start(ctx: ServiceContext, grammars: GrammarBackend, metrics: GrammarMetrics) -> None:
 
     async def on_compile(msg: BusMsg) -> None:
         try:

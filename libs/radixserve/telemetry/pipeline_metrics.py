@@ -108,6 +108,12 @@ class GrammarMetrics:
             buckets=E2E_BUCKETS,
             registry=r,
         )
+        self.compiles_stopped = Counter(
+            PREFIX + "grammar_compiles_stopped",
+            "Compiles stopped past --compile-limit-s (their grammar refused), by kind",
+            ["kind"],
+            registry=r,
+        )
         self.fetch_requests = Counter(
             PREFIX + "grammar_fetch_requests",
             "Grammar fetches by workers, by outcome (ok, error)",
@@ -120,6 +126,10 @@ class GrammarMetrics:
         self.compile_duration.labels(kind=kind).observe(seconds)
         if cache_hit:
             self.cache_hits.labels(kind=kind).inc()
+
+    def observe_stop(self, kind: str) -> None:
+        """From a compile thread (prometheus_client's counters are thread-safe)."""
+        self.compiles_stopped.labels(kind=kind).inc()
 
     def observe_fetch(self, ok: bool) -> None:
         self.fetch_requests.labels(outcome="ok" if ok else "error").inc()
