@@ -9,6 +9,7 @@ JSON schema whose string pattern is `^.{0,6000}$`: xgrammar expands the repetiti
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -18,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from radixserve.grammar import GrammarSource
@@ -185,3 +187,22 @@ async def test_registry_refuses_a_stopped_grammar_and_remembers(
         ok = await registry.compile(quick)
     assert ok.ok
     await registry.close()
+
+
+async def test_the_service_registry_compiles_in_processes_or_threads() -> None:
+    from radixserve.grammar.setup import registry_for_model
+
+    quick = GrammarCompileRequest(rid="r", kind="regex", source="[xy]{2}", tokenizer_id="")
+    for limit_s in (LIMIT_S, 0.0):
+        registry = await asyncio.to_thread(
+            registry_for_model, None, remote=None, compile_limit_s=limit_s, compile_workers=1
+        )
+        build = registry.build
+        assert isinstance(build, CompileProcesses) == (limit_s > 0)
+        reply = await registry.compile(
+            msgspec.structs.replace(quick, tokenizer_id=registry.tokenizer_id)
+        )
+        assert reply.ok, reply
+        await registry.close()
+        if isinstance(build, CompileProcesses):
+            assert build.pids == [None]  # close() ended its process
