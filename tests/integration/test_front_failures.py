@@ -18,6 +18,7 @@ from radixserve.protocol import (
     TokenizedRequest,
     encode,
     pack_tokens,
+    retry_later_error,
 )
 from tests.fixtures.front import (
     CONTEXT,
@@ -203,5 +204,32 @@ async def test_a_run_no_worker_acknowledges_is_refused_and_aborted(
             assert "does not listen for requests" in error.message
         finally:
             await deaf.stop()
+    finally:
+        scheduler.stop()
+
+
+async def test_a_request_another_service_fails_is_aborted_at_its_worker(
+    nats_url: str, bus: Bus, tmp_path: Path
+) -> None:
+    # The detokenizer fails a running request (output_lost): the error reaches the
+    # scheduler, which takes it out of flight and tells its worker to stop generating it.
+    # A request the worker itself refused gets no abort (it is gone there already).
+    scheduler = await asyncio.to_thread(start_services, nats_url, tmp_path, {"scheduler": []})
+    try:
+        subjects = scheduler.subjects
+        gateway = await new_gateway(bus, subjects)
+        worker = new_id("w")
+        async with fake_workers(bus, subjects, {worker: 0}) as workers:
+            for rid in ("r-lost", "r-refused"):
+                await gateway.schedule(rid)
+                assert (await workers.runs.next(RoutedRequest)).rid == rid
+            refused = retry_later_error("r-refused", "grammar_unavailable", "no grammar", "worker")
+            lost = retry_later_error("r-lost", "output_lost", "part of it was lost", "detokenizer")
+            for error in (refused, lost):
+                await bus.publish(subjects.gateway_errors(gateway.gateway_id), encode(error))
+            abort = await workers.aborts.next(AbortRequest)
+            assert (abort.rid, abort.reason) == ("r-lost", "output_lost")
+            await asyncio.sleep(0.5)
+            assert workers.aborts.messages.empty()
     finally:
         scheduler.stop()

@@ -294,6 +294,23 @@ def test_a_stream_with_lost_tokens_fails_its_request_instead_of_a_hole(tokenizer
     assert detok.take_lost() == []
 
 
+def test_a_lost_step_of_one_choice_fails_every_choice_at_once(tokenizer: Any) -> None:
+    # n = 2: choice 1's second step is lost, choice 0's arrives in the same round as
+    # choice 1's third. The request fails; choice 0 sends no delta and keeps no state.
+    detok = IncrementalDetokenizer(tokenizer)
+    ids = tokenizer.encode("one two three")
+
+    def step(n: int, *outputs: StepOutput) -> list[TextDelta]:
+        batch = StepOutputBatch(worker_id="w0", step=n, outputs=list(outputs))
+        return detok.process(batch).get("gw0", [])
+
+    assert len(step(0, step_output(ids[:1], index=0), step_output(ids[:1], index=1))) == 2
+    late = step_output(ids[2:3], index=1, sent_before=2)  # its step 1 never came
+    assert step(2, step_output(ids[1:2], index=0, sent_before=1), late) == []
+    assert [x.rid for x in detok.take_lost()] == ["r0"]
+    assert len(detok) == 0
+
+
 def test_a_new_detokenizer_fails_streams_that_began_before_it(tokenizer: Any) -> None:
     ids = tokenizer.encode("hello world")
     detok = IncrementalDetokenizer(tokenizer)

@@ -190,8 +190,8 @@ def test_more_than_the_bound_is_a_429_until_one_finishes() -> None:
     assert d.on_finished("r1", 0, "length")
     assert _routed_to(d.admit(_request("r3"), 0.0, 0.0)) == "w0"
     # A request the worker refused ends with an error to its gateway: that frees it too.
-    assert d.on_error("r2")
-    assert not d.on_error("r2")
+    assert d.on_error("r2") == "w0"
+    assert d.on_error("r2") is None
     assert _routed_to(d.admit(_request("r4"), 0.0, 0.0)) == "w0"
 
 

@@ -290,6 +290,9 @@ class IncrementalDetokenizer:
         deltas: dict[str, list[TextDelta]] = {}
         for round_outputs in _rounds(batch.outputs):
             outputs = [out for out in round_outputs if self._continues(out)]
+            # A later choice of the same request may have failed it after an earlier one
+            # passed: none of its choices goes on.
+            outputs = [out for out in outputs if out.rid not in self._failed]
             for out, text in zip(outputs, self._decode(outputs), strict=True):
                 delta = self._delta(out, text, batch.worker_id if out.detok else "")
                 deltas.setdefault(out.gateway_id, []).append(delta)

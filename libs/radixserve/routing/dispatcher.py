@@ -101,9 +101,11 @@ class Dispatcher:
         """A choice finished; True when that finished the whole request."""
         return self.inflight.finish_choice(rid, index, whole=kind == "abort") is not None
 
-    def on_error(self, rid: str) -> bool:
-        """A `RequestError` for `rid` reached its gateway: the request is over."""
-        return self.inflight.remove(rid) is not None
+    def on_error(self, rid: str) -> str | None:
+        """A `RequestError` for `rid` reached its gateway: the request is over. The worker
+        it was in flight on (None if it was not), which must be told unless it sent it."""
+        entry = self.inflight.remove(rid)
+        return None if entry is None else entry.worker_id
 
     def expire(self, now: float) -> list[Rejected]:
         """Drop workers silent for `worker_timeout_s`; 503 `worker_lost` for what they held."""

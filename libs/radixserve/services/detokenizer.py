@@ -161,9 +161,14 @@ async def main(ctx: ServiceContext, settings: DetokenizerSettings) -> None:
             SERVICE,
         )
         abort = AbortRequest(rid=lost.rid, reason="output_lost")
+        # The abort first, while the scheduler still has the request in flight (the error
+        # takes it out; the scheduler then aborts it at its worker itself).
+        try:
+            await ctx.bus.publish(subjects.abort, encode(abort))
+        except (BusError, ValueError) as exc:
+            log.error("abort of a lost output not sent: %r", exc, extra={"rid": lost.rid})
         try:
             await ctx.bus.publish(subjects.gateway_errors(lost.gateway_id), encode(error))
-            await ctx.bus.publish(subjects.abort, encode(abort))
         except (BusError, ValueError) as exc:  # the gateway's deadline answers the client
             log.error("lost output not reported: %r", exc, extra={"rid": lost.rid})
 

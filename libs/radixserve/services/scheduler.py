@@ -249,13 +249,23 @@ async def start(ctx: ServiceContext, settings: SchedulerSettings) -> None:
             dispatcher.on_finished(choice.rid, choice.index, choice.kind)
 
     async def on_request_error(msg: BusMsg) -> None:
-        # A request that failed after routing (the worker refused it) never finishes on
-        # `detok`; its error to the gateway is the sign it is over.
+        # A request that failed after routing never finishes on `detok`; its error to the
+        # gateway is the sign it is over. Failed by the worker (it refused it), it is gone
+        # there; failed by another service (the detokenizer's output_lost), the worker is
+        # still generating it: abort it there. This handler may run before `on_abort` for
+        # the sender's own abort, which then finds the request out of flight.
         try:
             error = decode(msg.data, RequestError)
         except ProtocolError:
             return
-        dispatcher.on_error(error.rid)
+        worker_id = dispatcher.on_error(error.rid)
+        if worker_id is None or error.service == "worker":
+            return
+        abort = AbortRequest(rid=error.rid, reason=error.code or "failed")
+        try:
+            await bus.publish(subjects.worker_abort(worker_id), encode(abort))
+        except (BusError, ValueError) as exc:  # it finishes on its own, unread
+            log.error("abort after %s not sent: %r", error.code, exc, extra={"rid": error.rid})
 
     async def lose(rid: str, worker_id: str, why: str) -> None:
         """A run that never reached its worker: out of flight, 503 to its gateway, and an
