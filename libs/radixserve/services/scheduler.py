@@ -135,9 +135,21 @@ async def start(ctx: ServiceContext, settings: SchedulerSettings) -> None:
         metrics.set_load(len(dispatcher.inflight), len(dispatcher.ready_workers()))
 
     async def send_errors(rejected: list[Rejected]) -> None:
+        """Never raises: a failed publish (NATS gone past the reconnect buffer) is logged,
+        and the gateway's deadline answers that client; the callers (the expiry loop
+        among them) go on."""
         for item in rejected:
             metrics.observe_rejected(item.error.code)
-            await bus.publish(subjects.gateway_errors(item.gateway_id), encode(item.error))
+            try:
+                await bus.publish(subjects.gateway_errors(item.gateway_id), encode(item.error))
+            except (BusError, ValueError) as exc:
+                log.error(
+                    "%s not sent to gateway %r: %r",
+                    item.error.code,
+                    item.gateway_id,
+                    exc,
+                    extra={"rid": item.error.rid},
+                )
 
     async def on_schedule(msg: BusMsg) -> None:
         await bus.acknowledge(msg)  # received: the tokenizer stops waiting for it
