@@ -12,10 +12,13 @@ import pytest
 from radixserve.bus import Bus
 from radixserve.protocol import (
     AbortRequest,
+    InflightQuery,
+    InflightReply,
     RoutedRequest,
     SamplingParams,
     SubmitRequest,
     TokenizedRequest,
+    decode,
     encode,
     pack_tokens,
     retry_later_error,
@@ -231,5 +234,33 @@ async def test_a_request_another_service_fails_is_aborted_at_its_worker(
             assert (abort.rid, abort.reason) == ("r-lost", "output_lost")
             await asyncio.sleep(0.5)
             assert workers.aborts.messages.empty()
+    finally:
+        scheduler.stop()
+
+
+async def test_the_scheduler_says_which_requests_are_in_flight(
+    nats_url: str, bus: Bus, tmp_path: Path
+) -> None:
+    scheduler = await asyncio.to_thread(start_services, nats_url, tmp_path, {"scheduler": []})
+    try:
+        subjects = scheduler.subjects
+        gateway = await new_gateway(bus, subjects)
+        worker = new_id("w")
+
+        async def ask(*rids: str) -> InflightReply:
+            query = encode(InflightQuery(rids=list(rids)))
+            raw = await bus.request(subjects.scheduler_inflight, query, timeout_s=WAIT_S)
+            return decode(raw.data, InflightReply)
+
+        async with fake_workers(bus, subjects, {worker: 0}) as workers:
+            await gateway.schedule("r-run")
+            assert (await workers.runs.next(RoutedRequest)).rid == "r-run"
+            reply = await ask("r-run", "r-never")
+            assert reply.inflight == ["r-run"] and reply.uptime_s > 0
+            await workers.finish(worker, "r-run", gateway.gateway_id)
+            deadline = asyncio.get_running_loop().time() + WAIT_S
+            while (await ask("r-run")).inflight:
+                assert asyncio.get_running_loop().time() < deadline
+                await asyncio.sleep(0.05)
     finally:
         scheduler.stop()

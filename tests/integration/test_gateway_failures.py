@@ -15,7 +15,15 @@ import pytest
 
 from radixserve.bus import Bus, BusMsg
 from radixserve.infra import NatsServer, free_port
-from radixserve.protocol import AbortRequest, Subjects, SubmitRequest, decode
+from radixserve.protocol import (
+    AbortRequest,
+    InflightQuery,
+    InflightReply,
+    Subjects,
+    SubmitRequest,
+    decode,
+    encode,
+)
 from radixserve.services.gateway.records import RecordWriter
 from radixserve.store import Store, StoreSettings
 from radixserve.telemetry import GatewayMetrics
@@ -142,6 +150,62 @@ async def test_a_request_no_tokenizer_acknowledges_is_503_not_a_wait_for_the_tim
             submit = submits.get_nowait()
             abort = await asyncio.wait_for(aborts.get(), WAIT_S)
             assert abort.rid == submit.rid == refused.headers["x-request-id"]
+    finally:
+        await bus.close()
+        gen.close()
+
+
+async def test_a_request_whose_end_was_lost_is_503_not_a_wait_for_the_timeout(
+    nats_url: str, redis_url: str, tmp_path: Path
+) -> None:
+    # "hang": the fake pipeline takes the request and sends nothing back, as when its
+    # last output was lost on the way. A fake scheduler answers the gateway's question.
+    flags = ("--request-timeout-s", "60", "--lost-check-s", "1")
+    gen = _start_gateway(nats_url, redis_url, tmp_path / "lost.log", *flags)
+    gateway = next(gen)
+    bus = await Bus.connect(nats_url)
+    subjects = Subjects(gateway.prefix)
+    fake = FakePipeline(bus, subjects)
+    inflight: set[str] = set()
+    scheduler = {"uptime_s": 1000.0, "queries": 0}
+
+    async def on_query(msg: BusMsg) -> None:
+        query = decode(msg.data, InflightQuery)
+        scheduler["queries"] += 1
+        known = [rid for rid in query.rids if rid in inflight]
+        reply = InflightReply(inflight=known, uptime_s=scheduler["uptime_s"])
+        await bus.respond(msg, encode(reply))
+
+    try:
+        await fake.start()
+        async with httpx.AsyncClient(base_url=gateway.base_url, timeout=WAIT_S) as http:
+            # No scheduler answers yet: the request just waits.
+            waiting = asyncio.create_task(http.post("/v1/completions", json={"prompt": "hang"}))
+            rid = (await fake.next_submit()).rid
+            await asyncio.sleep(2.5)
+            await bus.subscribe(subjects.scheduler_inflight, on_query, queue="scheduler")
+            # In flight at the scheduler (queued or running at a worker): it waits on.
+            inflight.add(rid)
+            await asyncio.sleep(2.5)
+            assert scheduler["queries"] >= 1 and not waiting.done()
+            # A scheduler that started after the request cannot know it: no verdict.
+            inflight.clear()
+            scheduler["uptime_s"] = 0.5
+            await asyncio.sleep(2.5)
+            assert not waiting.done()
+            # The scheduler was up all along and no longer has it: its end was lost.
+            scheduler["uptime_s"] = 1000.0
+            started = time.monotonic()
+            lost = await asyncio.wait_for(waiting, WAIT_S)
+            assert time.monotonic() - started < 5
+            assert lost.status_code == 503, lost.text
+            error = lost.json()["error"]
+            assert error["code"] == "request_lost" and lost.headers["retry-after"] == "1"
+            abort = await asyncio.wait_for(fake.aborts.get(), WAIT_S)
+            assert abort.rid == rid
+            # Requests that answer are untouched.
+            ok = await http.post("/v1/completions", json={"prompt": "hi"})
+            assert ok.status_code == 200, ok.text
     finally:
         await bus.close()
         gen.close()

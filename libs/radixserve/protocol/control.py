@@ -65,6 +65,23 @@ def too_large_error(rid: str, service: str, what: str) -> RequestError:
     )
 
 
+class InflightQuery(Message, frozen=True):
+    """gateway -> scheduler, request/reply: which of `rids` are still in flight (routed
+    to a worker and not finished). The gateway asks about requests it has heard nothing
+    of for a while: one the scheduler no longer has ended somewhere its gateway never
+    heard of (its last output, or its error, was lost)."""
+
+    rids: list[str]
+
+
+class InflightReply(Message, frozen=True):
+    """The rids of the query the scheduler still has in flight, and how long it has been
+    running: it cannot know of requests routed before it started (a restart)."""
+
+    inflight: list[str]
+    uptime_s: float
+
+
 class FlushCacheRequest(Message, frozen=True):
     """Empty the radix caches (`POST /flush_cache`): gateway -> scheduler -> each worker.
 

@@ -139,6 +139,11 @@ class Subjects:
         """gateway -> scheduler, request/reply: `FlushCacheRequest` -> `FlushCacheReply`."""
         return self._join("flush_cache")
 
+    @cached_property
+    def scheduler_inflight(self) -> str:
+        """gateway -> scheduler, request/reply: `InflightQuery` -> `InflightReply`."""
+        return self._join("scheduler", "inflight")
+
     def worker_flush_cache(self, worker_id: str) -> str:
         """scheduler -> one worker, request/reply: `FlushCacheRequest` -> `FlushCacheReply`."""
         return self._join("worker", check_token(worker_id, "worker id"), "flush_cache")

@@ -21,6 +21,8 @@ from radixserve.protocol import (
     FlushCacheReply,
     FlushCacheRequest,
     Heartbeat,
+    InflightQuery,
+    InflightReply,
     ProtocolError,
     QueueGroups,
     RequestError,
@@ -130,6 +132,7 @@ async def start(ctx: ServiceContext, settings: SchedulerSettings) -> None:
     metrics = SchedulerMetrics(ctx.metrics)
     acks = PendingAcks(settings.worker_ack_timeout_s)
     scheduler_id = settings.service.instance_id
+    started = time.monotonic()  # its in-flight table knows nothing routed before this
 
     def update_load() -> None:
         metrics.set_load(len(dispatcher.inflight), len(dispatcher.ready_workers()))
@@ -235,6 +238,17 @@ async def start(ctx: ServiceContext, settings: SchedulerSettings) -> None:
         if msg.reply:
             await bus.respond(msg, encode(reply))
 
+    async def on_inflight(msg: BusMsg) -> None:
+        try:
+            query = decode(msg.data, InflightQuery)
+        except ProtocolError as exc:
+            log.warning("malformed InflightQuery: %s", exc)
+            return
+        inflight = [rid for rid in query.rids if rid in dispatcher.inflight]
+        uptime_s = time.monotonic() - started
+        if msg.reply:
+            await bus.respond(msg, encode(InflightReply(inflight=inflight, uptime_s=uptime_s)))
+
     async def on_heartbeat(msg: BusMsg) -> None:
         try:
             beat = decode(msg.data, Heartbeat)
@@ -321,6 +335,7 @@ async def start(ctx: ServiceContext, settings: SchedulerSettings) -> None:
     schedule = await bus.subscribe(subjects.schedule, on_schedule, queue=QueueGroups.SCHEDULER)
     await bus.subscribe(subjects.abort, on_abort, queue=QueueGroups.SCHEDULER)
     await bus.subscribe(subjects.flush_cache, on_flush, queue=QueueGroups.SCHEDULER)
+    await bus.subscribe(subjects.scheduler_inflight, on_inflight, queue=QueueGroups.SCHEDULER)
     ctx.spawn(expire_workers(), "expire-workers")
 
     async def drain() -> None:

@@ -3,7 +3,7 @@
     hub = Hub(subjects, gateway_id)
     await bus.subscribe(subjects.gateway_all(gateway_id), hub.on_message)
     queue = hub.register(plan.rids)        # before publishing the SubmitRequests
-    event = await queue.get()              # TextDelta | RequestError | ClientGone
+    event = await queue.get()              # TextDelta | RequestError | ClientGone | RequestLost
     hub.unregister(plan.rids)
 
 Delivery never blocks: each waiting request has an unbounded queue (its producer is
@@ -36,7 +36,15 @@ class ClientGone:
     """Put on a request's queue by its disconnect watcher: the client hung up."""
 
 
-HubEvent = TextDelta | RequestError | ClientGone
+@dataclass(frozen=True)
+class RequestLost:
+    """Put on a request's queue by the lost-request check (gateway/lost.py): the
+    scheduler no longer has these rids in flight, yet their end never arrived here."""
+
+    rids: tuple[str, ...]
+
+
+HubEvent = TextDelta | RequestError | ClientGone | RequestLost
 
 
 class Hub:

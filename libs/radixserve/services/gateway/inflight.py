@@ -23,7 +23,7 @@ from opentelemetry.context import Context
 from radixserve.api import ApiError, Assembly, ChoiceUpdate, GenerationPlan
 from radixserve.bus import BusError, BusNoResponders, BusPayloadTooLarge, BusTimeout
 from radixserve.protocol import RequestError, TextDelta, encode, num_tokens
-from radixserve.services.gateway.hub import ClientGone, HubEvent
+from radixserve.services.gateway.hub import ClientGone, HubEvent, RequestLost
 from radixserve.services.gateway.state import GatewayState
 from radixserve.store import FieldValue
 from radixserve.telemetry.gateway_trace import RequestTrace
@@ -56,6 +56,9 @@ class Inflight:
         self._closed = False
         # Rids another service already failed (RequestError): nothing left to abort there.
         self._failed_rids: set[str] = set()
+        # When the last event was taken from the queue; None until the tokenizer took the
+        # request (before that, nothing downstream can know of it).
+        self.heard_at: float | None = None
         state.add_inflight(self)
 
     @property
@@ -110,6 +113,7 @@ class Inflight:
         except BusError as exc:
             raise ApiError.unavailable(f"cannot reach the tokenizer: {exc}", "no_bus") from exc
         state.records.update(self.rid, {"state": "queued", "queued_at": time.time()})
+        self.heard_at = time.monotonic()
 
     # -- receiving ------------------------------------------------------------------------
     async def next_update(self) -> ChoiceUpdate:
@@ -123,6 +127,13 @@ class Inflight:
                 event = await asyncio.wait_for(self._queue.get(), remaining)
             except TimeoutError:
                 raise ApiError.timeout(self.state.settings.request_timeout_s) from None
+            self.heard_at = time.monotonic()
+            if isinstance(event, RequestLost):
+                raise ApiError.unavailable(
+                    "the request was lost on its way back (it is no longer running, but "
+                    "its end never reached the gateway); retry",
+                    "request_lost",
+                )
             if isinstance(event, RequestError):
                 self._failed_rids.add(event.rid)
                 raise ApiError.from_request_error(event)
@@ -156,6 +167,22 @@ class Inflight:
         self.state.metrics.observe_first_token(self.first_token_at - self.started)
         self.trace.first_token()
         self.state.records.update(self.rid, {"state": "running", "first_token_at": time.time()})
+
+    # -- the lost-request check ---------------------------------------------------------------
+    def silent_since(self) -> float | None:
+        """Since when nothing came for this request: None while an event waits in its
+        queue, before the tokenizer took it, or once it is closed."""
+        if self._closed or self.heard_at is None or not self._queue.empty():
+            return None
+        return self.heard_at
+
+    def unfinished_rids(self) -> list[str]:
+        return self.assembly.unfinished_rids()
+
+    def report_lost(self, rids: list[str]) -> None:
+        """Fail the request as lost (503); `close` then aborts its rids, in case they
+        still run somewhere."""
+        self._queue.put_nowait(RequestLost(tuple(rids)))
 
     # -- the client -------------------------------------------------------------------------
     def watch_disconnect(self, receive: Any) -> None:

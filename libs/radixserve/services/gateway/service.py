@@ -19,6 +19,7 @@ import uvicorn
 from radixserve.services.gateway.aborts import AbortSender
 from radixserve.services.gateway.app import create_app
 from radixserve.services.gateway.hub import Hub
+from radixserve.services.gateway.lost import check_lost_requests
 from radixserve.services.gateway.records import RecordWriter
 from radixserve.services.gateway.settings import GatewaySettings
 from radixserve.services.gateway.state import GatewayState
@@ -81,6 +82,8 @@ async def main(ctx: ServiceContext, settings: GatewaySettings) -> None:
     await bus.subscribe(subjects.alive_all, state.workers.on_alive)
     ctx.spawn(state.records.run(), "record-writer")
     ctx.spawn(state.aborts.run(), "abort-sender")
+    if settings.lost_check_s > 0:
+        ctx.spawn(check_lost_requests(state, settings.lost_check_s), "lost-request-check")
 
     sock = bind_socket(settings.host, settings.port)
     config = uvicorn.Config(

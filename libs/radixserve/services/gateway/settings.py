@@ -41,6 +41,9 @@ class GatewaySettings:
     flush_timeout_s: float = 10.0
     # How long the tokenizer has to acknowledge a request it was sent; then 503.
     submit_ack_timeout_s: float = 10.0
+    # A request silent this long is checked with the scheduler, and answered 503
+    # request_lost if it is no longer in flight (gateway/lost.py); 0: no check.
+    lost_check_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -56,6 +59,8 @@ class GatewaySettings:
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.lost_check_s < 0:
+            raise ValueError(f"lost_check_s must be >= 0, got {self.lost_check_s}")
         if self.record_queue_size < 1:
             raise ValueError(f"record_queue_size must be >= 1, got {self.record_queue_size}")
 
@@ -100,6 +105,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "long (default 10)",
     )
     parser.add_argument(
+        "--lost-check-s",
+        type=float,
+        default=None,
+        help="ask the scheduler about a request silent this long; one it no longer has "
+        "in flight (its end was lost on the way back) gets 503 request_lost instead of "
+        "waiting for the request timeout (default 30; 0: never)",
+    )
+    parser.add_argument(
         "--record-ttl-s",
         type=float,
         default=None,
@@ -137,4 +150,5 @@ def gateway_settings_from_args(
             if ns.submit_ack_timeout_s is None
             else ns.submit_ack_timeout_s
         ),
+        lost_check_s=defaults.lost_check_s if ns.lost_check_s is None else ns.lost_check_s,
     )

@@ -1,0 +1,95 @@
+"""The lost-request check: requests whose end will never come, answered in seconds.
+
+A request's last output (or its error) can be lost on its way back: published while no
+detokenizer was subscribed (a restart), or dropped for a detokenizer that fell behind
+(NATS drops messages of a slow consumer). Nothing else would ever arrive for it, and its
+client would wait for the request timeout (600 s). Every `interval_s`, the gateway asks
+the scheduler which of the requests it has heard nothing of for `silence_s` are still
+in flight (`InflightQuery` on `{p}.scheduler.inflight`); the scheduler has every routed
+request until its worker finishes it. Those it no longer has, while it has been up for
+longer than the request has existed (so it would have known it), are answered 503
+`request_lost` and aborted. A request still queued or running at a worker is in flight,
+however quiet; one still at the tokenizer (at most its grammar and acknowledgement
+timeouts, ~15 s) is younger than `silence_s`. No answer from the scheduler changes
+nothing: the request timeout stays the bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from radixserve.bus import BusError
+from radixserve.protocol import InflightQuery, InflightReply, ProtocolError, decode, encode
+
+if TYPE_CHECKING:
+    from radixserve.services.gateway.inflight import Inflight
+    from radixserve.services.gateway.state import GatewayState
+
+log = logging.getLogger(__name__)
+
+# Rids per query: 2000 uuids are ~80 kB, well inside NATS's 1 MiB max_payload.
+MAX_RIDS_PER_QUERY = 2000
+QUERY_TIMEOUT_S = 5.0
+# After the scheduler's answer, a request must still have heard nothing for this long
+# (its last output may have been on its way while the scheduler answered).
+GRACE_S = 1.0
+
+
+def check_interval_s(silence_s: float) -> float:
+    return min(max(silence_s / 3, 0.2), 10.0)
+
+
+async def check_lost_requests(state: GatewayState, silence_s: float) -> None:
+    """Forever: find and fail lost requests (a supervised task of the gateway)."""
+    while True:
+        await asyncio.sleep(check_interval_s(silence_s))
+        try:
+            await check_once(state, silence_s)
+        except (BusError, ProtocolError, TimeoutError) as exc:
+            log.debug("lost-request check skipped: %r", exc)
+
+
+async def check_once(state: GatewayState, silence_s: float) -> int:
+    """One round; how many requests it failed as lost."""
+    now = time.monotonic()
+    quiet: dict[Inflight, float] = {}
+    for run in list(state.inflight):
+        since = run.silent_since()
+        if since is not None and now - since >= silence_s:
+            quiet[run] = since
+    if not quiet:
+        return 0
+    rids = [rid for run in quiet for rid in run.unfinished_rids()]
+    still: set[str] = set()
+    uptime_s = float("inf")
+    for first in range(0, len(rids), MAX_RIDS_PER_QUERY):
+        query = InflightQuery(rids=rids[first : first + MAX_RIDS_PER_QUERY])
+        raw = await state.bus.request(
+            state.subjects.scheduler_inflight, encode(query), timeout_s=QUERY_TIMEOUT_S
+        )
+        reply = decode(raw.data, InflightReply)
+        still.update(reply.inflight)
+        uptime_s = min(uptime_s, reply.uptime_s)
+    await asyncio.sleep(GRACE_S)
+    failed = 0
+    asked_at = now
+    for run, since in quiet.items():
+        if run.silent_since() != since:  # something came meanwhile
+            continue
+        if uptime_s < asked_at - run.started:  # the scheduler restarted since it came
+            continue
+        lost = [rid for rid in run.unfinished_rids() if rid not in still]
+        if lost:
+            log.warning(
+                "no word of %d rid(s) for %.0fs and the scheduler no longer has them: "
+                "failing the request as lost",
+                len(lost),
+                asked_at - since,
+                extra={"rid": run.rid},
+            )
+            run.report_lost(lost)
+            failed += 1
+    return failed
