@@ -48,8 +48,10 @@ async def check_lost_requests(state: GatewayState, silence_s: float) -> None:
         await asyncio.sleep(check_interval_s(silence_s))
         try:
             await check_once(state, silence_s)
-        except (BusError, ProtocolError, TimeoutError) as exc:
+        except (BusError, ProtocolError, TimeoutError) as exc:  # no scheduler answered
             log.debug("lost-request check skipped: %r", exc)
+        except Exception:  # a defect here must not stop the gateway: the deadline remains
+            log.exception("lost-request check failed")
 
 
 async def check_once(state: GatewayState, silence_s: float) -> int:
