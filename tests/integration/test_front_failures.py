@@ -256,11 +256,12 @@ async def test_the_scheduler_says_which_requests_are_in_flight(
             await gateway.schedule("r-run")
             assert (await workers.runs.next(RoutedRequest)).rid == "r-run"
             reply = await ask("r-run", "r-never")
-            assert reply.inflight == ["r-run"] and reply.uptime_s > 0
+            assert (reply.inflight, reply.ended) == (["r-run"], {})
             await workers.finish(worker, "r-run", gateway.gateway_id)
             deadline = asyncio.get_running_loop().time() + WAIT_S
-            while (await ask("r-run")).inflight:
+            while (reply := await ask("r-run", "r-never")).inflight:
                 assert asyncio.get_running_loop().time() < deadline
                 await asyncio.sleep(0.05)
+            assert list(reply.ended) == ["r-run"] and 0 <= reply.ended["r-run"] < WAIT_S
     finally:
         scheduler.stop()

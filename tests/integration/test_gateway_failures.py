@@ -167,13 +167,17 @@ async def test_a_request_whose_end_was_lost_is_503_not_a_wait_for_the_timeout(
     subjects = Subjects(gateway.prefix)
     fake = FakePipeline(bus, subjects)
     inflight: set[str] = set()
-    scheduler = {"uptime_s": 1000.0, "queries": 0}
+    ended: dict[str, float] = {}  # rid -> when it ended (monotonic)
+    queries: list[InflightQuery] = []
 
     async def on_query(msg: BusMsg) -> None:
         query = decode(msg.data, InflightQuery)
-        scheduler["queries"] += 1
-        known = [rid for rid in query.rids if rid in inflight]
-        reply = InflightReply(inflight=known, uptime_s=scheduler["uptime_s"])
+        queries.append(query)
+        now = time.monotonic()
+        reply = InflightReply(
+            inflight=[rid for rid in query.rids if rid in inflight],
+            ended={rid: now - ended[rid] for rid in query.rids if rid in ended},
+        )
         await bus.respond(msg, encode(reply))
 
     try:
@@ -187,17 +191,15 @@ async def test_a_request_whose_end_was_lost_is_503_not_a_wait_for_the_timeout(
             # In flight at the scheduler (queued or running at a worker): it waits on.
             inflight.add(rid)
             await asyncio.sleep(2.5)
-            assert scheduler["queries"] >= 1 and not waiting.done()
-            # A scheduler that started after the request cannot know it: no verdict.
+            assert queries and queries[-1].rids == [rid] and not waiting.done()
+            # Unknown to the scheduler (still at the tokenizer, or before its restart).
             inflight.clear()
-            scheduler["uptime_s"] = 0.5
             await asyncio.sleep(2.5)
             assert not waiting.done()
-            # The scheduler was up all along and no longer has it: its end was lost.
-            scheduler["uptime_s"] = 1000.0
-            started = time.monotonic()
+            # Ended long enough ago (half the silence) that its end is not on its way.
+            ended[rid] = time.monotonic()
             lost = await asyncio.wait_for(waiting, WAIT_S)
-            assert time.monotonic() - started < 5
+            assert time.monotonic() - ended[rid] >= 0.5
             assert lost.status_code == 503, lost.text
             error = lost.json()["error"]
             assert error["code"] == "request_lost" and lost.headers["retry-after"] == "1"

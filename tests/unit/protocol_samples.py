@@ -194,7 +194,7 @@ SAMPLES: list[Message] = [
     ),
     FlushCacheRequest(rid="f-1"),
     InflightQuery(rids=["r-1", "r-2"]),
-    InflightReply(inflight=["r-2"], uptime_s=12.5),
+    InflightReply(inflight=["r-2"], ended={"r-1": 12.5}),
     FlushCacheReply(rid="f-1", ok=True),
     FlushCacheReply(rid="f-1", ok=False, worker_id="w-1", message="busy"),
     StoredBlocks(block_hashes=[], token_ids=b"", block_size=4),

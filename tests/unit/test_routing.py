@@ -26,6 +26,8 @@ from radixserve.routing import (
     WORKER_LOST,
     Dispatcher,
     Dropped,
+    InflightEntry,
+    InflightTable,
     LeastLoadRouter,
     RecentAborts,
     Rejected,
@@ -320,3 +322,19 @@ def test_pending_acks_expire_in_send_order_and_late_acks_are_ignored() -> None:
     assert acks.expired(now=20.0) == [("r3", "w0")] and len(acks) == 0
     with pytest.raises(ValueError, match="ack timeout"):
         PendingAcks(timeout_s=0)
+
+
+def test_the_inflight_table_remembers_when_its_last_requests_ended() -> None:
+    now = [100.0]
+    table = InflightTable(max_ended=2, clock=lambda: now[0])
+    for rid in ("a", "b", "c"):
+        table.add(InflightEntry(rid=rid, worker_id="w0", gateway_id="gw", choices=1, routed_at=0))
+    assert table.ended_ago("a") is None  # in flight
+    table.finish_choice("a", 0)
+    now[0] = 103.0
+    assert table.ended_ago("a") == 3.0
+    table.remove("b")
+    table.take_worker("w0")  # c: its worker was lost
+    assert table.ended_ago("a") is None  # only the last two are remembered
+    assert (table.ended_ago("b"), table.ended_ago("c")) == (0.0, 0.0)
+    assert table.ended_ago("never") is None

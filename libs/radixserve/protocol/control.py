@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import msgspec
+
 from radixserve.protocol.base import Message
 
 
@@ -66,20 +68,21 @@ def too_large_error(rid: str, service: str, what: str) -> RequestError:
 
 
 class InflightQuery(Message, frozen=True):
-    """gateway -> scheduler, request/reply: which of `rids` are still in flight (routed
-    to a worker and not finished). The gateway asks about requests it has heard nothing
-    of for a while: one the scheduler no longer has ended somewhere its gateway never
-    heard of (its last output, or its error, was lost)."""
+    """gateway -> scheduler, request/reply: what became of `rids`. The gateway asks about
+    requests it has heard nothing of for a while: one the scheduler saw end long enough
+    ago ended without its gateway hearing of it (its last output, or its error, was
+    lost on the way back)."""
 
     rids: list[str]
 
 
 class InflightReply(Message, frozen=True):
-    """The rids of the query the scheduler still has in flight, and how long it has been
-    running: it cannot know of requests routed before it started (a restart)."""
+    """`inflight`: the rids still routed to a worker and unfinished; `ended`: rid -> seconds
+    since it ended (finished, failed, aborted), for those the scheduler remembers. A rid
+    in neither is unknown to it (not yet scheduled, or from before a restart)."""
 
     inflight: list[str]
-    uptime_s: float
+    ended: dict[str, float] = msgspec.field(default_factory=dict)
 
 
 class FlushCacheRequest(Message, frozen=True):

@@ -1,13 +1,20 @@
 """`InflightTable`: every routed, unfinished request -> the worker holding it.
 
 A request with `n` choices finishes once per choice `index`; it leaves the table when
-all `n` have finished, or at the first abort (the worker stops every choice).
+all `n` have finished, or at the first abort (the worker stops every choice). The
+table remembers when each of the last `max_ended` requests left it (finished, failed,
+aborted, its worker lost): the gateway's lost-request check asks about them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+
+# At 1000 requests a second, the last ~2 minutes of ends.
+MAX_ENDED = 131072
 
 
 @dataclass
@@ -21,9 +28,14 @@ class InflightEntry:
 
 
 class InflightTable:
-    def __init__(self) -> None:
+    def __init__(
+        self, max_ended: int = MAX_ENDED, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self._entries: dict[str, InflightEntry] = {}
         self._per_worker: dict[str, int] = {}
+        self.max_ended = max_ended
+        self._clock = clock
+        self._ended: OrderedDict[str, float] = OrderedDict()  # rid -> when, oldest first
 
     def add(self, entry: InflightEntry) -> None:
         if entry.rid in self._entries:
@@ -50,7 +62,16 @@ class InflightTable:
                 self._per_worker[entry.worker_id] = left
             else:
                 del self._per_worker[entry.worker_id]
+            self._ended[rid] = self._clock()
+            while len(self._ended) > self.max_ended:
+                self._ended.popitem(last=False)
         return entry
+
+    def ended_ago(self, rid: str) -> float | None:
+        """Seconds since `rid` left the table; None if it is in flight, was never here,
+        or ended longer ago than the table remembers."""
+        ended = self._ended.get(rid)
+        return None if ended is None else self._clock() - ended
 
     def take_worker(self, worker_id: str) -> list[InflightEntry]:
         """Remove and return every request held by `worker_id` (it died or restarted)."""

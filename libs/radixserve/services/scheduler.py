@@ -132,7 +132,6 @@ async def start(ctx: ServiceContext, settings: SchedulerSettings) -> None:
     metrics = SchedulerMetrics(ctx.metrics)
     acks = PendingAcks(settings.worker_ack_timeout_s)
     scheduler_id = settings.service.instance_id
-    started = time.monotonic()  # its in-flight table knows nothing routed before this
 
     def update_load() -> None:
         metrics.set_load(len(dispatcher.inflight), len(dispatcher.ready_workers()))
@@ -244,10 +243,11 @@ async def start(ctx: ServiceContext, settings: SchedulerSettings) -> None:
         except ProtocolError as exc:
             log.warning("malformed InflightQuery: %s", exc)
             return
-        inflight = [rid for rid in query.rids if rid in dispatcher.inflight]
-        uptime_s = time.monotonic() - started
+        table = dispatcher.inflight
+        inflight = [rid for rid in query.rids if rid in table]
+        ended = {rid: ago for rid in query.rids if (ago := table.ended_ago(rid)) is not None}
         if msg.reply:
-            await bus.respond(msg, encode(InflightReply(inflight=inflight, uptime_s=uptime_s)))
+            await bus.respond(msg, encode(InflightReply(inflight=inflight, ended=ended)))
 
     async def on_heartbeat(msg: BusMsg) -> None:
         try:

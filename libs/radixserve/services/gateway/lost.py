@@ -3,15 +3,15 @@
 A request's last output (or its error) can be lost on its way back: published while no
 detokenizer was subscribed (a restart), or dropped for a detokenizer that fell behind
 (NATS drops messages of a slow consumer). Nothing else would ever arrive for it, and its
-client would wait for the request timeout (600 s). Every `interval_s`, the gateway asks
-the scheduler which of the requests it has heard nothing of for `silence_s` are still
-in flight (`InflightQuery` on `{p}.scheduler.inflight`); the scheduler has every routed
-request until its worker finishes it. Those it no longer has, while it has been up for
-longer than the request has existed (so it would have known it), are answered 503
-`request_lost` and aborted. A request still queued or running at a worker is in flight,
-however quiet; one still at the tokenizer (at most its grammar and acknowledgement
-timeouts, ~15 s) is younger than `silence_s`. No answer from the scheduler changes
-nothing: the request timeout stays the bound.
+client would wait for the request timeout (600 s). Every `check_interval_s`, the gateway
+asks the scheduler what became of the requests it has heard nothing of for `silence_s`
+(`InflightQuery` on `{p}.scheduler.inflight`): the scheduler has every routed request
+until it ends, and remembers when the last ones ended. A rid that ended at least
+`silence_s / 2` ago (so its last output is not merely on its way, behind a slow
+detokenizer) is answered 503 `request_lost` and aborted. A rid still in flight (queued
+or running at a worker, however quiet) or unknown to the scheduler (still at the
+tokenizer, or from before a scheduler restart) gets no verdict: its request timeout
+stays the bound. So does every rid when no scheduler answers.
 """
 
 from __future__ import annotations
@@ -33,9 +33,6 @@ log = logging.getLogger(__name__)
 # Rids per query: 2000 uuids are ~80 kB, well inside NATS's 1 MiB max_payload.
 MAX_RIDS_PER_QUERY = 2000
 QUERY_TIMEOUT_S = 5.0
-# After the scheduler's answer, a request must still have heard nothing for this long
-# (its last output may have been on its way while the scheduler answered).
-GRACE_S = 1.0
 
 
 def check_interval_s(silence_s: float) -> float:
@@ -65,31 +62,25 @@ async def check_once(state: GatewayState, silence_s: float) -> int:
     if not quiet:
         return 0
     rids = [rid for run in quiet for rid in run.unfinished_rids()]
-    still: set[str] = set()
-    uptime_s = float("inf")
+    ended: dict[str, float] = {}
     for first in range(0, len(rids), MAX_RIDS_PER_QUERY):
         query = InflightQuery(rids=rids[first : first + MAX_RIDS_PER_QUERY])
         raw = await state.bus.request(
             state.subjects.scheduler_inflight, encode(query), timeout_s=QUERY_TIMEOUT_S
         )
-        reply = decode(raw.data, InflightReply)
-        still.update(reply.inflight)
-        uptime_s = min(uptime_s, reply.uptime_s)
-    await asyncio.sleep(GRACE_S)
+        ended.update(decode(raw.data, InflightReply).ended)
     failed = 0
-    asked_at = now
     for run, since in quiet.items():
         if run.silent_since() != since:  # something came meanwhile
             continue
-        if uptime_s < asked_at - run.started:  # the scheduler restarted since it came
-            continue
-        lost = [rid for rid in run.unfinished_rids() if rid not in still]
+        lost = [rid for rid in run.unfinished_rids() if ended.get(rid, -1.0) >= silence_s / 2]
         if lost:
             log.warning(
-                "no word of %d rid(s) for %.0fs and the scheduler no longer has them: "
+                "no word of %d rid(s) for %.0fs, which the scheduler saw end %.0fs ago: "
                 "failing the request as lost",
                 len(lost),
-                asked_at - since,
+                time.monotonic() - since,
+                min(ended[rid] for rid in lost),
                 extra={"rid": run.rid},
             )
             run.report_lost(lost)

@@ -42,7 +42,7 @@ class GatewaySettings:
     # How long the tokenizer has to acknowledge a request it was sent; then 503.
     submit_ack_timeout_s: float = 10.0
     # A request silent this long is checked with the scheduler, and answered 503
-    # request_lost if it is no longer in flight (gateway/lost.py); 0: no check.
+    # request_lost if it saw it end (gateway/lost.py); 0: no check.
     lost_check_s: float = 30.0
 
     def __post_init__(self) -> None:
@@ -108,9 +108,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--lost-check-s",
         type=float,
         default=None,
-        help="ask the scheduler about a request silent this long; one it no longer has "
-        "in flight (its end was lost on the way back) gets 503 request_lost instead of "
-        "waiting for the request timeout (default 30; 0: never)",
+        help="ask the scheduler about a request silent this long; one it saw end at "
+        "least half that long ago (its end was lost on the way back) gets 503 "
+        "request_lost instead of waiting for the request timeout (default 30; 0: never)",
     )
     parser.add_argument(
         "--record-ttl-s",
