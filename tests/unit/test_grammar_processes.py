@@ -13,6 +13,8 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -206,3 +208,36 @@ async def test_the_service_registry_compiles_in_processes_or_threads() -> None:
         await registry.close()
         if isinstance(build, CompileProcesses):
             assert build.pids == [None]  # close() ended its process
+
+
+def test_a_child_ends_when_its_parent_dies_mid_compile(tmp_path: Path, tokenizer: Any) -> None:
+    # A parent process starts the pool and a compile that takes ~15 s, then is killed:
+    # its child must not compile on as an orphan.
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import sys, threading, time\n"
+        "from radixserve.grammar.processes import CompileProcesses, CompilerSpec\n"
+        "from radixserve.grammar.source import GrammarSource\n"
+        f"spec = CompilerSpec({str(embedded_model_dir())!r}, 'tok', {len(tokenizer)})\n"
+        "pool = CompileProcesses(spec, processes=1, limit_s=120)\n"
+        f"slow = GrammarSource('json_schema', {SLOW.source!r})\n"
+        "threading.Thread(target=pool, args=(slow,), daemon=True).start()\n"
+        "print(pool.pids[0], flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    parent = subprocess.Popen(
+        [sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=Path.cwd()
+    )
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
+        time.sleep(1.0)  # the compile is under way
+        assert not _gone(child)
+        parent.kill()
+        parent.wait(10)
+        deadline = time.monotonic() + 5
+        while not _gone(child):
+            assert time.monotonic() < deadline, "the orphaned child kept compiling"
+            time.sleep(0.1)
+    finally:
+        parent.kill()

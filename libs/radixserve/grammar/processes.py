@@ -18,7 +18,7 @@ the client's retries get a 400 saying so instead of starting the compile again.
 Each child is `python -m radixserve.grammar.processes` (a fresh interpreter: a fork of
 a threaded, asyncio parent is unsafe); it imports xgrammar and loads the tokenizer, a
 few seconds, before it says it is ready. Requests and replies are msgpack over two
-pipes. A child whose parent died ends at the end of its compile (its pipe is closed).
+pipes. A child whose parent died ends within a second, in a compile or not.
 """
 
 from __future__ import annotations
@@ -72,8 +72,22 @@ def too_long_message(limit_s: float) -> str:
     )
 
 
+def _exit_with_parent(parent_pid: int, every_s: float = 1.0) -> None:
+    """In a daemon thread: end this process once its parent is gone (killed, say). An
+    idle child sees its pipe close; this ends one in the middle of a compile (xgrammar
+    releases the GIL while it compiles)."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(every_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
 def _child_main(requests: Connection, replies: Connection, spec: CompilerSpec) -> None:
     """A child: build the compiler, say ready, compile each request until the pipe ends."""
+    _exit_with_parent(os.getppid())
     # Ctrl-C in a terminal signals the whole process group: the parent stops its children.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from radixserve.engine.model.tokenizer import load_tokenizer
