@@ -39,6 +39,7 @@ from tests.helpers.tiny_models import embedded_model_dir
 
 TOKENIZER_ID = "tok-test"
 LIMIT_S = 1.5
+STOPPED_TTL_S = 4.0
 SLOW = GrammarSource(
     "json_schema",
     json.dumps(
@@ -161,7 +162,7 @@ async def test_registry_refuses_a_stopped_grammar_and_remembers(
     registry = GrammarRegistry(
         build=processes,
         tokenizer_id=TOKENIZER_ID,
-        settings=RegistrySettings(compile_timeout_s=0.3),
+        settings=RegistrySettings(compile_timeout_s=0.3, stopped_ttl_s=STOPPED_TTL_S),
     )
     request = GrammarCompileRequest(
         rid="r", kind=SLOW.kind, source=SLOW.source, tokenizer_id=TOKENIZER_ID
@@ -175,6 +176,7 @@ async def test_registry_refuses_a_stopped_grammar_and_remembers(
         refused = await registry.compile(request)
     assert (refused.ok, refused.code) == (False, "invalid_grammar")
     assert refused.error == too_long_message(LIMIT_S)
+    refused_at = time.monotonic()
     assert registry.counters.compiled == 1  # the retry did not compile again
     fetched = await registry.fetch(GrammarFetchRequest(rid="f", key=refused.key))
     assert (fetched.ok, fetched.code) == (False, "invalid_grammar")
@@ -188,6 +190,13 @@ async def test_registry_refuses_a_stopped_grammar_and_remembers(
     while ok.code == "grammar_unavailable" and time.monotonic() < deadline:
         ok = await registry.compile(quick)
     assert ok.ok
+    # The refusal lasts STOPPED_TTL_S: then the grammar is compiled again (and stopped
+    # again, in the background).
+    compiled = registry.counters.compiled
+    await asyncio.sleep(max(0.0, refused_at + STOPPED_TTL_S + 0.1 - time.monotonic()))
+    again = await registry.compile(request)
+    assert (again.ok, again.code) == (False, "grammar_unavailable")
+    assert registry.counters.compiled == compiled + 1
     await registry.close()
 
 

@@ -20,6 +20,9 @@ class GrammarEntry(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
     artifact: bytes | None = None
     artifact_format: str | None = None
     error: str | None = None
+    # Wall-clock time its compile was stopped past the time limit (`error` says so): a
+    # refusal the registry keeps for a while only, since the load may have been to blame.
+    stopped_at: float | None = None
 
     @property
     def ok(self) -> bool:

@@ -331,6 +331,7 @@ class CompileProcesses:
                     source=source.source,
                     tokenizer_id=self.spec.tokenizer_id,
                     error=too_long_message(self.limit_s),
+                    stopped_at=time.time(),
                 )
             return entry
         except CompilerUnavailable:

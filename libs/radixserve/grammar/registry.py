@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -76,6 +77,9 @@ class RegistryCounters:
 @dataclass(frozen=True)
 class RegistrySettings:
     compile_timeout_s: float = 4.0  # below the tokenizer's 5 s wait for the reply
+    # A grammar whose compile was stopped past the limit is refused this long, then
+    # compiled again (a busy or throttled host may have been to blame).
+    stopped_ttl_s: float = 600.0
     memory_entries: int = 1024
     memory_bytes: int = 256 * 1024 * 1024
     max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES
@@ -166,6 +170,10 @@ class GrammarRegistry:
     async def _entry(self, key: str, source: GrammarSource) -> tuple[GrammarEntry | None, bool]:
         """(entry, was it cached); (None, False) when compiling outlived the timeout."""
         entry = self._memory.get(key)
+        if entry is not None and entry.stopped_at is not None:
+            if time.time() - entry.stopped_at > self.settings.stopped_ttl_s:
+                self._memory.pop(key)
+                entry = None
         if entry is not None:
             self.counters.memory_hits += 1
             return entry, True
