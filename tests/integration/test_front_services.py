@@ -17,14 +17,17 @@ from radixserve.engine.model.tokenizer import apply_chat_template
 from radixserve.protocol import (
     AbortRequest,
     ChatMessage,
+    RequestError,
     RoutedRequest,
     SamplingParams,
+    TokenizedRequest,
     decode,
     encode,
     pack_tokens,
 )
 from tests.fixtures.front import (
     CONTEXT,
+    Inbox,
     Services,
     fake_workers,
     new_gateway,
@@ -170,6 +173,31 @@ async def test_aborts_reach_the_worker_or_drop_a_request_not_routed_yet(
         await asyncio.sleep(0.3)
         assert workers.runs.messages.empty()
         assert workers.aborts.messages.empty()
+
+
+async def test_the_tokenizer_drops_a_request_aborted_before_it_was_tokenized(
+    front: Services, bus: Bus
+) -> None:
+    # A request acknowledged by the tokenizer can wait behind a backlog while its gateway
+    # answers 503 and aborts it: the tokenizer must not tokenize and schedule it then.
+    gateway = await new_gateway(bus, front.subjects)
+    scheduled = Inbox()
+    await bus.subscribe(front.subjects.schedule, scheduled.handler)  # a tap: sees every one
+    late = new_id("r")
+    await bus.publish(front.subjects.abort, encode(AbortRequest(rid=late, reason="timeout")))
+    await bus.nats_client.flush()
+    await asyncio.sleep(0.2)  # every tokenizer replica has heard the abort
+    await gateway.submit(rid=late, text="nobody waits for this")
+    after = await gateway.submit(text="this one goes on")
+    assert (await scheduled.next(TokenizedRequest)).rid == after
+    await asyncio.sleep(0.3)
+    assert scheduled.messages.empty()
+    # No worker runs here: `after` gets the scheduler's 503; `late` nothing at all (its
+    # gateway answered it already).
+    errors = []
+    while not gateway.errors.messages.empty():
+        errors.append(await gateway.errors.next(RequestError))
+    assert [e.rid for e in errors] == [after]
 
 
 async def test_flush_cache_fans_out_and_is_ok_only_when_all_are(front: Services, bus: Bus) -> None:

@@ -33,6 +33,7 @@ from radixserve.protocol import (
     retry_later_error,
     too_large_error,
 )
+from radixserve.routing import RecentAborts
 from radixserve.services.runtime import (
     ServiceContext,
     ServiceSettings,
@@ -53,6 +54,8 @@ log = logging.getLogger(__name__)
 SERVICE = "tokenizer"
 _tracer = get_tracer(SERVICE)
 ENV_MODEL = "RADIXSERVE_MODEL"
+# Aborts kept as long as the longest a gateway waits for a request (its default timeout).
+ABORT_MEMORY_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -134,6 +137,9 @@ async def start(ctx: ServiceContext, settings: TokenizerSettings) -> None:
         prompter.tokenizer_id,
     )
     handler = _Tokenizer(ctx, settings, prompter, TokenizerMetrics(ctx.metrics))
+    # Every replica hears every abort (no queue group): a request still waiting here
+    # when its gateway gave up is dropped, not tokenized and run for nobody.
+    await ctx.bus.subscribe(ctx.subjects.abort, handler.on_abort)
     subscription = await ctx.bus.subscribe(
         ctx.subjects.tokenize, handler.on_message, queue=QueueGroups.TOKENIZER
     )
@@ -165,6 +171,9 @@ class _Tokenizer:
         # NOTE: one thread, because a Hugging Face fast tokenizer shared between threads
         # can fail with "Already borrowed"; it still keeps tokenizing off the event loop.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        # Aborted rids, as long as a gateway waits for a request: a request acknowledged
+        # here can wait behind a backlog long after its gateway answered 503 and aborted.
+        self._aborted = RecentAborts(ttl_s=ABORT_MEMORY_S)
 
     async def on_message(self, msg: BusMsg) -> None:
         await self.ctx.bus.acknowledge(msg)  # received: the gateway stops waiting for it
@@ -172,6 +181,22 @@ class _Tokenizer:
         task = self.ctx.spawn(self._handle(msg), name="tokenize-request")
         self._active.add(task)
         task.add_done_callback(self._active.discard)
+
+    async def on_abort(self, msg: BusMsg) -> None:
+        try:
+            abort = decode(msg.data, AbortRequest)
+        except ProtocolError as exc:
+            log.warning("malformed AbortRequest: %s", exc)
+            return
+        self._aborted.add(abort.rid, time.monotonic())
+
+    def _dropped(self, rid: str, when: str) -> bool:
+        """True (and logged, counted) if `rid` was aborted: nobody waits for it."""
+        if not self._aborted.consume(rid, time.monotonic()):
+            return False
+        log.info("aborted %s: dropped", when, extra={"rid": rid})
+        self.metrics.observe_refused("aborted")
+        return True
 
     async def wait_idle(self) -> None:
         if self._active:
@@ -207,6 +232,8 @@ class _Tokenizer:
     async def _process_request(self, req: SubmitRequest, span: Span) -> None:
         from radixserve.prep import PrepError
 
+        if self._dropped(req.rid, "before it was tokenized"):
+            return
         try:
             tokenized = await self._tokenize(req)
         except PrepError as err:
@@ -230,6 +257,8 @@ class _Tokenizer:
             return
         log.debug("tokenized: %d prompt tokens", tokenized.prompt_tokens, extra={"rid": req.rid})
         span.set_attribute(genai.USAGE_INPUT_TOKENS, tokenized.prompt_tokens)
+        if self._dropped(req.rid, "while it was tokenized"):
+            return
         await self._schedule(req, tokenized)
 
     async def _schedule(self, req: SubmitRequest, tokenized: TokenizedRequest) -> None:
