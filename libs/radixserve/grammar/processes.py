@@ -359,7 +359,7 @@ class CompileProcesses:
             try:
                 return child.compile(source, self.limit_s)
             except CompilerUnavailable as exc:
-                if attempt:
+                if attempt or self._closed:  # closing kills the children: no new one
                     raise
                 log.warning("%s; compiling in a new process", exc)
         raise AssertionError("unreachable")
