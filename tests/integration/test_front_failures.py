@@ -5,6 +5,8 @@ that cannot be sent, and acknowledged sends that nobody takes (tests/fixtures/fr
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ from radixserve.protocol import (
     InflightReply,
     RoutedRequest,
     SamplingParams,
+    Subjects,
     SubmitRequest,
     TokenizedRequest,
     decode,
@@ -27,6 +30,7 @@ from tests.fixtures.front import (
     CONTEXT,
     WAIT_S,
     FakeWorkers,
+    Gateway,
     Inbox,
     Services,
     fake_workers,
@@ -211,57 +215,64 @@ async def test_a_run_no_worker_acknowledges_is_refused_and_aborted(
         scheduler.stop()
 
 
+@contextlib.asynccontextmanager
+async def scheduler_and_worker(
+    nats_url: str, bus: Bus, tmp_path: Path
+) -> AsyncIterator[tuple[Subjects, Gateway, str, FakeWorkers]]:
+    """A scheduler of its own (default flags), the test's gateway and one fake worker."""
+    scheduler = await asyncio.to_thread(start_services, nats_url, tmp_path, {"scheduler": []})
+    try:
+        subjects = scheduler.subjects
+        gateway = await new_gateway(bus, subjects)
+        worker = new_id("w")
+        async with fake_workers(bus, subjects, {worker: 0}) as workers:
+            yield subjects, gateway, worker, workers
+    finally:
+        scheduler.stop()
+
+
 async def test_a_request_another_service_fails_is_aborted_at_its_worker(
     nats_url: str, bus: Bus, tmp_path: Path
 ) -> None:
     # The detokenizer fails a running request (output_lost): the error reaches the
     # scheduler, which takes it out of flight and tells its worker to stop generating it.
     # A request the worker itself refused gets no abort (it is gone there already).
-    scheduler = await asyncio.to_thread(start_services, nats_url, tmp_path, {"scheduler": []})
-    try:
-        subjects = scheduler.subjects
-        gateway = await new_gateway(bus, subjects)
-        worker = new_id("w")
-        async with fake_workers(bus, subjects, {worker: 0}) as workers:
-            for rid in ("r-lost", "r-refused"):
-                await gateway.schedule(rid)
-                assert (await workers.runs.next(RoutedRequest)).rid == rid
-            refused = retry_later_error("r-refused", "grammar_unavailable", "no grammar", "worker")
-            lost = retry_later_error("r-lost", "output_lost", "part of it was lost", "detokenizer")
-            for error in (refused, lost):
-                await bus.publish(subjects.gateway_errors(gateway.gateway_id), encode(error))
-            abort = await workers.aborts.next(AbortRequest)
-            assert (abort.rid, abort.reason) == ("r-lost", "output_lost")
-            await asyncio.sleep(0.5)
-            assert workers.aborts.messages.empty()
-    finally:
-        scheduler.stop()
+    async with scheduler_and_worker(nats_url, bus, tmp_path) as (subjects, gateway, _, workers):
+        for rid in ("r-lost", "r-refused"):
+            await gateway.schedule(rid)
+            assert (await workers.runs.next(RoutedRequest)).rid == rid
+        refused = retry_later_error("r-refused", "grammar_unavailable", "no grammar", "worker")
+        lost = retry_later_error("r-lost", "output_lost", "part of it was lost", "detokenizer")
+        for error in (refused, lost):
+            await bus.publish(subjects.gateway_errors(gateway.gateway_id), encode(error))
+        abort = await workers.aborts.next(AbortRequest)
+        assert (abort.rid, abort.reason) == ("r-lost", "output_lost")
+        await asyncio.sleep(0.5)
+        assert workers.aborts.messages.empty()
 
 
 async def test_the_scheduler_says_which_requests_are_in_flight(
     nats_url: str, bus: Bus, tmp_path: Path
 ) -> None:
-    scheduler = await asyncio.to_thread(start_services, nats_url, tmp_path, {"scheduler": []})
-    try:
-        subjects = scheduler.subjects
-        gateway = await new_gateway(bus, subjects)
-        worker = new_id("w")
+    async with scheduler_and_worker(nats_url, bus, tmp_path) as (
+        subjects,
+        gateway,
+        worker,
+        workers,
+    ):
 
         async def ask(*rids: str) -> InflightReply:
             query = encode(InflightQuery(rids=list(rids)))
             raw = await bus.request(subjects.scheduler_inflight, query, timeout_s=WAIT_S)
             return decode(raw.data, InflightReply)
 
-        async with fake_workers(bus, subjects, {worker: 0}) as workers:
-            await gateway.schedule("r-run")
-            assert (await workers.runs.next(RoutedRequest)).rid == "r-run"
-            reply = await ask("r-run", "r-never")
-            assert (reply.inflight, reply.ended) == (["r-run"], {})
-            await workers.finish(worker, "r-run", gateway.gateway_id)
-            deadline = asyncio.get_running_loop().time() + WAIT_S
-            while (reply := await ask("r-run", "r-never")).inflight:
-                assert asyncio.get_running_loop().time() < deadline
-                await asyncio.sleep(0.05)
-            assert list(reply.ended) == ["r-run"] and 0 <= reply.ended["r-run"] < WAIT_S
-    finally:
-        scheduler.stop()
+        await gateway.schedule("r-run")
+        assert (await workers.runs.next(RoutedRequest)).rid == "r-run"
+        reply = await ask("r-run", "r-never")
+        assert (reply.inflight, reply.ended) == (["r-run"], {})
+        await workers.finish(worker, "r-run", gateway.gateway_id)
+        deadline = asyncio.get_running_loop().time() + WAIT_S
+        while (reply := await ask("r-run", "r-never")).inflight:
+            assert asyncio.get_running_loop().time() < deadline
+            await asyncio.sleep(0.05)
+        assert list(reply.ended) == ["r-run"] and 0 <= reply.ended["r-run"] < WAIT_S
