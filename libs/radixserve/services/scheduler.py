@@ -244,8 +244,13 @@ async def start(ctx: ServiceContext, settings: SchedulerSettings) -> None:
             log.warning("malformed InflightQuery: %s", exc)
             return
         table = dispatcher.inflight
-        inflight = [rid for rid in query.rids if rid in table]
-        ended = {rid: ago for rid in query.rids if (ago := table.ended_ago(rid)) is not None}
+        inflight: list[str] = []
+        ended: dict[str, float] = {}
+        for rid in query.rids:
+            if rid in table:
+                inflight.append(rid)
+            elif (ago := table.ended_ago(rid)) is not None:
+                ended[rid] = ago
         if msg.reply:
             await bus.respond(msg, encode(InflightReply(inflight=inflight, ended=ended)))
 

@@ -39,9 +39,7 @@ class ClientGone:
 @dataclass(frozen=True)
 class RequestLost:
     """Put on a request's queue by the lost-request check (gateway/lost.py): the
-    scheduler no longer has these rids in flight, yet their end never arrived here."""
-
-    rids: tuple[str, ...]
+    scheduler saw its rids end long ago, yet their end never arrived here."""
 
 
 HubEvent = TextDelta | RequestError | ClientGone | RequestLost

@@ -176,13 +176,10 @@ class Inflight:
             return None
         return self.heard_at
 
-    def unfinished_rids(self) -> list[str]:
-        return self.assembly.unfinished_rids()
-
-    def report_lost(self, rids: list[str]) -> None:
-        """Fail the request as lost (503); `close` then aborts its rids, in case they
-        still run somewhere."""
-        self._queue.put_nowait(RequestLost(tuple(rids)))
+    def report_lost(self) -> None:
+        """Fail the request as lost (503); `close` then aborts its unfinished rids, in
+        case they still run somewhere."""
+        self._queue.put_nowait(RequestLost())
 
     # -- the client -------------------------------------------------------------------------
     def watch_disconnect(self, receive: Any) -> None:

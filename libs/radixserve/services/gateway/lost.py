@@ -61,7 +61,7 @@ async def check_once(state: GatewayState, silence_s: float) -> int:
             quiet[run] = since
     if not quiet:
         return 0
-    rids = [rid for run in quiet for rid in run.unfinished_rids()]
+    rids = [rid for run in quiet for rid in run.assembly.unfinished_rids()]
     ended: dict[str, float] = {}
     for first in range(0, len(rids), MAX_RIDS_PER_QUERY):
         query = InflightQuery(rids=rids[first : first + MAX_RIDS_PER_QUERY])
@@ -73,7 +73,9 @@ async def check_once(state: GatewayState, silence_s: float) -> int:
     for run, since in quiet.items():
         if run.silent_since() != since:  # something came meanwhile
             continue
-        lost = [rid for rid in run.unfinished_rids() if ended.get(rid, -1.0) >= silence_s / 2]
+        lost = [
+            rid for rid in run.assembly.unfinished_rids() if ended.get(rid, -1.0) >= silence_s / 2
+        ]
         if lost:
             log.warning(
                 "no word of %d rid(s) for %.0fs, which the scheduler saw end %.0fs ago: "
@@ -83,6 +85,6 @@ async def check_once(state: GatewayState, silence_s: float) -> int:
                 min(ended[rid] for rid in lost),
                 extra={"rid": run.rid},
             )
-            run.report_lost(lost)
+            run.report_lost()
             failed += 1
     return failed
