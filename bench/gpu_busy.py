@@ -9,7 +9,13 @@ The engine first runs offline.py's warm-up (the workload's head, short outputs),
 Triton compiles stay out of the windows.
 
     python bench/gpu_busy.py --tokenizer DIR [--workload shared-prefix --at 40 150 275 450
-        --steps 8 --engine-args '{...}']
+        --steps 8 --engine-args '{...}'] [--sync-debug]
+
+--gaps prints, per window, the idle time summed by the activities either side of each
+gap. --sync-debug also runs the steps under `torch.cuda.set_sync_debug_mode("warn")` and
+prints, by call site, every operation that made the host wait for the device (an
+`.item()`, a copy to pageable memory, ...), with the steps it happened in: a step's one
+intended wait (its sampled ids, through an event) is not one of them.
 
 CUDA only (the CPU has no kernels to time).
 """
@@ -17,9 +23,12 @@ CUDA only (the CPU has no kernels to time).
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import sys
 import time
+import traceback
+import warnings
 from pathlib import Path
 
 import torch
@@ -56,20 +65,81 @@ def busy_and_span(intervals: list[tuple[int, int]]) -> tuple[float, float]:
     return float(busy), float(max(b for _, b in intervals) - intervals[0][0])
 
 
-def window(engine: Engine, steps: int) -> tuple[float, float]:
-    """Busy and span (ms) of the kernels of the next `steps` engine steps."""
+def idle_gaps(events: list[tuple[int, int, str]], top: int = 12) -> list[str]:
+    """The device's idle gaps (no kernel or copy on any stream), summed by the names of
+    the activity that ended before each and the one that started after it."""
+    events = sorted(events)
+    by_pair: collections.Counter[tuple[str, str]] = collections.Counter()
+    counts: collections.Counter[tuple[str, str]] = collections.Counter()
+    end, last = events[0][1], events[0][2]
+    for a, b, name in events[1:]:
+        if a > end:
+            pair = (last[:60], name[:60])
+            by_pair[pair] += a - end
+            counts[pair] += 1
+        if b >= end:
+            end, last = b, name
+    return [
+        f"{us / 1e3:7.2f} ms in {counts[pair]:5d} gaps: {pair[0]}  ->  {pair[1]}"
+        for pair, us in by_pair.most_common(top)
+    ]
+
+
+def window(engine: Engine, steps: int, gaps: bool = False) -> tuple[float, float]:
+    """Busy and span (ms) of the kernels of the next `steps` engine steps; with `gaps`,
+    prints where the idle time fell."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             if engine.has_work():
                 engine.step()
         torch.cuda.synchronize()
-    kernels = [
-        (e.time_range.start, e.time_range.end)
+    events = [
+        (e.time_range.start, e.time_range.end, e.name)
         for e in prof.events()
         if e.device_type == torch.autograd.DeviceType.CUDA
     ]
-    busy, span = busy_and_span(kernels)
+    busy, span = busy_and_span([(a, b) for a, b, _ in events])
+    if gaps and events:
+        print("\n".join(idle_gaps(events)))
     return busy / 1e3, span / 1e3
+
+
+class SyncSites:
+    """Call sites of the synchronising operations torch warns of in sync-debug mode."""
+
+    def __init__(self) -> None:
+        self.counts: collections.Counter[tuple[str, ...]] = collections.Counter()
+        self.steps: dict[tuple[str, ...], set[int]] = collections.defaultdict(set)
+        self.step = 0
+
+    def __enter__(self) -> SyncSites:
+        self._show = warnings.showwarning
+        warnings.showwarning = self._record  # type: ignore[assignment]
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        torch.cuda.set_sync_debug_mode("default")
+        warnings.showwarning = self._show
+
+    def _record(self, message: object, *args: object, **kwargs: object) -> None:
+        frames = [
+            f"{Path(f.filename).name}:{f.lineno} {f.name}"
+            for f in traceback.extract_stack()[:-1]
+            if "radixserve" in f.filename or "/bench/" in f.filename
+        ]
+        site = (str(message).splitlines()[0][:80], *frames[-5:])
+        self.counts[site] += 1
+        self.steps[site].add(self.step)
+
+    def report(self) -> None:
+        print(f"sync-debug: {sum(self.counts.values())} synchronising calls in {self.step} steps")
+        for site, n in self.counts.most_common(20):
+            steps = sorted(self.steps[site])
+            print(f"{n:6d} in {len(steps)} steps (first {steps[:5]}): {site[0]}")
+            for frame in site[1:]:
+                print(f"         {frame}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--at", type=int, nargs="+", default=[40, 150, 275, 450])
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--engine-args", default="{}", help="more Engine options, a JSON object")
+    ap.add_argument("--sync-debug", action="store_true", help="list host waits by call site")
+    ap.add_argument("--gaps", action="store_true", help="where each window's idle time fell")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("gpu_busy: CUDA is not available", file=sys.stderr)
@@ -95,14 +167,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     workload = WORKLOADS[args.workload](1.0, 0)
     run_offline(engine, warmup_requests([workload]))  # kernels compiled outside the windows
+    sync_sites = SyncSites() if args.sync_debug else None
+    if sync_sites is not None:
+        sync_sites.__enter__()
     submit_all(engine, workload.requests)
     started, step = time.perf_counter(), 0
     marks = sorted(args.at)
     while engine.has_work():
+        if sync_sites is not None:
+            sync_sites.step = step
         if marks and step == marks[0]:
             marks.pop(0)
             running = len(engine.scheduler.running)
-            busy, span = window(engine, args.steps)
+            busy, span = window(engine, args.steps, args.gaps)
             print(
                 f"steps {step}-{step + args.steps - 1} ({running} running): span {span:.1f} ms, "
                 f"kernels {busy:.1f} ms ({100 * busy / span:.1f}% busy), "
@@ -113,6 +190,10 @@ def main(argv: list[str] | None = None) -> int:
         engine.step()
         step += 1
     torch.cuda.synchronize()
+    if sync_sites is not None:
+        sync_sites.__exit__()
+        sync_sites.step = step
+        sync_sites.report()
     print(f"{args.workload}: {step} steps in {time.perf_counter() - started:.2f} s (with windows)")
     engine.shutdown()
     return 0

@@ -265,15 +265,21 @@ def markdown(result: dict[str, Any]) -> str:
         lines += [
             "",
             "| workload | radix | requests | req/s | input tok/s | output tok/s | total tok/s "
-            "| cache hit rate |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+            "| cache hit rate | floor s | floor / time |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for r in offline["rows"]:
             lines.append(
                 f"| {r['workload']} | {r['radix']} | {r['completed']} | "
                 f"{r['request_throughput']:.2f} | {r['input_throughput']:.0f} | "
                 f"{r['output_throughput']:.0f} | {r['total_throughput']:.0f} | "
-                f"{r['cache_hit_rate']:.3f} |"
+                f"{r['cache_hit_rate']:.3f} | {_fmt(r.get('floor_s'))} | "
+                f"{_fmt(r.get('of_floor'))} |"
+            )
+        for name, ratio in offline.get("floor_on_over_off", {}).items():
+            lines.append(
+                f"\n{name}: the floors' ratio (radix off over on) is {ratio:.2f}x, the on/off "
+                "throughput ratio at equal shares of the floor (bench/roofline.py)."
             )
     lines += _sampling_table(result.get("sampling"))
     if result["errors"]:

@@ -11,7 +11,11 @@ Workloads, synthetic and seeded (the generators of `radixserve.benchmark.dataset
 
 Each runs with the radix cache on and/or off (`--radix on|off|both`, one engine per
 mode, both workloads on it, the cache emptied before each); `both` adds the on/off
-throughput ratio. `--scale` keeps that fraction of each workload (of its groups for
+throughput ratio. On CUDA each run is also read against its floor (bench/roofline.py:
+its projections and prefill attention at the bf16 matmul rate, its decode attention's
+KV reads at the copy bandwidth, both measured at start): `floor_s` and `of_floor` (the
+floor over the run's time), and with `both` the ratio of the two floors, the on/off
+ratio a run reaches when both modes run at the same share of their floors. `--scale` keeps that fraction of each workload (of its groups for
 `shared-prefix`). A slice of each workload warms each engine up first: its first
 `WARMUP_REQUESTS` requests at their own prompts with short outputs, so the Triton
 kernels of mixed prefill and decode steps compile (on a fresh machine, several seconds)
@@ -39,7 +43,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from one_batch import LLAMA_31_8B, write_model_folder
+from one_batch import LLAMA_31_8B, measure_bandwidth, measure_matmul, write_model_folder
+from roofline import ModelShape, RequestWork, work_floor
 
 from radixserve import Engine
 from radixserve.benchmark.datasets import (
@@ -47,6 +52,8 @@ from radixserve.benchmark.datasets import (
     generated_shared_prefix,
     sharegpt_like_requests,
 )
+from radixserve.engine.request import Req
+from radixserve.engine.runner import resolve_device
 
 TINY_LLAMA: dict[str, Any] = {
     **{k: v for k, v in LLAMA_31_8B.items() if k != "rope_scaling"},
@@ -70,6 +77,22 @@ WARMUP_OUTPUT_LEN = 16
 class Workload:
     name: str
     requests: list[BenchRequest]
+    # Every request's first `shared_prefix_len` tokens are common to `group_size` of them
+    # (that many decode over it together, reading it once, with the radix cache).
+    shared_prefix_len: int = 0
+    group_size: int = 1
+
+
+@dataclass(frozen=True)
+class Rates:
+    """The device's measured bf16 matmul rate (FLOP/s) and copy bandwidth (bytes/s)."""
+
+    matmul: float
+    bandwidth: float
+
+    @classmethod
+    def measure(cls) -> Rates:
+        return cls(matmul=measure_matmul(), bandwidth=measure_bandwidth())
 
 
 def sharegpt_workload(scale: float = 1.0, seed: int = 0) -> Workload:
@@ -87,7 +110,7 @@ def shared_prefix_workload(scale: float = 1.0, seed: int = 0) -> Workload:
         question_len=128,
         output_len=256,
     )
-    return Workload("shared-prefix", requests)
+    return Workload("shared-prefix", requests, shared_prefix_len=2048, group_size=16)
 
 
 WORKLOADS: dict[str, Callable[[float, int], Workload]] = {
@@ -109,8 +132,13 @@ def submit_all(engine: Engine, requests: Sequence[BenchRequest]) -> None:
         )
 
 
-def run_offline(engine: Engine, requests: Sequence[BenchRequest]) -> dict[str, Any]:
-    """Submit all `requests` at once on an empty cache, step until done; counts and rates."""
+def run_offline(
+    engine: Engine,
+    requests: Sequence[BenchRequest],
+    floor: Callable[[list[Req]], dict[str, float]] | None = None,
+) -> dict[str, Any]:
+    """Submit all `requests` at once on an empty cache, step until done; counts and rates
+    (and `floor(finished requests)`'s figures, where given)."""
     if not engine.flush_cache():
         raise RuntimeError("the engine has requests running")
     retractions = engine.scheduler.total_retractions
@@ -136,6 +164,9 @@ def run_offline(engine: Engine, requests: Sequence[BenchRequest]) -> dict[str, A
     input_tokens = sum(len(req.origin_input_ids) for req in done)
     output_tokens = sum(len(req.output_ids) for req in done)
     cached = sum(req.cached_tokens for req in done)
+    floors = {} if floor is None else floor(done)
+    if "floor_s" in floors:
+        floors["of_floor"] = floors["floor_s"] / duration
     return {
         "requests": len(requests),
         "completed": len(done),
@@ -150,7 +181,39 @@ def run_offline(engine: Engine, requests: Sequence[BenchRequest]) -> dict[str, A
         "output_throughput": output_tokens / duration,
         "total_throughput": (input_tokens + output_tokens) / duration,
         **step_profile(steps),
+        **floors,
     }
+
+
+def floor_of(
+    engine: Engine, workload: Workload, radix: bool, rates: Rates
+) -> Callable[[list[Req]], dict[str, float]]:
+    """The floor figures of a run of `workload` on `engine` (bench/roofline.py): the
+    requests' prompt, cached and output lengths as run; with the radix cache, each group
+    decodes over its shared prefix together."""
+    shape = ModelShape.of_model(engine.runner.model_config, engine.runner.dtype)
+    shared = workload.shared_prefix_len if radix else 0
+
+    def figures(done: list[Req]) -> dict[str, float]:
+        work = [
+            RequestWork(
+                prompt_len=len(req.origin_input_ids),
+                cached_len=req.cached_tokens,
+                output_len=len(req.output_ids),
+                shared_len=shared,
+                sharers=workload.group_size if shared else 1,
+            )
+            for req in done
+        ]
+        floor = work_floor(shape, work, rates.matmul, rates.bandwidth)
+        return {
+            "floor_s": floor.total_s,
+            "floor_projections_s": floor.projections_s,
+            "floor_prefill_attention_s": floor.prefill_attention_s,
+            "floor_decode_attention_s": floor.decode_attention_s,
+        }
+
+    return figures
 
 
 def step_profile(steps: Sequence[tuple[float, int, int]]) -> dict[str, Any]:
@@ -186,19 +249,24 @@ def warmup_requests(workloads: Sequence[Workload]) -> list[BenchRequest]:
 
 
 def bench(
-    make_engine: Callable[[bool], Engine], workloads: Sequence[Workload], radix_modes: list[bool]
+    make_engine: Callable[[bool], Engine],
+    workloads: Sequence[Workload],
+    radix_modes: list[bool],
+    rates: Rates | None = None,
 ) -> list[dict[str, Any]]:
-    """One engine per radix mode (`make_engine(radix)`), every workload on it: one row each."""
+    """One engine per radix mode (`make_engine(radix)`), every workload on it: one row
+    each, read against its floor where the device's `rates` are given."""
     rows = []
     for radix in radix_modes:
         engine = make_engine(radix)
         try:
             run_offline(engine, warmup_requests(workloads))
             for workload in workloads:
+                floor = None if rates is None else floor_of(engine, workload, radix, rates)
                 row = {
                     "workload": workload.name,
                     "radix": "on" if radix else "off",
-                    **run_offline(engine, workload.requests),
+                    **run_offline(engine, workload.requests, floor),
                 }
                 print(json.dumps(row), flush=True)
                 rows.append(row)
@@ -209,9 +277,12 @@ def bench(
     return rows
 
 
-def radix_ratios(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
-    """Per workload run both ways: total throughput with the radix cache over without."""
-    by_key = {(r["workload"], r["radix"]): r["total_throughput"] for r in rows}
+def radix_ratios(rows: Sequence[dict[str, Any]], key: str = "total_throughput") -> dict[str, float]:
+    """Per workload run both ways: total throughput with the radix cache over without
+    (`key="floor_s"`: the floor without over the floor with, for rows that have one)."""
+    by_key = {(r["workload"], r["radix"]): r[key] for r in rows if key in r}
+    if key == "floor_s":
+        by_key = {k: 1 / v for k, v in by_key.items()}  # a time: its inverse is a rate
     return {
         name: by_key[(name, "on")] / by_key[(name, "off")]
         for name, mode in by_key
@@ -277,23 +348,38 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     workloads = [WORKLOADS[name](args.scale, args.seed) for name in args.workloads]
     modes = {"on": [True], "off": [False], "both": [True, False]}[args.radix]
-    rows = bench(engine_factory(args), workloads, modes)
+    rates = None
+    if resolve_device(args.device).type == "cuda":
+        rates = Rates.measure()
+        torch.cuda.empty_cache()
+        print(
+            f"{torch.cuda.get_device_name()}: copy bandwidth {rates.bandwidth / 1e12:.2f} TB/s, "
+            f"bf16 matmul {rates.matmul / 1e12:.0f} TFLOP/s"
+        )
+    rows = bench(engine_factory(args), workloads, modes, rates)
     ratios = radix_ratios(rows)
+    floor_ratios = radix_ratios(rows, key="floor_s")
     if args.json:
-        args.json.write_text(json.dumps({"rows": rows, "radix_on_over_off": ratios}, indent=2))
+        result: dict[str, Any] = {"rows": rows, "radix_on_over_off": ratios}
+        if rates is not None:
+            result["rates"] = {"matmul": rates.matmul, "bandwidth": rates.bandwidth}
+            result["floor_on_over_off"] = floor_ratios
+        args.json.write_text(json.dumps(result, indent=2))
     print(
         f"\n{'workload':<14} {'radix':>5} {'req':>5} {'req/s':>8} {'in tok/s':>10} "
-        f"{'out tok/s':>10} {'total tok/s':>11} {'hit rate':>8}"
+        f"{'out tok/s':>10} {'total tok/s':>11} {'hit rate':>8} {'of floor':>8}"
     )
     for r in rows:
         print(
             f"{r['workload']:<14} {r['radix']:>5} {r['completed']:>5} "
             f"{r['request_throughput']:>8.2f} {r['input_throughput']:>10.0f} "
             f"{r['output_throughput']:>10.0f} {r['total_throughput']:>11.0f} "
-            f"{r['cache_hit_rate']:>8.3f}"
+            f"{r['cache_hit_rate']:>8.3f} {r.get('of_floor', float('nan')):>8.2f}"
         )
     for name, ratio in ratios.items():
-        print(f"{name}: radix on / off total throughput {ratio:.2f}x")
+        floor = floor_ratios.get(name)
+        at_floor = "" if floor is None else f" (the floors' ratio: {floor:.2f}x)"
+        print(f"{name}: radix on / off total throughput {ratio:.2f}x{at_floor}")
     return 0
 
 

@@ -46,6 +46,8 @@ def _result(**overrides: Any) -> dict[str, Any]:
             "output_throughput": 10.0,
             "total_throughput": 110.0,
             "cache_hit_rate": 0.5 if radix == "on" else 0.0,
+            "floor_s": 2.0 if radix == "on" else 9.0,
+            "of_floor": 0.8 if radix == "on" else 0.9,
         }
         for radix in ("on", "off")
     ]
@@ -64,7 +66,11 @@ def _result(**overrides: Any) -> dict[str, Any]:
             _row("triton", "on", 64, 1.25),
         ],
         "prefill_2048": [prefill],
-        "offline": {"rows": offline_rows, "radix_on_over_off": {"shared-prefix": 3.2}},
+        "offline": {
+            "rows": offline_rows,
+            "radix_on_over_off": {"shared-prefix": 3.2},
+            "floor_on_over_off": {"shared-prefix": 4.5},
+        },
         "parity": {"tests": 6, "failures": 0, "errors": 0, "skipped": 1, "passed": 5},
         "sampling": {
             "device": "GPU",
@@ -98,6 +104,8 @@ def test_report_marks_targets_and_unmeasured_figures(suite: ModuleType) -> None:
     assert "| 8 passed, 1 failed, 0 skipped | all pass | no |" in table
     assert "| 64 | top-p 0.9 | 0.250 | 1.500 | 6.0 |" in table
     assert "| 64 | greedy | 0.040 | n/a | n/a |" in table
+    assert "| shared-prefix | on | 16 | 1.00 | 100 | 10 | 110 | 0.500 | 2.00 | 0.80 |" in table
+    assert "shared-prefix: the floors' ratio (radix off over on) is 4.50x" in table
     # A failed stage: its figures are n/a and the failure is listed.
     broken = suite.markdown(_result(offline=None, sampling=None, errors=["offline: exit status 1"]))
     assert "Sampling, one" not in broken

@@ -33,7 +33,7 @@ def test_shared_prefix_counts_and_cache_hits(offline: ModuleType, tiny_llama_dir
         question_len=4,
         output_len=5,
     )
-    workload = offline.Workload("shared-prefix", requests)
+    workload = offline.Workload("shared-prefix", requests, shared_prefix_len=24, group_size=3)
 
     def make_engine(radix: bool) -> Engine:
         # Prompts longer than a chunk: the first of a group is cached before the rest run.
@@ -44,7 +44,8 @@ def test_shared_prefix_counts_and_cache_hits(offline: ModuleType, tiny_llama_dir
             chunked_prefill_size=16,
         )
 
-    rows = offline.bench(make_engine, [workload], [True, False])
+    rates = offline.Rates(matmul=1e9, bandwidth=1e8)
+    rows = offline.bench(make_engine, [workload], [True, False], rates)
     assert [(r["workload"], r["radix"]) for r in rows] == [
         ("shared-prefix", "on"),
         ("shared-prefix", "off"),
@@ -65,6 +66,33 @@ def test_shared_prefix_counts_and_cache_hits(offline: ModuleType, tiny_llama_dir
     assert on["cache_hit_rate"] > 0 and on["cached_tokens"] > 0
     assert off["cache_hit_rate"] == 0 and off["cached_tokens"] == 0
     assert offline.radix_ratios(rows).keys() == {"shared-prefix"}
+    # Each run against its floor: the projections over the tokens it computed (prompt
+    # tokens not cached, one a decode step) and the head over each sampled token.
+    config = json.loads((tiny_llama_dir / "config.json").read_text())
+    hidden, inter, layers = (
+        config[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers")
+    )
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    q_out, kv_out = (
+        config["num_attention_heads"] * head_dim,
+        config["num_key_value_heads"] * head_dim,
+    )
+    params = layers * (hidden * (2 * q_out + 2 * kv_out) + 3 * hidden * inter)
+    for row in rows:
+        computed = row["input_tokens"] - row["cached_tokens"] + row["output_tokens"] - 6
+        flops = 2 * params * computed + 2 * hidden * config["vocab_size"] * row["output_tokens"]
+        assert row["floor_projections_s"] == pytest.approx(flops / rates.matmul)
+        assert row["floor_s"] == pytest.approx(
+            row["floor_projections_s"]
+            + row["floor_prefill_attention_s"]
+            + row["floor_decode_attention_s"]
+        )
+        assert row["of_floor"] == pytest.approx(row["floor_s"] / row["duration_s"])
+    # The cache computes less and, decoding each group over one read of its prefix, reads less.
+    assert on["floor_prefill_attention_s"] < off["floor_prefill_attention_s"]
+    assert on["floor_decode_attention_s"] < off["floor_decode_attention_s"]
+    floor_ratio = offline.radix_ratios(rows, key="floor_s")["shared-prefix"]
+    assert floor_ratio == pytest.approx(off["floor_s"] / on["floor_s"])
 
 
 def test_warmup_is_each_workloads_head_with_short_outputs(offline: ModuleType) -> None:
@@ -107,3 +135,16 @@ def test_gpu_busy_counts_overlapping_kernels_once(monkeypatch: pytest.MonkeyPatc
     assert gpu_busy.busy_and_span([]) == (0.0, 0.0)
     if not torch.cuda.is_available():
         assert gpu_busy.main(["--at", "1"]) == 2  # refuses cleanly without CUDA
+
+
+def test_gpu_busy_sums_idle_gaps_by_their_neighbours(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(BENCH_DIR))
+    gpu_busy = importlib.import_module("gpu_busy")
+    # a 0-10, b 12-20 (gap 2 after a), c 15-30 overlaps b, a 31-40 (gap 1 after c),
+    # b 45-50 (gap 5 after a): the gaps are charged to the activity that ended last.
+    events = [(12, 20, "b"), (0, 10, "a"), (15, 30, "c"), (31, 40, "a"), (45, 50, "b")]
+    lines = gpu_busy.idle_gaps(events)
+    assert len(lines) == 2  # two pairs: a -> b (twice), c -> a
+    assert lines[0].endswith("a  ->  b") and "in     2 gaps" in lines[0]  # 2 + 5 = 7 us
+    assert lines[0].startswith("   0.01 ms")
+    assert lines[1].endswith("c  ->  a") and "in     1 gaps" in lines[1]

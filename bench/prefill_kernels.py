@@ -1,0 +1,107 @@
+"""FlashInfer's paged prefill kernels, FA2 against SM90 (fa3), on the engine's step shapes.
+
+The flashinfer backend runs every extend step (prompts, and the decoders of a mixed
+batch without shared prefixes as one-token requests) through one
+BatchPrefillWithPagedKVCacheWrapper over pages of one slot. This script times one
+layer's attention (Llama-3.1-8B: 32 query heads, 8 KV heads, head dim 128, bf16) with
+each kernel family on the shapes the benchmarks' steps have, with the slots scattered
+as a radix cache's free list leaves them, and checks the two agree (the flashinfer
+backend plans its extend passes on FA2's kernels: docs/performance.md says why).
+
+    python bench/prefill_kernels.py [--shapes question prefix ...] [--reps 50]
+
+Shapes (requests x new tokens / KV length each):
+  question   16 x 128 / 2176: a cached shared-prefix run's question step
+  prefix     1 x 2048 / 2048: a prompt's first chunk
+  chunks     128 / 2176 + 1920 / 1920: the uncached run's chunk over two prompts
+  short      64 x 16 / 2064: short prompts over cached prefixes
+  mixed      128 / 2176 + 1920 / 1920 + 480 x 1 / 2300: an uncached mixed step
+  decoders   480 x 1 / 2300: decoders alone as one-token requests
+Per shape and kernel family: the median of CUDA-event timings (planning excluded: it is
+once per step), x 32 layers for a step, and the two families' largest difference.
+Needs CUDA and flashinfer-python; fa3 needs an SM90 GPU and JIT-compiles on first use
+(~90 s with MAX_JOBS=16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+
+import torch
+from sampling import time_ms  # the CUDA-event median the sampling bench uses
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
+LAYERS = 32
+SHAPES: dict[str, list[tuple[int, int, int]]] = {  # (requests, new tokens, KV length)
+    "question": [(16, 128, 2176)],
+    "prefix": [(1, 2048, 2048)],
+    "chunks": [(1, 128, 2176), (1, 1920, 1920)],
+    "short": [(64, 16, 2064)],
+    "mixed": [(1, 128, 2176), (1, 1920, 1920), (480, 1, 2300)],
+    "decoders": [(480, 1, 2300)],
+}
+
+
+def _indptr(lens: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(list(itertools.accumulate(lens, initial=0)), dtype=torch.int32).to(device)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--backends", nargs="+", default=["fa2", "fa3"], choices=["fa2", "fa3"])
+    parser.add_argument("--reps", type=int, default=50)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU")
+    import flashinfer
+
+    device = torch.device("cuda")
+    workspace = torch.zeros(384 * 2**20, dtype=torch.uint8, device=device)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    for name in args.shapes:
+        q_lens = [n for count, n, _ in SHAPES[name] for _ in range(count)]
+        kv_lens = [kv for count, _, kv in SHAPES[name] for _ in range(count)]
+        slots = sum(kv_lens)
+        k = torch.randn(slots, 1, NUM_KV_HEADS, HEAD_DIM, generator=g).to(device, torch.bfloat16)
+        v = torch.randn(slots, 1, NUM_KV_HEADS, HEAD_DIM, generator=g).to(device, torch.bfloat16)
+        q = torch.randn(sum(q_lens), NUM_HEADS, HEAD_DIM, generator=g).to(device, torch.bfloat16)
+        indices = torch.randperm(slots, generator=g).to(device, torch.int32)
+        outs, row = {}, {"shape": name, "tokens": sum(q_lens)}
+        for backend in args.backends:
+            wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                workspace, "NHD", backend=backend
+            )
+            wrapper.plan(
+                _indptr(q_lens, device),
+                _indptr(kv_lens, device),
+                indices,
+                torch.ones(len(q_lens), dtype=torch.int32, device=device),
+                NUM_HEADS,
+                NUM_KV_HEADS,
+                HEAD_DIM,
+                1,
+                causal=True,
+                sm_scale=1.0 / math.sqrt(HEAD_DIM),
+                q_data_type=torch.bfloat16,
+                kv_data_type=torch.bfloat16,
+            )
+
+            def run(wrapper: object = wrapper, kv: object = (k, v), q: object = q) -> torch.Tensor:
+                return wrapper.run(q, kv)  # type: ignore[attr-defined]
+
+            outs[backend] = run().float()
+            ms = time_ms(run, args.reps)
+            row[f"{backend}_ms"] = round(ms, 4)
+            row[f"{backend}_step_ms"] = round(ms * LAYERS, 2)
+        if len(outs) == 2:
+            row["max_abs_diff"] = (outs["fa2"] - outs["fa3"]).abs().max().item()
+        print(json.dumps(row), flush=True)
+    print(f"device: {torch.cuda.get_device_name()}, flashinfer {flashinfer.__version__}")
+
+
+if __name__ == "__main__":
+    main()
