@@ -9,7 +9,8 @@ Runs, each stage in its own process (a failing stage is reported, the rest still
    device's copy bandwidth and bf16 matmul rate in the same process and gives each
    figure as a ratio to its roofline;
 2. bench/offline.py: offline throughput, ShareGPT-like (1000 requests) and
-   generated-shared-prefix (64 x 16, 2048 + 128 tokens, 256 out), radix cache on and off;
+   generated-shared-prefix (64 x 16, 2048 + 128 tokens, 256 out), radix cache on and off,
+   each run as a share of its floor (bench/roofline.py) and the floors' on/off ratio;
 3. tests/gpu/test_backend_parity_cuda.py: greedy tokens equal Hugging Face's on the same
    random weights for every backend, with and without CUDA graphs (and overlap);
 4. bench/sampling.py: the sampler's time per call by setting and batch size, the
