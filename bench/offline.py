@@ -135,10 +135,10 @@ def submit_all(engine: Engine, requests: Sequence[BenchRequest]) -> None:
 def run_offline(
     engine: Engine,
     requests: Sequence[BenchRequest],
-    floor: Callable[[list[Req]], dict[str, float]] | None = None,
+    floor: Callable[[list[Req], list[int]], dict[str, float]] | None = None,
 ) -> dict[str, Any]:
     """Submit all `requests` at once on an empty cache, step until done; counts and rates
-    (and `floor(finished requests)`'s figures, where given)."""
+    (and `floor(finished requests, tokens computed by each step)`'s figures, where given)."""
     if not engine.flush_cache():
         raise RuntimeError("the engine has requests running")
     retractions = engine.scheduler.total_retractions
@@ -148,12 +148,15 @@ def run_offline(
     finished = []
     sched = engine.scheduler
     steps: list[tuple[float, int, int]] = []  # (seconds, prefill tokens, running after)
+    step_tokens: list[int] = []  # prefill tokens + decode rows
     while engine.has_work():
         t0, prefilled = time.perf_counter(), sched.total_prefill_tokens
+        decoded = sched.total_decode_tokens
         finished += [out.req for out in engine.step() if out.finished]
         steps.append(
             (time.perf_counter() - t0, sched.total_prefill_tokens - prefilled, len(sched.running))
         )
+        step_tokens.append(steps[-1][1] + sched.total_decode_tokens - decoded)
     _sync(engine)
     duration = time.perf_counter() - started
     done = [
@@ -164,7 +167,7 @@ def run_offline(
     input_tokens = sum(len(req.origin_input_ids) for req in done)
     output_tokens = sum(len(req.output_ids) for req in done)
     cached = sum(req.cached_tokens for req in done)
-    floors = {} if floor is None else floor(done)
+    floors = {} if floor is None else floor(done, step_tokens)
     if "floor_s" in floors:
         floors["of_floor"] = floors["floor_s"] / duration
     return {
@@ -187,14 +190,14 @@ def run_offline(
 
 def floor_of(
     engine: Engine, workload: Workload, radix: bool, rates: Rates
-) -> Callable[[list[Req]], dict[str, float]]:
+) -> Callable[[list[Req], list[int]], dict[str, float]]:
     """The floor figures of a run of `workload` on `engine` (bench/roofline.py): the
-    requests' prompt, cached and output lengths as run; with the radix cache, each group
-    decodes over its shared prefix together."""
+    requests' prompt, cached and output lengths as run, the tokens each step computed;
+    with the radix cache, each group decodes over its shared prefix together."""
     shape = ModelShape.of_model(engine.runner.model_config, engine.runner.dtype)
     shared = workload.shared_prefix_len if radix else 0
 
-    def figures(done: list[Req]) -> dict[str, float]:
+    def figures(done: list[Req], step_tokens: list[int]) -> dict[str, float]:
         work = [
             RequestWork(
                 prompt_len=len(req.origin_input_ids),
@@ -205,7 +208,7 @@ def floor_of(
             )
             for req in done
         ]
-        floor = work_floor(shape, work, rates.matmul, rates.bandwidth)
+        floor = work_floor(shape, work, rates.matmul, rates.bandwidth, step_tokens)
         return {
             "floor_s": floor.total_s,
             "floor_projections_s": floor.projections_s,

@@ -6,9 +6,10 @@ The work of a Llama-shaped model, request by request:
 - its projections (q, k, v, o, gate, up, down in every layer) over each token it
   computes: the prompt tokens the cache did not hold, and one token per decode step
   (every output token but the first, which the prefill samples); the LM head over each
-  sampled token. 2 FLOPs per weight per token, at the matmul rate: a decode batch of a
-  few hundred rows is compute-bound on a GPU like the H100 (its weights take less time to
-  read than its FLOPs to run);
+  sampled token. 2 FLOPs per weight per token, at the matmul rate. Given the tokens each
+  engine step computed, a step's projections take at least the time to read their
+  weights at the copy bandwidth too: a batch of fewer than a few hundred rows is bound
+  by that read, not by its FLOPs (the head's weights are left out of that bound);
 - prefill attention: each computed prompt token attends over every position up to its
   own (4 x head_dim FLOPs per query head, layer and key), at the matmul rate;
 - decode attention: each decode step reads the K and V of every position before it, at
@@ -96,9 +97,15 @@ def _sum_range(lo: int, hi: int) -> int:
 
 
 def work_floor(
-    shape: ModelShape, requests: list[RequestWork], matmul_rate: float, bandwidth: float
+    shape: ModelShape,
+    requests: list[RequestWork],
+    matmul_rate: float,
+    bandwidth: float,
+    step_tokens: list[int] | None = None,
 ) -> Floor:
-    """The floor of running `requests` (rates in FLOP/s and bytes/s)."""
+    """The floor of running `requests` (rates in FLOP/s and bytes/s); with `step_tokens`
+    (the tokens each engine step computed), each step's layer projections are bound by
+    their weight read as well as their FLOPs."""
     projection_flops = attention_flops = 0
     kv_bytes = 0.0
     per_key = 4 * shape.head_dim * shape.heads * shape.layers  # QK^T and PV, every head
@@ -114,8 +121,16 @@ def work_floor(
         shared = min(r.shared_len, r.prompt_len)
         keys -= decode_steps * shared * (1 - 1 / max(r.sharers, 1))
         kv_bytes += keys * shape.kv_bytes_per_token
+    projections_s = projection_flops / matmul_rate
+    if step_tokens is not None:
+        # A step of n tokens takes max(n x FLOPs a token, weight read): the read's excess
+        # over the step's FLOPs comes on top. (Steps may compute more than the requests'
+        # tokens, after a retraction or for a request aborted: the bound still holds.)
+        per_token = 2 * shape.layer_params / matmul_rate
+        weights = shape.layer_params * shape.dtype_bytes / bandwidth
+        projections_s += sum(max(weights - n * per_token, 0.0) for n in step_tokens if n)
     return Floor(
-        projections_s=projection_flops / matmul_rate,
+        projections_s=projections_s,
         prefill_attention_s=attention_flops / matmul_rate,
         decode_attention_s=kv_bytes / bandwidth,
     )

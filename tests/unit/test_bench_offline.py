@@ -44,7 +44,9 @@ def test_shared_prefix_counts_and_cache_hits(offline: ModuleType, tiny_llama_dir
             chunked_prefill_size=16,
         )
 
-    rates = offline.Rates(matmul=1e9, bandwidth=1e8)
+    # A bandwidth so high that no step is bound by its weight read: the floor's
+    # projections are their FLOPs alone (test_bench_roofline checks the read bound).
+    rates = offline.Rates(matmul=1e9, bandwidth=1e18)
     rows = offline.bench(make_engine, [workload], [True, False], rates)
     assert [(r["workload"], r["radix"]) for r in rows] == [
         ("shared-prefix", "on"),

@@ -62,6 +62,24 @@ def test_cached_and_shared_positions_are_not_charged_in_full(roofline: ModuleTyp
     assert none.decode_attention_s == 0 and none.projections_s == 2 * shape.layer_params * 6
 
 
+def test_a_step_is_bound_by_its_weight_read(roofline: ModuleType) -> None:
+    shape = _shape(roofline)
+    work = [roofline.RequestWork(prompt_len=4, cached_len=0, output_len=3)]  # 6 tokens
+    per_token = 2 * shape.layer_params / 1.0  # matmul rate 1
+    read = shape.layer_params * 2 / 0.5  # bandwidth 0.5: one read = 2 tokens' FLOPs
+    bare = roofline.work_floor(shape, work, 1.0, 0.5)
+    # Steps of 4 prompt tokens (FLOP-bound), then 1 and 1 decode rows (read-bound: each
+    # costs the read, 2 tokens' worth), an empty step costs nothing.
+    stepped = roofline.work_floor(shape, work, 1.0, 0.5, step_tokens=[4, 1, 0, 1])
+    assert read == 2 * per_token
+    assert stepped.projections_s == bare.projections_s + 2 * (read - per_token)
+    assert stepped.decode_attention_s == bare.decode_attention_s
+    # Steps that computed more than the requests did (a retraction's recompute) only add.
+    assert roofline.work_floor(shape, work, 1.0, 0.5, [4, 1, 1, 5]).projections_s == (
+        stepped.projections_s
+    )
+
+
 def test_the_8b_shared_prefix_floors(roofline: ModuleType) -> None:
     """64 groups x 16 requests (2048 + 128 prompt, 256 out) on Llama-3.1-8B's shape, counted
     token by token here; with the cache each group computes its prefix once and decodes

@@ -95,6 +95,7 @@ class Scheduler:
         )
         # Counters tests and metrics read.
         self.total_prefill_tokens = 0
+        self.total_decode_tokens = 0  # decode rows run (one token each)
         self.total_cached_tokens = 0
         self.total_retractions = 0
         self.total_cascade_steps = 0  # decode steps run with shared prefixes
@@ -186,6 +187,7 @@ class Scheduler:
                 )
             return outputs
         self.total_prefill_tokens += sum(r.extend_len for r in prefill_reqs)
+        self.total_decode_tokens += len(decode_reqs)
         launched = self._launch(batch_reqs)
         # The previous step's tokens, read while the device runs this one.
         outputs.extend(self._drain())
