@@ -16,6 +16,7 @@ from helm_python import HelmError
 
 from radixserve.engine.config import EngineConfig
 from radixserve.engine.flags import engine_kwargs
+from radixserve.services import worker as worker_service
 from tests.packaging.compose_checks import COMPOSE_FILE, variables
 from tests.packaging.kube import (
     CHART_DIR,
@@ -196,6 +197,17 @@ def test_engine_config_map_is_what_the_worker_parses(rendered: dict[str, list[Ma
         if name != "device":
             assert value == fields[name].default, f"{name}: {value!r} != {fields[name].default!r}"
     EngineConfig(**parsed)
+    # The worker's own flag, parsed by its parser as the chart passes it.
+    worker = next(
+        d
+        for d in by_kind(rendered["default"], "Deployment").values()
+        if component_of(d) == "worker"
+    )
+    parser = argparse.ArgumentParser()
+    worker_service.add_arguments(parser)
+    args = worker["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[:2] == ["serve", "worker"]
+    assert parser.parse_args(args[2:]).engine_stall_s == worker_service.DEFAULT_ENGINE_STALL_S
 
 
 # docker-compose variable -> values.yaml key (docs/operations.md has the same table).
@@ -222,6 +234,7 @@ COMPOSE_TO_VALUES = {
     "RADIXSERVE_GRAMMAR_REPLICAS": "grammar.replicas",
     "RADIXSERVE_COMPILE_TIMEOUT_S": "grammar.compileTimeoutS",
     "RADIXSERVE_COMPILE_LIMIT_S": "grammar.compileLimitS",
+    "RADIXSERVE_ENGINE_STALL_S": "worker.engineStallS",
     "RADIXSERVE_COMPILE_WORKERS": "grammar.compileWorkers",
     "RADIXSERVE_GRAMMAR_CACHE_TTL_S": "grammar.cacheTtlS",
     "RADIXSERVE_DETOK_MAX_REQUESTS": "detokenizer.maxRequests",

@@ -6,6 +6,11 @@ published on `{p}.detok`. Publishes `Heartbeat` and `WorkerStats` every second.
 On SIGTERM: heartbeat "draining" (the scheduler routes nothing new), new requests are
 handed back with a 503, running ones finish (bounded by the drain timeout) and the
 rest are aborted.
+
+A hung engine (one step running past `--engine-stall-s`, 300 s: a stuck device, a
+deadlock) stops the worker with exit code 1, after logging where the engine thread
+is: its heartbeats would otherwise go on while every request it holds waits out its
+timeout. The scheduler then fails the worker's requests, and its supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -32,23 +37,57 @@ GRAMMAR_FETCH_TIMEOUT_S = 5.0
 FLUSH_TIMEOUT_S = 10.0  # the engine's answer to flush_cache (it flushes between steps)
 
 
+DEFAULT_ENGINE_STALL_S = 300.0  # above any one step, first-use kernel compiles included
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
+    parser.add_argument(
+        "--engine-stall-s",
+        type=float,
+        default=DEFAULT_ENGINE_STALL_S,
+        help="stop the worker (exit 1) when one engine step runs this long: a hung "
+        f"engine (default {DEFAULT_ENGINE_STALL_S:g}; 0 = never)",
+    )
 
 
 def run(ns: argparse.Namespace) -> int:
     settings = settings_from_args(SERVICE, ns)
     kwargs = engine_kwargs(ns)
+    if ns.engine_stall_s < 0:
+        raise SystemExit(f"--engine-stall-s must be >= 0, got {ns.engine_stall_s:g}")
 
     async def main(ctx: ServiceContext) -> None:
-        await WorkerService(ctx, kwargs).start()
+        await WorkerService(ctx, kwargs, engine_stall_s=ns.engine_stall_s).start()
 
     return run_service(settings, main)
 
 
+def engine_failure(driver: Any, stall_s: float) -> str | None:
+    """Why the worker must stop because of its engine thread (failed, gone, or one step
+    running past `stall_s`, 0 = no limit), or None while it is fine."""
+    if driver.error is not None:
+        return f"the engine thread failed: {driver.error!r}"
+    if not driver.alive:
+        return "the engine thread stopped"
+    running = driver.step_running_s()
+    if stall_s > 0 and running > stall_s:
+        return (
+            f"the engine's step has run {running:.0f}s, past --engine-stall-s {stall_s:g}s: "
+            "the engine is hung"
+        )
+    return None
+
+
 class WorkerService:
-    def __init__(self, ctx: ServiceContext, engine_options: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        ctx: ServiceContext,
+        engine_options: dict[str, Any],
+        engine_stall_s: float = DEFAULT_ENGINE_STALL_S,
+    ) -> None:
         self.ctx = ctx
+        self.engine_stall_s = engine_stall_s
         self.subjects = ctx.subjects
         self.worker_id = ctx.settings.instance_id
         self.engine_options = engine_options
@@ -247,10 +286,12 @@ class WorkerService:
     async def _watch_engine(self) -> None:
         while True:
             await asyncio.sleep(0.5)
-            if self.driver.error is not None:
-                raise RuntimeError(f"the engine thread failed: {self.driver.error!r}")
-            if not self.driver.alive and not self.ctx.stopping.is_set():
-                raise RuntimeError("the engine thread stopped")
+            failure = engine_failure(self.driver, self.engine_stall_s)
+            if failure is None or (self.ctx.stopping.is_set() and self.driver.error is None):
+                continue  # (a stop ends the engine thread: not a failure)
+            if self.driver.alive:
+                log.error("%s; the engine thread is at:\n%s", failure, self.driver.thread_stack())
+            raise RuntimeError(failure)
 
     async def _heartbeats(self) -> None:
         while True:

@@ -4,7 +4,9 @@ The asyncio side (the worker service) never waits on the engine: `submit`, `abor
 and `flush_cache` put a command in a thread-safe inbox and return; the engine thread
 applies the commands between steps, runs `engine.step()`, and hands one list of
 `StepOutput`s per step to `on_step` (which the service forwards to its event loop).
-A snapshot of the engine's load is refreshed after every step for stats.
+A snapshot of the engine's load is refreshed after every step for stats, and the
+start of the step in progress is kept, so the service can tell a hung engine
+(`step_running_s`) and log where it hangs (`thread_stack`).
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ import concurrent.futures
 import logging
 import queue
 import re
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -81,6 +85,7 @@ class EngineDriver:
         self._inbox: queue.SimpleQueue[_Submit | _Gone | _Abort | _Flush] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._step_started: float | None = None  # monotonic, while a step runs
 
     # -- called from the asyncio side (any thread) ----------------------------------
     def start(self) -> None:
@@ -111,6 +116,17 @@ class EngineDriver:
     @property
     def num_tracked(self) -> int:
         return len(self.builder)
+
+    def step_running_s(self) -> float:
+        """How long the engine's current step has run (0 between steps): a step that runs
+        on and on is a hung engine (a stuck device, a deadlock), not a busy one."""
+        started = self._step_started
+        return 0.0 if started is None else time.monotonic() - started
+
+    def thread_stack(self) -> str:
+        """Where the engine thread is now, as a traceback (for the log of a stall)."""
+        frame = sys._current_frames().get(self._thread.ident or -1)
+        return "".join(traceback.format_stack(frame)) if frame is not None else "(not running)"
 
     def stop(self, timeout_s: float = 10.0) -> None:
         self._stop.set()
@@ -180,7 +196,11 @@ class EngineDriver:
     def _step(self) -> None:
         outputs = []
         started = time.perf_counter()
-        choices = self.engine.step()
+        self._step_started = time.monotonic()
+        try:
+            choices = self.engine.step()
+        finally:
+            self._step_started = None
         seconds = time.perf_counter() - started
         for choice in choices:
             self.generated_tokens += len(choice.new_token_ids)
