@@ -18,7 +18,9 @@ Shapes (requests x new tokens / KV length each):
   mixed      128 / 2176 + 1920 / 1920 + 480 x 1 / 2300: an uncached mixed step
   decoders   480 x 1 / 2300: decoders alone as one-token requests
 Per shape and kernel family: the median of CUDA-event timings (planning excluded: it is
-once per step), x 32 layers for a step, and the two families' largest difference.
+once per step), x 32 layers for a step, and the two families' largest difference. Where
+nothing is cached (every request's KV is its new tokens), also the ragged kernel over
+the step's own K/V as contiguous tensors (no slot table), as SGLang runs new tokens.
 Needs CUDA and flashinfer-python; fa3 needs an SM90 GPU and JIT-compiles on first use
 (~90 s with MAX_JOBS=16).
 """
@@ -97,6 +99,32 @@ def main() -> None:
             ms = time_ms(run, args.reps)
             row[f"{backend}_ms"] = round(ms, 4)
             row[f"{backend}_step_ms"] = round(ms * LAYERS, 2)
+            if q_lens == kv_lens:  # nothing cached: the step's own K/V, contiguous
+                ragged = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
+                    workspace, "NHD", backend=backend
+                )
+                ragged.plan(
+                    _indptr(q_lens, device),
+                    _indptr(kv_lens, device),
+                    NUM_HEADS,
+                    NUM_KV_HEADS,
+                    HEAD_DIM,
+                    causal=True,
+                    sm_scale=1.0 / math.sqrt(HEAD_DIM),
+                    q_data_type=torch.bfloat16,
+                    kv_data_type=torch.bfloat16,
+                )
+                own_k, own_v = k[indices.long(), 0], v[indices.long(), 0]
+
+                def run_ragged(
+                    wrapper: object = ragged, kv: object = (own_k, own_v), q: object = q
+                ) -> torch.Tensor:
+                    return wrapper.run(q, *kv)  # type: ignore[attr-defined,misc]
+
+                diff = (run_ragged().float() - outs[backend]).abs().max().item()
+                ms = time_ms(run_ragged, args.reps)
+                row[f"{backend}_ragged_ms"] = round(ms, 4)
+                row[f"{backend}_ragged_max_abs_diff"] = diff
         if len(outs) == 2:
             row["max_abs_diff"] = (outs["fa2"] - outs["fa3"]).abs().max().item()
         print(json.dumps(row), flush=True)
