@@ -105,23 +105,27 @@ def window(engine: Engine, steps: int, gaps: bool = False) -> tuple[float, float
 
 
 class SyncSites:
-    """Call sites of the synchronising operations torch warns of in sync-debug mode."""
+    """Call sites of the synchronising operations torch warns of in sync-debug mode
+    (while entered, if `enabled`; otherwise it records nothing)."""
 
-    def __init__(self) -> None:
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
         self.counts: collections.Counter[tuple[str, ...]] = collections.Counter()
         self.steps: dict[tuple[str, ...], set[int]] = collections.defaultdict(set)
         self.step = 0
 
     def __enter__(self) -> SyncSites:
-        self._show = warnings.showwarning
-        warnings.showwarning = self._record  # type: ignore[assignment]
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
+        if self.enabled:
+            self._show = warnings.showwarning
+            warnings.showwarning = self._record  # type: ignore[assignment]
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
         return self
 
     def __exit__(self, *exc: object) -> None:
-        torch.cuda.set_sync_debug_mode("default")
-        warnings.showwarning = self._show
+        if self.enabled:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = self._show
 
     def _record(self, message: object, *args: object, **kwargs: object) -> None:
         frames = [
@@ -167,31 +171,27 @@ def main(argv: list[str] | None = None) -> int:
     )
     workload = WORKLOADS[args.workload](1.0, 0)
     run_offline(engine, warmup_requests([workload]))  # kernels compiled outside the windows
-    sync_sites = SyncSites() if args.sync_debug else None
-    if sync_sites is not None:
-        sync_sites.__enter__()
-    submit_all(engine, workload.requests)
-    started, step = time.perf_counter(), 0
-    marks = sorted(args.at)
-    while engine.has_work():
-        if sync_sites is not None:
+    with SyncSites(enabled=args.sync_debug) as sync_sites:
+        submit_all(engine, workload.requests)
+        started, step = time.perf_counter(), 0
+        marks = sorted(args.at)
+        while engine.has_work():
             sync_sites.step = step
-        if marks and step == marks[0]:
-            marks.pop(0)
-            running = len(engine.scheduler.running)
-            busy, span = window(engine, args.steps, args.gaps)
-            print(
-                f"steps {step}-{step + args.steps - 1} ({running} running): span {span:.1f} ms, "
-                f"kernels {busy:.1f} ms ({100 * busy / span:.1f}% busy), "
-                f"{(span - busy) / args.steps:.2f} ms idle a step"
-            )
-            step += args.steps
-            continue
-        engine.step()
-        step += 1
-    torch.cuda.synchronize()
-    if sync_sites is not None:
-        sync_sites.__exit__()
+            if marks and step == marks[0]:
+                marks.pop(0)
+                running = len(engine.scheduler.running)
+                busy, span = window(engine, args.steps, args.gaps)
+                print(
+                    f"steps {step}-{step + args.steps - 1} ({running} running): span "
+                    f"{span:.1f} ms, kernels {busy:.1f} ms ({100 * busy / span:.1f}% busy), "
+                    f"{(span - busy) / args.steps:.2f} ms idle a step"
+                )
+                step += args.steps
+                continue
+            engine.step()
+            step += 1
+        torch.cuda.synchronize()
+    if sync_sites.enabled:
         sync_sites.step = step
         sync_sites.report()
     print(f"{args.workload}: {step} steps in {time.perf_counter() - started:.2f} s (with windows)")

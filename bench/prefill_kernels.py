@@ -64,6 +64,13 @@ def main() -> None:
     device = torch.device("cuda")
     workspace = torch.zeros(384 * 2**20, dtype=torch.uint8, device=device)
     g = torch.Generator(device="cpu").manual_seed(0)
+    heads = (NUM_HEADS, NUM_KV_HEADS, HEAD_DIM)
+    options = dict(
+        causal=True,
+        sm_scale=1.0 / math.sqrt(HEAD_DIM),
+        q_data_type=torch.bfloat16,
+        kv_data_type=torch.bfloat16,
+    )
     for name in args.shapes:
         q_lens = [n for count, n, _ in SHAPES[name] for _ in range(count)]
         kv_lens = [kv for count, _, kv in SHAPES[name] for _ in range(count)]
@@ -82,14 +89,9 @@ def main() -> None:
                 _indptr(kv_lens, device),
                 indices,
                 torch.ones(len(q_lens), dtype=torch.int32, device=device),
-                NUM_HEADS,
-                NUM_KV_HEADS,
-                HEAD_DIM,
-                1,
-                causal=True,
-                sm_scale=1.0 / math.sqrt(HEAD_DIM),
-                q_data_type=torch.bfloat16,
-                kv_data_type=torch.bfloat16,
+                *heads,
+                1,  # page size
+                **options,
             )
 
             def run(wrapper: object = wrapper, kv: object = (k, v), q: object = q) -> torch.Tensor:
@@ -103,17 +105,7 @@ def main() -> None:
                 ragged = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
                     workspace, "NHD", backend=backend
                 )
-                ragged.plan(
-                    _indptr(q_lens, device),
-                    _indptr(kv_lens, device),
-                    NUM_HEADS,
-                    NUM_KV_HEADS,
-                    HEAD_DIM,
-                    causal=True,
-                    sm_scale=1.0 / math.sqrt(HEAD_DIM),
-                    q_data_type=torch.bfloat16,
-                    kv_data_type=torch.bfloat16,
-                )
+                ragged.plan(_indptr(q_lens, device), _indptr(kv_lens, device), *heads, **options)
                 own_k, own_v = k[indices.long(), 0], v[indices.long(), 0]
 
                 def run_ragged(

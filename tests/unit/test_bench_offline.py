@@ -93,7 +93,7 @@ def test_shared_prefix_counts_and_cache_hits(offline: ModuleType, tiny_llama_dir
     # The cache computes less and, decoding each group over one read of its prefix, reads less.
     assert on["floor_prefill_attention_s"] < off["floor_prefill_attention_s"]
     assert on["floor_decode_attention_s"] < off["floor_decode_attention_s"]
-    floor_ratio = offline.radix_ratios(rows, key="floor_s")["shared-prefix"]
+    floor_ratio = offline.floor_ratios(rows)["shared-prefix"]
     assert floor_ratio == pytest.approx(off["floor_s"] / on["floor_s"])
 
 

@@ -84,18 +84,7 @@ def test_the_8b_shared_prefix_floors(roofline: ModuleType) -> None:
     """64 groups x 16 requests (2048 + 128 prompt, 256 out) on Llama-3.1-8B's shape, counted
     token by token here; with the cache each group computes its prefix once and decodes
     over it together."""
-    config = ModelConfig.from_dict(
-        {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
-            "hidden_size": 4096,
-            "intermediate_size": 14336,
-            "num_hidden_layers": 32,
-            "num_attention_heads": 32,
-            "num_key_value_heads": 8,
-            "vocab_size": 128256,
-        }
-    )
+    config = ModelConfig.from_dict(importlib.import_module("one_batch").LLAMA_31_8B)
     shape = roofline.ModelShape.of_model(config, torch.bfloat16)
     assert shape.layer_params == 6_979_321_856  # Llama-3.1-8B less embeddings and head
     matmul, bandwidth = 760e12, 3.0e12

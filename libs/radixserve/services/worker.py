@@ -20,7 +20,7 @@ import asyncio
 import functools
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from radixserve import protocol
 from radixserve.bus import BusError, BusMsg
@@ -28,6 +28,9 @@ from radixserve.engine.flags import add_engine_arguments, engine_kwargs
 from radixserve.services.runtime import ServiceContext, run_service, settings_from_args
 from radixserve.telemetry.tracing import get_tracer
 from radixserve.telemetry.worker_metrics import WorkerMetrics, WorkerTelemetry
+
+if TYPE_CHECKING:
+    from radixserve.worker.driver import EngineDriver
 
 log = logging.getLogger("radixserve.worker")
 
@@ -63,7 +66,7 @@ def run(ns: argparse.Namespace) -> int:
     return run_service(settings, main)
 
 
-def engine_failure(driver: Any, stall_s: float) -> str | None:
+def engine_failure(driver: EngineDriver, stall_s: float) -> str | None:
     """Why the worker must stop because of its engine thread (failed, gone, or one step
     running past `stall_s`, 0 = no limit), or None while it is fine."""
     if driver.error is not None:
