@@ -17,6 +17,9 @@ Shapes (requests x new tokens / KV length each):
   short      64 x 16 / 2064: short prompts over cached prefixes
   mixed      128 / 2176 + 1920 / 1920 + 480 x 1 / 2300: an uncached mixed step
   decoders   480 x 1 / 2300: decoders alone as one-token requests
+  long8k     1 x 2048 / 8192: the last chunk of an 8k-token prompt
+  long32k    1 x 2048 / 32768: the last chunk of a 32k-token prompt
+  long32k-mixed  that chunk beside 64 decoders (64 x 1 / 2300)
 Per shape and kernel family: the median of CUDA-event timings (planning excluded: it is
 once per step), x 32 layers for a step, and the two families' largest difference. Where
 nothing is cached (every request's KV is its new tokens), also the ragged kernel over
@@ -44,6 +47,9 @@ SHAPES: dict[str, list[tuple[int, int, int]]] = {  # (requests, new tokens, KV l
     "short": [(64, 16, 2064)],
     "mixed": [(1, 128, 2176), (1, 1920, 1920), (480, 1, 2300)],
     "decoders": [(480, 1, 2300)],
+    "long8k": [(1, 2048, 8192)],
+    "long32k": [(1, 2048, 32768)],
+    "long32k-mixed": [(1, 2048, 32768), (64, 1, 2300)],
 }
 
 

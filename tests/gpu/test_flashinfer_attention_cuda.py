@@ -132,6 +132,55 @@ def test_shared_prefix_decodes_beside_prefills_match_torch() -> None:
     assert error_against_torch(p, layers=(0, 1)) < TOLERANCE
 
 
+# -- the SM90 prefill kernels (Hopper) ---------------------------------------------------
+def sm90_backend() -> FlashInferAttentionBackend:
+    """A backend whose SM90 prefill kernels are built (the first build JIT-compiles them:
+    minutes on a cold cache)."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the SM90 prefill kernels run on Hopper GPUs only")
+    backend = FlashInferAttentionBackend(torch.device("cuda"), torch.bfloat16)
+    backend.start_kernel_builds(32, 8, HEAD_DIM, torch.bfloat16)
+    assert backend.wait_kernel_builds(1200), "the SM90 prefill kernels did not build"
+    return backend
+
+
+@pytest.mark.parametrize(
+    "prefix_lens,extend_lens",
+    [
+        ([0, 0], [4096, 300]),  # prompts alone
+        ([8192, 3000, 45], [2048, 1, 1]),  # a long prompt's chunk beside two decoders
+    ],
+    ids=["prefills", "long_chunk_beside_decoders"],
+)
+def test_sm90_prefill_matches_torch(prefix_lens: list[int], extend_lens: list[int]) -> None:
+    backend = sm90_backend()
+    p = make_pass(prefix_lens, extend_lens, (32, 8), seed=7)
+    error = attention_passes.compare_with_torch(p, backend, layers=(0, 1))
+    assert backend.prefill_kernels == "fa3"
+    assert error < TOLERANCE
+
+
+def test_sm90_prefill_beside_cascade_decoders_matches_torch() -> None:
+    # 48 decoders in 3 groups over 2048-token prefixes (cascade, side stream) beside a
+    # long prompt's 2048-token chunk over 8192 cached tokens (SM90, current stream).
+    backend = sm90_backend()
+    gen = torch.Generator().manual_seed(8)
+    decoding = (2048 + torch.randint(1, 300, (48,), generator=gen)).tolist()
+    p = make_pass([*decoding, 8192], [1] * 48 + [2048], (32, 8), seed=8)
+    attention_passes.share_prefixes(p, [(2048, list(range(g, 48, 3))) for g in range(3)])
+    error = attention_passes.compare_with_torch(p, backend, layers=(0, 1))
+    assert backend.prefill_kernels == "fa3"
+    assert error < TOLERANCE
+
+
+def test_short_passes_stay_on_fa2_once_sm90_is_built() -> None:
+    backend = sm90_backend()
+    # A 300-token prompt beside decoders over ~9.5k keys: the decoders weigh more.
+    p = make_pass([3000, 2500, 4000, 0, 45], [1, 1, 1, 300, 1], (32, 8), seed=9)
+    assert attention_passes.compare_with_torch(p, backend) < TOLERANCE
+    assert backend.prefill_kernels == "fa2"
+
+
 def test_float32_is_refused() -> None:
     with pytest.raises(ValueError, match="float16 or bfloat16"):
         FlashInferAttentionBackend(torch.device("cuda"), torch.float32)

@@ -71,6 +71,7 @@ def make_attention_backend(
     *,
     prefill: str | None = None,
     decode: str | None = None,
+    sm90_prefill: bool = True,
 ) -> AttentionBackend:
     """The attention backend for `device` and a model of `dtype` (None: not known):
     `name` (one EngineConfig admits) for every pass, or where `prefill` or `decode`
@@ -87,11 +88,12 @@ def make_attention_backend(
     """
     prefill_name, decode_name = attention_backend_names(name, device, dtype, prefill, decode)
     if prefill_name == decode_name:
-        return _backend(prefill_name, device, dtype)
+        return _backend(prefill_name, device, dtype, sm90_prefill)
     from radixserve.engine.attention.hybrid import HybridAttentionBackend
 
     return HybridAttentionBackend(
-        _backend(prefill_name, device, dtype), _backend(decode_name, device, dtype)
+        _backend(prefill_name, device, dtype, sm90_prefill),
+        _backend(decode_name, device, dtype, sm90_prefill),
     )
 
 
@@ -108,11 +110,13 @@ def attention_backend_names(
     return prefill or chosen, decode or auto_decode
 
 
-def _backend(name: str, device: torch.device, dtype: torch.dtype | None) -> AttentionBackend:
+def _backend(
+    name: str, device: torch.device, dtype: torch.dtype | None, sm90_prefill: bool = True
+) -> AttentionBackend:
     if name == "flashinfer":
         from radixserve.engine.attention.flashinfer_backend import FlashInferAttentionBackend
 
-        return FlashInferAttentionBackend(device, dtype)
+        return FlashInferAttentionBackend(device, dtype, sm90_prefill)
     if name == "triton":
         from radixserve.engine.attention.triton_backend import TritonAttentionBackend
 
@@ -191,6 +195,7 @@ class ModelRunner:
             self.dtype,
             prefill=config.prefill_attention_backend,
             decode=config.decode_attention_backend,
+            sm90_prefill=not config.disable_sm90_prefill,
         )
         log.info(
             "model %s on %s (%s), KV pool %d tokens",
@@ -205,6 +210,10 @@ class ModelRunner:
             self._warm_up_cascade()
         if self.device.type == "cuda":
             sampler.warm_up(self.vocab_size, self.dtype, self.device)
+            c = self.model_config
+            self.attn.start_kernel_builds(
+                c.num_attention_heads, c.num_key_value_heads, c.head_dim, self.dtype
+            )
 
     def _capture_graphs(self) -> CudaGraphRunner | None:
         """Decode graphs, on CUDA with a backend that supports them, unless disabled."""

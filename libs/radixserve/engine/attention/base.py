@@ -96,3 +96,16 @@ class AttentionBackend(ABC):
         (the rest padding). Nothing by default: for backends whose metadata is rebuilt
         inside the graph."""
         return None
+
+    # -- kernels compiled in the background ----------------------------------------
+    def start_kernel_builds(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> None:
+        """Start compiling, in the background, kernels the backend switches to once they
+        are built (for the model's head layout and dtype). None by default."""
+        return None
+
+    def wait_kernel_builds(self, timeout: float) -> bool:
+        """Wait up to `timeout` s for those builds; whether every one ended built (True
+        where there are none). For benchmarks and tests."""
+        return True

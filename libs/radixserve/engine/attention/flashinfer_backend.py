@@ -36,9 +36,11 @@ lengths the graph runner puts in the static batch: the plan writes the new table
 work split into the fixed buffers the captured kernels read.
 
 Kernels are JIT-compiled by FlashInfer on first use (nvcc; cached under
-$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer). The prefill kernels are the FA2 ones:
-the SM90 (fa3) prefill over these one-slot pages ran the uncached shared-prefix benchmark
-at 17.0k against FA2's 27.2k tok/s on an H100 (docs/performance.md).
+$FLASHINFER_WORKSPACE_BASE/.cache/flashinfer). Prefill passes run FA2's kernels, or on
+Hopper the SM90 (fa3) ones where long prompts dominate the pass (attention/
+sm90_prefill.py: ~1.6x faster on long query blocks, 3-5x slower on requests adding a few
+tokens; built in the background at start-up, FA2 meanwhile; `disable_sm90_prefill`
+turns them off).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ import torch
 
 from radixserve.engine.attention.base import AttentionBackend, check_batch
 from radixserve.engine.attention.cascade import CascadeDecode, CascadeGraph, CascadePass
+from radixserve.engine.attention.sm90_prefill import Sm90Build, is_sm90, sm90_build, use_sm90
 from radixserve.engine.attention.triton_ops.indices import build_kv_indices
 from radixserve.engine.forward_batch import ForwardMode
 
@@ -98,6 +101,7 @@ class _Pass:
     qo_indptr: torch.Tensor | None  # [bs + 1] int32, pinned host (extend only)
     graph_bs: int | None = None  # the graph size whose wrapper runs it
     first: int = 0  # its first request and token row (the ones before run cascade)
+    kernels: str = _KERNELS  # the prefill's kernel family: fa2, or fa3 (SM90)
     wrapper: Any = None  # set once planned
 
 
@@ -117,7 +121,11 @@ class FlashInferAttentionBackend(AttentionBackend):
     supports_cuda_graph = True
     supports_shared_prefix = True
 
-    def __init__(self, device: torch.device, dtype: torch.dtype | None = None) -> None:
+    def __init__(
+        self, device: torch.device, dtype: torch.dtype | None = None, sm90_prefill: bool = True
+    ) -> None:
+        """`sm90_prefill`: on Hopper, run prefill passes that long prompts dominate on the
+        SM90 kernels once they are built (start_kernel_builds, or the first pass)."""
         self._fi = import_flashinfer()
         if device.type != "cuda":
             raise ValueError(f"the flashinfer attention backend needs CUDA, not {device.type}")
@@ -131,8 +139,10 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._layout: _Layout | None = None
         self._pass: _Pass | None = None
         self._cascade: CascadePass | None = None
-        self._prefill: Any = None
+        self._prefill: dict[str, Any] = {}  # kernel family -> its prefill wrapper
         self._decode: Any = None
+        self._sm90_wanted = sm90_prefill and is_sm90(device)
+        self._sm90: Sm90Build | None = None  # its build, once started
         self._graph: _GraphState | None = None
         # Every page of the one-slot view is full: last_page_len is all ones.
         self._ones = torch.ones(256, dtype=torch.int32, pin_memory=True)
@@ -164,8 +174,35 @@ class FlashInferAttentionBackend(AttentionBackend):
         _, kv_indices = build_kv_indices(
             batch.req_to_token, batch.req_pool_indices[first:], batch.seq_lens[first:], sum(lens)
         )
-        qo_indptr = None if decode else _host_indptr(batch.extend_seq_lens_cpu[first:])
-        return _Pass(decode, _host_indptr(lens), kv_indices, qo_indptr, graph_bs, first)
+        if decode:
+            return _Pass(decode, _host_indptr(lens), kv_indices, None, graph_bs, first)
+        new = batch.extend_seq_lens_cpu[first:]
+        sm90 = self._sm90 is not None and self._sm90.ready and use_sm90(new, lens, first > 0)
+        return _Pass(
+            decode,
+            _host_indptr(lens),
+            kv_indices,
+            _host_indptr(new),
+            graph_bs,
+            first,
+            kernels="fa3" if sm90 else _KERNELS,
+        )
+
+    # -- kernels built in the background ------------------------------------------------
+    def start_kernel_builds(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> None:
+        if self._sm90_wanted and self._sm90 is None and dtype in DTYPES:
+            self._sm90 = sm90_build(self._fi, self.device, num_heads, num_kv_heads, head_dim, dtype)
+
+    def wait_kernel_builds(self, timeout: float) -> bool:
+        return self._sm90 is None or self._sm90.wait(timeout)
+
+    @property
+    def prefill_kernels(self) -> str | None:
+        """The kernel family of this pass's prefill wrapper (fa2 or fa3), if it has one."""
+        step = self._pass
+        return None if step is None or step.qo_indptr is None else step.kernels
 
     # -- CUDA graphs ------------------------------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_context_len: int) -> None:
@@ -292,12 +329,16 @@ class FlashInferAttentionBackend(AttentionBackend):
                 f"{layout.num_heads} query heads do not split over {layout.num_kv_heads} KV heads"
             )
         self._layout = layout
+        # Where the runner did not start them (a backend used on its own).
+        self.start_kernel_builds(
+            layout.num_heads, layout.num_kv_heads, layout.head_dim, layout.dtype
+        )
 
     # -- plans ------------------------------------------------------------------------
     def _plan(self, step: _Pass, layout: _Layout) -> None:
         """Plan `step` on its wrapper (host work and host-to-device copies, no sync)."""
         wrapper = (
-            self._prefill_wrapper()
+            self._prefill_wrapper(step.kernels)
             if step.qo_indptr is not None
             else self._decode_wrapper(layout, step.graph_bs)
         )
@@ -341,12 +382,14 @@ class FlashInferAttentionBackend(AttentionBackend):
             )
         step.wrapper = wrapper
 
-    def _prefill_wrapper(self) -> Any:
-        if self._prefill is None:
-            self._prefill = self._fi.BatchPrefillWithPagedKVCacheWrapper(
-                self._workspace, "NHD", backend=_KERNELS
+    def _prefill_wrapper(self, kernels: str) -> Any:
+        wrapper = self._prefill.get(kernels)
+        if wrapper is None:
+            wrapper = self._fi.BatchPrefillWithPagedKVCacheWrapper(
+                self._workspace, "NHD", backend=kernels
             )
-        return self._prefill
+            self._prefill[kernels] = wrapper
+        return wrapper
 
     def _decode_wrapper(self, layout: _Layout, graph_bs: int | None) -> Any:
         tensor_cores = layout.num_heads // layout.num_kv_heads >= TENSOR_CORE_GROUP

@@ -57,6 +57,16 @@ class HybridAttentionBackend(AttentionBackend):
             raise RuntimeError("init_forward_metadata must run before the first layer")
         return self._active.forward(q, k, v, layer_id, batch, scale, kv_stored)
 
+    def start_kernel_builds(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> None:
+        self.prefill.start_kernel_builds(num_heads, num_kv_heads, head_dim, dtype)
+        self.decode.start_kernel_builds(num_heads, num_kv_heads, head_dim, dtype)
+
+    def wait_kernel_builds(self, timeout: float) -> bool:
+        prefill = self.prefill.wait_kernel_builds(timeout)
+        return self.decode.wait_kernel_builds(timeout) and prefill
+
     # -- CUDA graphs: decode passes only ----------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_context_len: int) -> None:
         self.decode.init_cuda_graph_state(max_bs, max_context_len)

@@ -1,0 +1,191 @@
+"""FlashInfer's SM90 ("fa3") prefill kernels, for passes whose long prompts dominate.
+
+On Hopper the SM90 kernels run a long query block's attention ~1.6x faster than FA2
+(bench/prefill_kernels.py, one layer of the 8B shape on an H100, pages of one slot):
+a 2048-token chunk over 8192 keys 0.47 against 0.78 ms, over 32768 keys 1.97 against
+3.09 ms. They lose 3-5x on requests that add a few tokens (their 128-row query tiles
+run nearly empty: 64 requests of 16 tokens 0.65 against 0.24 ms), and the kernel is
+persistent: it holds every SM until it ends, so a mixed batch's cascade decoders on the
+side stream no longer run beside it (on an H200 that cost the cached shared-prefix
+benchmark 1%). `use_sm90` weighs these (docs/performance.md has the figures).
+
+The kernels are JIT-compiled by FlashInfer the first time (about 90 s with
+MAX_JOBS=16 on the lent H100; cached after, under FlashInfer's workspace). `Sm90Build`
+compiles them in a background thread at start-up, by planning and running a small pass
+on its own stream and workspace; passes run FA2 until the build is done. A failed
+build is logged once and leaves every pass on FA2.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+# A request adding this many tokens or more is a long query block (SM90 runs it faster).
+LONG_QUERY = 128
+# A short request's key (one it reads for a token of a request adding fewer than
+# LONG_QUERY) costs the SM90 kernel about what this many long query x key pairs save
+# (H100, 8B shape: ~3.7 ns a key lost against ~17 ps a pair saved; rounded up).
+SHORT_KEY_WEIGHT = 256
+# Beside cascade decoders on the side stream, the long requests' pairs must be at least
+# this many (a 2048-token chunk over ~4k keys) to pay for the lost overlap: the
+# shared-prefix benchmark's question and prefix steps (~2-4.5M pairs) stay on FA2.
+MIN_PAIRS_BESIDE_CASCADE = 8 * 2**20
+
+
+def causal_pairs(new: int, kv: int) -> int:
+    """Query x key pairs of one request adding `new` tokens to `kv - new` cached ones
+    (causal within the new tokens)."""
+    return new * (kv - new) + new * (new + 1) // 2
+
+
+def use_sm90(q_lens: Sequence[int], kv_lens: Sequence[int], beside_cascade: bool) -> bool:
+    """Whether a prefill pass over requests adding `q_lens` tokens to sequences of
+    `kv_lens` runs faster on the SM90 kernels than on FA2 (`beside_cascade`: decoders
+    run cascade on the side stream meanwhile)."""
+    long_pairs = 0
+    short_keys = 0
+    for new, kv in zip(q_lens, kv_lens, strict=True):
+        if new >= LONG_QUERY:
+            long_pairs += causal_pairs(new, kv)
+        else:
+            short_keys += kv
+    if long_pairs == 0 or long_pairs < SHORT_KEY_WEIGHT * short_keys:
+        return False
+    return not beside_cascade or long_pairs >= MIN_PAIRS_BESIDE_CASCADE
+
+
+def is_sm90(device: torch.device) -> bool:
+    """Hopper: the SM90 kernels' only target."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
+_builds: dict[tuple[Any, ...], Sm90Build] = {}
+_builds_lock = threading.Lock()
+
+
+def sm90_build(
+    flashinfer: Any,
+    device: torch.device,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+) -> Sm90Build:
+    """The process's build of the SM90 kernels for this layout, started on first ask:
+    engines made one after another (tests, benchmarks) share it."""
+    key = (device, num_heads, num_kv_heads, head_dim, dtype)
+    with _builds_lock:
+        build = _builds.get(key)
+        if build is None:
+            build = _builds[key] = Sm90Build()
+            build.start(flashinfer, device, num_heads, num_kv_heads, head_dim, dtype)
+    return build
+
+
+class Sm90Build:
+    """The SM90 prefill kernels of one head layout, compiled in a background thread."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._ok = False
+        self._thread: threading.Thread | None = None
+
+    @property
+    def ready(self) -> bool:
+        """Built and loaded: passes may run them."""
+        return self._ok
+
+    def start(
+        self,
+        flashinfer: Any,
+        device: torch.device,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+    ) -> None:
+        """Compile in the background (once)."""
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(
+            target=self._build,
+            args=(flashinfer, device, num_heads, num_kv_heads, head_dim, dtype),
+            name="radixserve-sm90-prefill-build",
+            daemon=True,  # a build still running does not hold the process at exit
+        )
+        self._thread.start()
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to `timeout` s for the build to end; whether the kernels are ready."""
+        self._done.wait(timeout)
+        return self._ok
+
+    def _build(
+        self,
+        flashinfer: Any,
+        device: torch.device,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+    ) -> None:
+        started = time.perf_counter()
+        try:
+            run_small_pass(flashinfer, device, num_heads, num_kv_heads, head_dim, dtype)
+        except Exception:  # any failure leaves FA2 in charge; say why once
+            log.warning(
+                "FlashInfer's SM90 prefill kernels could not be built; prefills stay on FA2",
+                exc_info=True,
+            )
+        else:
+            self._ok = True
+            log.info(
+                "FlashInfer's SM90 prefill kernels ready in %.0f s: long prompts use them",
+                time.perf_counter() - started,
+            )
+        finally:
+            self._done.set()
+
+
+def run_small_pass(
+    flashinfer: Any,
+    device: torch.device,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+) -> None:
+    """Plan and run one small SM90 prefill (which compiles its kernels) on a stream and
+    workspace of its own, so the engine's passes go on meanwhile."""
+    stream = torch.cuda.Stream(device)
+    with torch.cuda.device(device), torch.cuda.stream(stream):
+        workspace = torch.zeros(32 * 2**20, dtype=torch.uint8, device=device)
+        wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="fa3")
+        tokens = 16
+        indptr = torch.tensor([0, tokens], dtype=torch.int32)
+        wrapper.plan(
+            indptr,
+            indptr,
+            torch.arange(tokens, dtype=torch.int32, device=device),
+            torch.ones(1, dtype=torch.int32),
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            1,  # page size
+            causal=True,
+            sm_scale=head_dim**-0.5,
+            q_data_type=dtype,
+            kv_data_type=dtype,
+        )
+        q = torch.zeros(tokens, num_heads, head_dim, dtype=dtype, device=device)
+        kv = torch.zeros(tokens, 1, num_kv_heads, head_dim, dtype=dtype, device=device)
+        wrapper.run(q, (kv, kv))
+    stream.synchronize()
