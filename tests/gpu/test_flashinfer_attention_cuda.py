@@ -160,6 +160,18 @@ def test_sm90_prefill_matches_torch(prefix_lens: list[int], extend_lens: list[in
     assert error < TOLERANCE
 
 
+def test_sm90_prefill_beside_leading_decoders_matches_torch() -> None:
+    # A mixed batch as a loaded server has one: 20 decoders first (Triton's decode, after
+    # the SM90 kernel), then a long prompt's 2048-token chunk over 8192 cached tokens.
+    backend = sm90_backend()
+    gen = torch.Generator().manual_seed(10)
+    decoding = torch.randint(100, 6000, (20,), generator=gen).tolist()
+    p = make_pass([*decoding, 8192], [1] * 20 + [2048], (32, 8), seed=10)
+    error = attention_passes.compare_with_torch(p, backend, layers=(0, 1))
+    assert backend.prefill_kernels == "fa3"
+    assert error < TOLERANCE
+
+
 def test_sm90_prefill_beside_cascade_decoders_matches_torch() -> None:
     # 48 decoders in 3 groups over 2048-token prefixes (cascade, side stream) beside a
     # long prompt's 2048-token chunk over 8192 cached tokens (SM90, current stream).

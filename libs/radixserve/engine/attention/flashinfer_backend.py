@@ -40,7 +40,8 @@ $FLASHINFER_WORKSPACE_BASE/.cache/flashinfer). Prefill passes run FA2's kernels,
 Hopper the SM90 (fa3) ones where long prompts dominate the pass (attention/
 sm90_prefill.py: ~1.6x faster on long query blocks, 3-5x slower on requests adding a few
 tokens; built in the background at start-up, FA2 meanwhile; `disable_sm90_prefill`
-turns them off).
+turns them off). A mixed batch's leading decoders then run Triton's decode kernel
+after the SM90 one (or cascade, where they share prefixes).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ import torch
 from radixserve.engine.attention.base import AttentionBackend, check_batch
 from radixserve.engine.attention.cascade import CascadeDecode, CascadeGraph, CascadePass
 from radixserve.engine.attention.sm90_prefill import Sm90Build, is_sm90, sm90_build, use_sm90
+from radixserve.engine.attention.triton_backend import DecodeRows
 from radixserve.engine.attention.triton_ops.indices import build_kv_indices
 from radixserve.engine.forward_batch import ForwardMode
 
@@ -139,6 +141,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._layout: _Layout | None = None
         self._pass: _Pass | None = None
         self._cascade: CascadePass | None = None
+        # A mixed batch's leading decoders beside an SM90 prefill (Triton's decode).
+        self._decoders: DecodeRows | None = None
         self._prefill: dict[str, Any] = {}  # kernel family -> its prefill wrapper
         self._decode: Any = None
         self._sm90_wanted = sm90_prefill and is_sm90(device)
@@ -155,6 +159,7 @@ class FlashInferAttentionBackend(AttentionBackend):
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         check_batch(batch)
         self._cascade = None
+        self._decoders = None
         self._pass = None
         if batch.shared_prefixes:
             # The leading one-token rows run cascade; the rest (a mixed batch's prefills,
@@ -163,7 +168,17 @@ class FlashInferAttentionBackend(AttentionBackend):
             if self._cascade.rows < batch.batch_size:
                 self._pass = self._new_pass(batch, decode=False, first=self._cascade.rows)
             return
-        self._pass = self._new_pass(batch, decode=max(batch.extend_seq_lens_cpu) == 1)
+        decode = max(batch.extend_seq_lens_cpu) == 1
+        first = batch.cascade_rows
+        if not decode and first and self._sm90 is not None and self._sm90.ready:
+            new, lens = batch.extend_seq_lens_cpu[first:], batch.seq_lens_cpu[first:]
+            if use_sm90(new, lens, beside_cascade=True):
+                # The SM90 kernel is 3-5x slower on one-token requests: the leading
+                # decoders run Triton's decode after it instead.
+                self._decoders = DecodeRows(batch, first)
+                self._pass = self._new_pass(batch, decode=False, first=first)
+                return
+        self._pass = self._new_pass(batch, decode=decode)
 
     def _new_pass(
         self, batch: ForwardBatch, decode: bool, graph_bs: int | None = None, first: int = 0
@@ -219,6 +234,7 @@ class FlashInferAttentionBackend(AttentionBackend):
     def init_forward_metadata_capture(self, batch: ForwardBatch, cascade: bool = False) -> None:
         graph = self._graph_for(batch)
         self._cascade = None
+        self._decoders = None
         bs = batch.batch_size
         if cascade:
             # Triton kernels over the shared kv_indices buffer (a pass runs a wrapper or
@@ -242,6 +258,7 @@ class FlashInferAttentionBackend(AttentionBackend):
     def init_forward_metadata_replay(self, batch: ForwardBatch, num_real: int) -> None:
         graph = self._graph_for(batch)
         self._cascade = None
+        self._decoders = None
         if batch.shared_prefixes:
             assert graph.cascade is not None, "a cascade graph is replayed only after capture"
             graph.cascade.write(batch, num_real)
@@ -291,6 +308,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         paged = (k_buffer.unsqueeze(1), v_buffer.unsqueeze(1))  # pages of one slot (NHD)
         if not isinstance(self._cascade, CascadeDecode):
             step.wrapper.run(q[first:], paged, out=out[first:])
+            if self._decoders is not None:
+                self._decoders.forward(q, k_buffer, v_buffer, out, scale)
             return out
         # A mixed batch: the decoders' cascade (memory-bound) runs on a side stream beside
         # the prompts' prefill (compute-bound) on this one, launched after it (its small

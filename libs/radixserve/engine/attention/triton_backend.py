@@ -291,6 +291,36 @@ class TritonAttentionBackend(AttentionBackend):
         return flat[:numel].view(shape)
 
 
+class DecodeRows:
+    """Triton's split-KV decode over a pass's leading one-token rows, for another backend
+    that runs the rest of the batch (FlashInfer's SM90 prefill, which is slow on them)."""
+
+    def __init__(self, batch: ForwardBatch, rows: int) -> None:
+        self.rows = rows
+        self._plan = _decode_plan(batch, list(range(rows)))
+        self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None  # at the first layer
+
+    def forward(
+        self,
+        q: torch.Tensor,  # the pass's tokens; the decoding rows are its first `rows`
+        k_buffer: torch.Tensor,
+        v_buffer: torch.Tensor,
+        out: torch.Tensor,  # rows [:rows] are written
+        scale: float,
+    ) -> None:
+        plan = self._plan
+        if self._scratch is None:
+            shape = (self.rows, q.shape[1], plan.num_splits)
+            self._scratch = (
+                torch.empty((*shape, q.shape[2]), dtype=torch.float32, device=q.device),
+                torch.empty(shape, dtype=torch.float32, device=q.device),
+            )
+        decode_attention(
+            q, k_buffer, v_buffer, out, plan.q_rows, plan.kv_indptr, plan.kv_indices,
+            *self._scratch, scale,
+        )  # fmt: skip
+
+
 def _decode_plan(batch: ForwardBatch, members: list[int] | None) -> _DecodePlan:
     rows, q_rows = batch.req_pool_indices, batch.extend_start_loc
     seq_lens, seq_lens_cpu = batch.seq_lens, batch.seq_lens_cpu
