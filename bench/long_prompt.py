@@ -72,7 +72,7 @@ def run_engine(folder: Path, sm90: bool, args: argparse.Namespace) -> dict[Case,
         context_length=max(args.input_lens) + 8,
         max_running_requests=max(args.decoders) + 8,
         cuda_graph_max_bs=max(args.decoders) + 8,
-        disable_sm90_prefill=not sm90,
+        enable_sm90_prefill=sm90,
     )
     vocab = engine.runner.model_config.vocab_size
     gen = torch.Generator().manual_seed(0)

@@ -138,7 +138,7 @@ def sm90_backend() -> FlashInferAttentionBackend:
     minutes on a cold cache)."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the SM90 prefill kernels run on Hopper GPUs only")
-    backend = FlashInferAttentionBackend(torch.device("cuda"), torch.bfloat16)
+    backend = FlashInferAttentionBackend(torch.device("cuda"), torch.bfloat16, sm90_prefill=True)
     backend.start_kernel_builds(32, 8, HEAD_DIM, torch.bfloat16)
     assert backend.wait_kernel_builds(1200), "the SM90 prefill kernels did not build"
     return backend

@@ -71,11 +71,11 @@ def test_the_cpu_is_not_sm90() -> None:
     assert not is_sm90(torch.device("cpu"))
 
 
-def test_the_flag_and_the_variable_turn_it_off() -> None:
-    assert EngineConfig().disable_sm90_prefill is False
+def test_it_is_opt_in_by_the_flag_or_the_variable() -> None:
+    assert EngineConfig().enable_sm90_prefill is False
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser)
-    flagged = engine_kwargs(parser.parse_args(["--disable-sm90-prefill"]), environ={})
-    assert EngineConfig(**flagged).disable_sm90_prefill is True
-    env = {"RADIXSERVE_DISABLE_SM90_PREFILL": "true"}
-    assert engine_kwargs(parser.parse_args([]), environ=env) == {"disable_sm90_prefill": True}
+    flagged = engine_kwargs(parser.parse_args(["--enable-sm90-prefill"]), environ={})
+    assert EngineConfig(**flagged).enable_sm90_prefill is True
+    env = {"RADIXSERVE_ENABLE_SM90_PREFILL": "true"}
+    assert engine_kwargs(parser.parse_args([]), environ=env) == {"enable_sm90_prefill": True}

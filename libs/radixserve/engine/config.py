@@ -48,9 +48,10 @@ class EngineConfig:
     # cached prefix read it once per step for the whole group (attention/cascade.py).
     disable_cascade_attention: bool = False
     # FlashInfer's SM90 prefill kernels on Hopper GPUs (flashinfer backend): prefill passes
-    # that long prompts dominate run them, ~1.6x faster than FA2 there. They compile in
-    # the background at start-up (about 90 s the first time; cached after); FA2 meanwhile.
-    disable_sm90_prefill: bool = False
+    # that long prompts dominate run them, ~1.6x faster than FA2 there. Opt-in: they are
+    # JIT-compiled in the background at start-up (about 90 s of nvcc the first time, cached
+    # under FlashInfer's workspace after); FA2 meanwhile.
+    enable_sm90_prefill: bool = False
     # Scheduling.
     schedule_policy: str = "lpm"
     chunked_prefill_size: int = 2048  # <= 0: no chunking

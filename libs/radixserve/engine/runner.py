@@ -71,7 +71,7 @@ def make_attention_backend(
     *,
     prefill: str | None = None,
     decode: str | None = None,
-    sm90_prefill: bool = True,
+    sm90_prefill: bool = False,
 ) -> AttentionBackend:
     """The attention backend for `device` and a model of `dtype` (None: not known):
     `name` (one EngineConfig admits) for every pass, or where `prefill` or `decode`
@@ -111,7 +111,7 @@ def attention_backend_names(
 
 
 def _backend(
-    name: str, device: torch.device, dtype: torch.dtype | None, sm90_prefill: bool = True
+    name: str, device: torch.device, dtype: torch.dtype | None, sm90_prefill: bool = False
 ) -> AttentionBackend:
     if name == "flashinfer":
         from radixserve.engine.attention.flashinfer_backend import FlashInferAttentionBackend
@@ -195,7 +195,7 @@ class ModelRunner:
             self.dtype,
             prefill=config.prefill_attention_backend,
             decode=config.decode_attention_backend,
-            sm90_prefill=not config.disable_sm90_prefill,
+            sm90_prefill=config.enable_sm90_prefill,
         )
         log.info(
             "model %s on %s (%s), KV pool %d tokens",

@@ -39,8 +39,8 @@ Kernels are JIT-compiled by FlashInfer on first use (nvcc; cached under
 $FLASHINFER_WORKSPACE_BASE/.cache/flashinfer). Prefill passes run FA2's kernels, or on
 Hopper the SM90 (fa3) ones where long prompts dominate the pass (attention/
 sm90_prefill.py: ~1.6x faster on long query blocks, 3-5x slower on requests adding a few
-tokens; built in the background at start-up, FA2 meanwhile; `disable_sm90_prefill`
-turns them off). A mixed batch's leading decoders then run Triton's decode kernel
+tokens; built in the background at start-up, FA2 meanwhile; opt-in:
+`enable_sm90_prefill`). A mixed batch's leading decoders then run Triton's decode kernel
 after the SM90 one (or cascade, where they share prefixes).
 """
 
@@ -124,7 +124,7 @@ class FlashInferAttentionBackend(AttentionBackend):
     supports_shared_prefix = True
 
     def __init__(
-        self, device: torch.device, dtype: torch.dtype | None = None, sm90_prefill: bool = True
+        self, device: torch.device, dtype: torch.dtype | None = None, sm90_prefill: bool = False
     ) -> None:
         """`sm90_prefill`: on Hopper, run prefill passes that long prompts dominate on the
         SM90 kernels once they are built (start_kernel_builds, or the first pass)."""
