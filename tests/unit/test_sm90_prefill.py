@@ -5,10 +5,13 @@ shapes its constants were measured on (bench/prefill_kernels.py, docs/performanc
 from __future__ import annotations
 
 import argparse
+import logging
+from pathlib import Path
 
 import pytest
 import torch
 
+from radixserve import Engine
 from radixserve.engine.attention.sm90_prefill import (
     LONG_QUERY,
     MIN_PAIRS_BESIDE_CASCADE,
@@ -69,6 +72,20 @@ def test_beside_cascade_only_large_prefills_run_sm90() -> None:
 
 def test_the_cpu_is_not_sm90() -> None:
     assert not is_sm90(torch.device("cpu"))
+
+
+def test_asking_for_it_where_it_cannot_act_says_so(
+    tiny_llama_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="radixserve.engine.runner"):
+        engine = Engine(model_path=str(tiny_llama_dir), device="cpu", enable_sm90_prefill=True)
+    try:
+        assert "enable_sm90_prefill has no effect here" in caplog.text
+        assert "torch" in caplog.text  # the backend the prefills run on
+        out = engine.generate(input_ids=[1, 2, 3], sampling_params={"max_new_tokens": 2})
+        assert isinstance(out, dict) and len(out["output_ids"]) == 2
+    finally:
+        engine.shutdown()
 
 
 def test_it_is_opt_in_by_the_flag_or_the_variable() -> None:

@@ -12,6 +12,7 @@ import os
 import torch
 
 from radixserve.engine.attention.base import AttentionBackend
+from radixserve.engine.attention.sm90_prefill import is_sm90
 from radixserve.engine.config import EngineConfig
 from radixserve.engine.forward_batch import ForwardBatch, ForwardMode, SharedPrefix
 from radixserve.engine.graphs.cuda_graph_runner import CudaGraphRunner
@@ -95,6 +96,12 @@ def make_attention_backend(
         _backend(prefill_name, device, dtype, sm90_prefill),
         _backend(decode_name, device, dtype, sm90_prefill),
     )
+
+
+def sm90_prefill_applies(attn: AttentionBackend, device: torch.device) -> bool:
+    """Whether `enable_sm90_prefill` can act: prefills on flashinfer, a Hopper GPU."""
+    prefill = getattr(attn, "prefill", attn)  # a hybrid's prefill side
+    return prefill.name == "flashinfer" and is_sm90(device)
 
 
 def attention_backend_names(
@@ -197,6 +204,13 @@ class ModelRunner:
             decode=config.decode_attention_backend,
             sm90_prefill=config.enable_sm90_prefill,
         )
+        if config.enable_sm90_prefill and not sm90_prefill_applies(self.attn, self.device):
+            log.warning(
+                "enable_sm90_prefill has no effect here: it needs prefills on the flashinfer "
+                "backend on a Hopper GPU (they run on %s, %s)",
+                self.attn.name,
+                torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
+            )
         log.info(
             "model %s on %s (%s), KV pool %d tokens",
             self.model_path,
