@@ -149,24 +149,15 @@ def sm90_backend() -> FlashInferAttentionBackend:
     [
         ([0, 0], [4096, 300]),  # prompts alone
         ([8192, 3000, 45], [2048, 1, 1]),  # a long prompt's chunk beside two decoders
+        # A mixed batch as a loaded server has one: 20 decoders first (Triton's decode,
+        # after the SM90 kernel), then a long prompt's chunk over 8192 cached tokens.
+        ([*range(100, 6000, 295), 8192], [1] * 20 + [2048]),
     ],
-    ids=["prefills", "long_chunk_beside_decoders"],
+    ids=["prefills", "long_chunk_beside_decoders", "leading_decoders"],
 )
 def test_sm90_prefill_matches_torch(prefix_lens: list[int], extend_lens: list[int]) -> None:
     backend = sm90_backend()
     p = make_pass(prefix_lens, extend_lens, (32, 8), seed=7)
-    error = attention_passes.compare_with_torch(p, backend, layers=(0, 1))
-    assert backend.prefill_kernels == "fa3"
-    assert error < TOLERANCE
-
-
-def test_sm90_prefill_beside_leading_decoders_matches_torch() -> None:
-    # A mixed batch as a loaded server has one: 20 decoders first (Triton's decode, after
-    # the SM90 kernel), then a long prompt's 2048-token chunk over 8192 cached tokens.
-    backend = sm90_backend()
-    gen = torch.Generator().manual_seed(10)
-    decoding = torch.randint(100, 6000, (20,), generator=gen).tolist()
-    p = make_pass([*decoding, 8192], [1] * 20 + [2048], (32, 8), seed=10)
     error = attention_passes.compare_with_torch(p, backend, layers=(0, 1))
     assert backend.prefill_kernels == "fa3"
     assert error < TOLERANCE

@@ -16,6 +16,7 @@ from radixserve.engine.attention.sm90_prefill import (
     LONG_QUERY,
     MIN_PAIRS_BESIDE_CASCADE,
     SHORT_KEY_WEIGHT,
+    Sm90Build,
     causal_pairs,
     is_sm90,
     use_sm90,
@@ -96,3 +97,19 @@ def test_it_is_opt_in_by_the_flag_or_the_variable() -> None:
     assert EngineConfig(**flagged).enable_sm90_prefill is True
     env = {"RADIXSERVE_ENABLE_SM90_PREFILL": "true"}
     assert engine_kwargs(parser.parse_args([]), environ=env) == {"enable_sm90_prefill": True}
+
+
+def test_a_build_is_ready_once_its_compile_ran_and_never_if_it_failed(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    ran: list[bool] = []
+    built = Sm90Build(lambda: ran.append(True))
+    assert built.wait(10) and built.ready and ran == [True]
+
+    def no_compiler() -> None:
+        raise RuntimeError("nvcc not found")
+
+    with caplog.at_level(logging.WARNING, logger="radixserve.engine.attention.sm90_prefill"):
+        failed = Sm90Build(no_compiler)
+        assert not failed.wait(10) and not failed.ready
+    assert "stay on FA2" in caplog.text and "nvcc not found" in caplog.text

@@ -165,43 +165,48 @@ class FlashInferAttentionBackend(AttentionBackend):
             # The leading one-token rows run cascade; the rest (a mixed batch's prefills,
             # their tokens the tail of q) run the prefill wrapper.
             self._cascade = CascadeDecode(batch)
-            if self._cascade.rows < batch.batch_size:
-                self._pass = self._new_pass(batch, decode=False, first=self._cascade.rows)
+            first = self._cascade.rows
+            if first < batch.batch_size:
+                kernels = self._prefill_kernels(batch, first)
+                self._pass = self._new_pass(batch, decode=False, first=first, kernels=kernels)
             return
-        decode = max(batch.extend_seq_lens_cpu) == 1
+        if max(batch.extend_seq_lens_cpu) == 1:
+            self._pass = self._new_pass(batch, decode=True)
+            return
         first = batch.cascade_rows
-        if not decode and first and self._sm90 is not None and self._sm90.ready:
-            new, lens = batch.extend_seq_lens_cpu[first:], batch.seq_lens_cpu[first:]
-            if use_sm90(new, lens, beside_cascade=True):
-                # The SM90 kernel is 3-5x slower on one-token requests: the leading
-                # decoders run Triton's decode after it instead.
-                self._decoders = DecodeRows(batch, first)
-                self._pass = self._new_pass(batch, decode=False, first=first)
-                return
-        self._pass = self._new_pass(batch, decode=decode)
+        if first and self._prefill_kernels(batch, first) == "fa3":
+            # The SM90 kernel is 3-5x slower on one-token requests: the leading decoders
+            # run Triton's decode after it instead.
+            self._decoders = DecodeRows(batch, first)
+            self._pass = self._new_pass(batch, decode=False, first=first, kernels="fa3")
+            return
+        kernels = self._prefill_kernels(batch, 0)
+        self._pass = self._new_pass(batch, decode=False, kernels=kernels)
+
+    def _prefill_kernels(self, batch: ForwardBatch, first: int) -> str:
+        """fa3 where the SM90 kernels are built and pay for requests [first:] (those
+        before run cascade or Triton's decode beside them), else FA2's."""
+        if self._sm90 is None or not self._sm90.ready:
+            return _KERNELS
+        new, lens = batch.extend_seq_lens_cpu[first:], batch.seq_lens_cpu[first:]
+        return "fa3" if use_sm90(new, lens, beside_cascade=first > 0) else _KERNELS
 
     def _new_pass(
-        self, batch: ForwardBatch, decode: bool, graph_bs: int | None = None, first: int = 0
+        self,
+        batch: ForwardBatch,
+        decode: bool,
+        graph_bs: int | None = None,
+        first: int = 0,
+        kernels: str = _KERNELS,
     ) -> _Pass:
         """The pass over requests [first:] (their tokens: q's rows from `first` on, since
-        the requests before add one token each)."""
+        the requests before add one token each); `kernels`: an extend pass's family."""
         lens = batch.seq_lens_cpu[first:]
         _, kv_indices = build_kv_indices(
             batch.req_to_token, batch.req_pool_indices[first:], batch.seq_lens[first:], sum(lens)
         )
-        if decode:
-            return _Pass(decode, _host_indptr(lens), kv_indices, None, graph_bs, first)
-        new = batch.extend_seq_lens_cpu[first:]
-        sm90 = self._sm90 is not None and self._sm90.ready and use_sm90(new, lens, first > 0)
-        return _Pass(
-            decode,
-            _host_indptr(lens),
-            kv_indices,
-            _host_indptr(new),
-            graph_bs,
-            first,
-            kernels="fa3" if sm90 else _KERNELS,
-        )
+        qo_indptr = None if decode else _host_indptr(batch.extend_seq_lens_cpu[first:])
+        return _Pass(decode, _host_indptr(lens), kv_indices, qo_indptr, graph_bs, first, kernels)
 
     # -- kernels built in the background ------------------------------------------------
     def start_kernel_builds(

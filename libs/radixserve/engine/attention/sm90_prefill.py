@@ -22,11 +22,12 @@ several GB of host memory, which a container's limit may not leave.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -86,62 +87,41 @@ def sm90_build(
 ) -> Sm90Build:
     """The process's build of the SM90 kernels for this layout, started on first ask:
     engines made one after another (tests, benchmarks) share it."""
-    key = (device, num_heads, num_kv_heads, head_dim, dtype)
+    layout = (device, num_heads, num_kv_heads, head_dim, dtype)
     with _builds_lock:
-        build = _builds.get(key)
+        build = _builds.get(layout)
         if build is None:
-            build = _builds[key] = Sm90Build()
-            build.start(flashinfer, device, num_heads, num_kv_heads, head_dim, dtype)
+            build = _builds[layout] = Sm90Build(
+                functools.partial(run_small_pass, flashinfer, *layout)
+            )
     return build
 
 
 class Sm90Build:
-    """The SM90 prefill kernels of one head layout, compiled in a background thread."""
+    """The SM90 prefill kernels of one head layout, compiled in a background thread
+    (started here) by `compile`."""
 
-    def __init__(self) -> None:
+    def __init__(self, compile: Callable[[], None]) -> None:
         self._done = threading.Event()
         self._ok = False
-        self._thread: threading.Thread | None = None
+        threading.Thread(
+            target=self._build,
+            args=(compile,),
+            name="radixserve-sm90-prefill-build",
+            daemon=True,  # a build still running does not hold the process at exit
+        ).start()
 
     @property
     def ready(self) -> bool:
         """Built and loaded: passes may run them."""
         return self._ok
 
-    def start(
-        self,
-        flashinfer: Any,
-        device: torch.device,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-    ) -> None:
-        """Compile in the background (once)."""
-        if self._thread is not None:
-            return
-        self._thread = threading.Thread(
-            target=self._build,
-            args=(flashinfer, device, num_heads, num_kv_heads, head_dim, dtype),
-            name="radixserve-sm90-prefill-build",
-            daemon=True,  # a build still running does not hold the process at exit
-        )
-        self._thread.start()
-
     def wait(self, timeout: float) -> bool:
         """Wait up to `timeout` s for the build to end; whether the kernels are ready."""
         self._done.wait(timeout)
         return self._ok
 
-    def _build(
-        self,
-        flashinfer: Any,
-        device: torch.device,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-    ) -> None:
+    def _build(self, compile: Callable[[], None]) -> None:
         started = time.perf_counter()
         try:
             # Lowest CPU priority for this thread and the nvcc processes it starts (they
@@ -150,7 +130,7 @@ class Sm90Build:
         except (AttributeError, OSError):  # not Linux, or not allowed: build as it is
             pass
         try:
-            run_small_pass(flashinfer, device, num_heads, num_kv_heads, head_dim, dtype)
+            compile()
         except Exception:  # any failure leaves FA2 in charge; say why once
             log.warning(
                 "FlashInfer's SM90 prefill kernels could not be built; prefills stay on FA2",
