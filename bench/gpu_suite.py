@@ -136,16 +136,17 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
         argv += ["--batch-sizes", *batch_sizes, "--input-len", "512"]
         argv += ["--output-len", output_len, "--cuda-graph", graphs, "--json", str(path)]
         # A 256 x 512-token prefill's activations need ~20 GB: the KV pool gets less.
-        argv += ["--mem-fraction-static", "0.65"]
+        argv += ["--mem-fraction-static", "0.65", "--engine-args", args.engine_args]
         one_batch.append(stages.run(f"one_batch {backend}", argv, path))
         path = out / f"prefill_2048_{backend}.json"
         argv = [str(BENCH / "one_batch.py"), "--tokenizer", tokenizer, "--backends", backend]
         argv += ["--batch-sizes", "1", "--input-len", "2048", "--output-len", "2"]
-        argv += ["--cuda-graph", "off", "--json", str(path)]
+        argv += ["--cuda-graph", "off", "--json", str(path), "--engine-args", args.engine_args]
         prefill.append(stages.run(f"prefill 2048 {backend}", argv, path))
     path = out / "offline.json"
     argv = [str(BENCH / "offline.py"), "--tokenizer", tokenizer, "--radix", "both"]
     argv += ["--scale", "0.1" if args.quick else "1.0", "--json", str(path)]
+    argv += ["--engine-args", args.engine_args]
     offline = stages.run("offline", argv, path)
     parity = sampling_check = None
     if not args.skip_parity:
@@ -166,6 +167,7 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
         "device": probe["device"] if probe else None,
         "torch": torch.__version__,
         "commit": args.commit or git_commit(),
+        "engine_args": json.loads(args.engine_args),
         "quick": args.quick,
         "decode_output_len": int(output_len),
         "bandwidth_bytes_s": probe["bandwidth_bytes_s"] if probe else None,
@@ -213,7 +215,12 @@ def markdown(result: dict[str, Any]) -> str:
     quick = " (quick run)" if result["quick"] else ""
     lines = [
         f"# GPU suite{quick}: {result['date']}, {result['device']}, "
-        f"torch {result['torch']}, commit {result['commit']}",
+        f"torch {result['torch']}, commit {result['commit']}"
+        + (
+            f", engine options {json.dumps(result['engine_args'])}"
+            if result.get("engine_args")
+            else ""
+        ),
         "",
         f"Roofline probe (same run): copy bandwidth {_fmt(_scaled(result['bandwidth_bytes_s']))}"
         f" TB/s, bf16 matmul {_fmt(_scaled(result['matmul_flop_s']), 0)} TFLOP/s.",
@@ -327,6 +334,11 @@ def main() -> int:
         "--skip-parity", action="store_true", help="skip the parity and sampling checks"
     )
     ap.add_argument("--commit", default=None, help="default: git rev-parse --short HEAD")
+    ap.add_argument(
+        "--engine-args",
+        default="{}",
+        help="more Engine options for every stage, a JSON object (e.g. '{\"enable_sm90_prefill\": true}')",
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench/gpu_suite.py needs a CUDA GPU; this machine has none.", file=sys.stderr)

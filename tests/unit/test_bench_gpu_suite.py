@@ -111,3 +111,7 @@ def test_report_marks_targets_and_unmeasured_figures(suite: ModuleType) -> None:
     assert "Sampling, one" not in broken
     assert f"| {suite.SHARED_PREFIX.name} | default backend | n/a | >= 5.0 | n/a |" in broken
     assert "- offline: exit status 1" in broken
+    # The engine options every stage ran with head the report when there are any.
+    assert "engine options" not in table
+    options = suite.markdown(_result(engine_args={"enable_sm90_prefill": True}))
+    assert 'commit abc1234, engine options {"enable_sm90_prefill": true}' in options
