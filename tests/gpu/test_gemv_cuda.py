@@ -43,9 +43,12 @@ def _norm_weight(dtype: torch.dtype) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_projections_match_the_unfused_path(dtype: torch.dtype) -> None:
-    x = cases.randn((1, HIDDEN), dtype, CUDA, seed=1)
-    residual = cases.randn((1, HIDDEN), dtype, CUDA, seed=2)
+@pytest.mark.parametrize("tokens", [1, 2, 16])
+def test_projections_match_the_unfused_path(dtype: torch.dtype, tokens: int) -> None:
+    """One token: the fused GEMVs; 2-16 (16-bit): the norm or activation kernel, then
+    the few-token GEMV; float32 beyond one token: cuBLAS."""
+    x = cases.randn((tokens, HIDDEN), dtype, CUDA, seed=1)
+    residual = cases.randn((tokens, HIDDEN), dtype, CUDA, seed=2)
     norm_w = _norm_weight(dtype)
     qkv_w, o_w = _weight(QKV, HIDDEN, dtype, 3), _weight(HIDDEN, HIDDEN, dtype, 4)
     down_w = _weight(HIDDEN, INTERMEDIATE, dtype, 5)
@@ -63,16 +66,17 @@ def test_projections_match_the_unfused_path(dtype: torch.dtype) -> None:
 
     cases.assert_close_projection(linear(x, o_w, None), cases.project_f64(x, o_w, None))
 
-    gate_up = 2 * cases.randn((1, 2 * INTERMEDIATE), dtype, CUDA, seed=8)
+    gate_up = 2 * cases.randn((tokens, 2 * INTERMEDIATE), dtype, CUDA, seed=8)
     ref = cases.project_f64(silu_and_mul_torch(gate_up), down_w, None)
     cases.assert_close_projection(silu_mul_linear(gate_up, down_w, None), ref)
 
 
-def test_head_writes_the_logits_buffer() -> None:
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_head_writes_the_logits_buffer(tokens: int) -> None:
     dtype = torch.bfloat16
-    x = cases.randn((1, HIDDEN), dtype, CUDA, seed=1)
+    x = cases.randn((tokens, HIDDEN), dtype, CUDA, seed=1)
     norm_w, head = _norm_weight(dtype), _weight(VOCAB, HIDDEN, dtype, 9)
-    logits = torch.empty((1, VOCAB), dtype=dtype, device=CUDA)
+    logits = torch.empty((tokens, VOCAB), dtype=dtype, device=CUDA)
     out, _ = add_norm_linear(x, None, norm_w, EPS, head, None, out=logits)
     assert out is logits
     cases.assert_close_projection(
@@ -80,10 +84,12 @@ def test_head_writes_the_logits_buffer() -> None:
     )
 
 
-def test_decoder_chain_replays_in_a_cuda_graph() -> None:
+@pytest.mark.parametrize("tokens", [1, 8])
+def test_decoder_chain_replays_in_a_cuda_graph(tokens: int) -> None:
     """Two layers of qkv (add + norm), o, gate_up (add + norm), down (SiLU x mul), each
-    kernel dependent on the one before: replays on new inputs equal eager runs bit for
-    bit, and the unfused path within rounding."""
+    kernel dependent on the one before (one token: the fused GEMVs; eight: the norm and
+    activation kernels and the few-token GEMV): replays on new inputs equal eager runs
+    bit for bit, and the unfused path within rounding."""
     dtype = torch.bfloat16
     layers = [
         (
@@ -95,8 +101,8 @@ def test_decoder_chain_replays_in_a_cuda_graph() -> None:
         for i in range(2)
     ]
     norm_w = _norm_weight(dtype)
-    x = cases.randn((1, HIDDEN), dtype, CUDA, seed=1)
-    residual = cases.randn((1, HIDDEN), dtype, CUDA, seed=2)
+    x = cases.randn((tokens, HIDDEN), dtype, CUDA, seed=1)
+    residual = cases.randn((tokens, HIDDEN), dtype, CUDA, seed=2)
 
     def step() -> tuple[torch.Tensor, torch.Tensor]:
         hidden, res = x, residual
@@ -120,8 +126,8 @@ def test_decoder_chain_replays_in_a_cuda_graph() -> None:
 
     graph, static_out = cases.capture(step)
     for seed in (10, 20):
-        x.copy_(cases.randn((1, HIDDEN), dtype, CUDA, seed=seed))
-        residual.copy_(cases.randn((1, HIDDEN), dtype, CUDA, seed=seed + 1))
+        x.copy_(cases.randn((tokens, HIDDEN), dtype, CUDA, seed=seed))
+        residual.copy_(cases.randn((tokens, HIDDEN), dtype, CUDA, seed=seed + 1))
         graph.replay()
         eager = step()
         for got, want in zip(static_out, eager, strict=True):

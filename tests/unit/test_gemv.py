@@ -133,6 +133,65 @@ def test_bad_shapes_are_refused() -> None:
         gemv.gemv_triton(x, weight, None, out=torch.empty((1, 36), dtype=torch.bfloat16))
 
 
+ROWS_DTYPES = [torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("dtype", ROWS_DTYPES)
+@pytest.mark.parametrize(("n", "k"), SHAPES)
+@pytest.mark.parametrize("m", [2, 5, 16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_rows(dtype: torch.dtype, n: int, k: int, m: int, bias: bool) -> None:
+    """The few-token GEMV: every token's row against the float64 sum (the tokens past m
+    in its tile of 16 are masked out, and rows past n too)."""
+    _, weight, b = _inputs(n, k, dtype, bias)
+    x = cases.randn((m, k), dtype, DEVICE, seed=8)
+    _assert_close(gemv.gemv_rows_triton(x, weight, b), _project(x, weight, b))
+
+
+def test_rows_read_and_write_strided_rows() -> None:
+    """Rows of a wider buffer in, rows of a wider buffer out (the head writes logits
+    into the runner's buffer): strides are followed and nothing else is written."""
+    _, weight, b = _inputs(37, 96, torch.bfloat16, bias=True)
+    wide = cases.randn((3, 160), torch.bfloat16, DEVICE, seed=9)
+    x = wide[:, 10:106]
+    buffer = torch.full((3, 50), 7.0, dtype=torch.bfloat16, device=DEVICE)
+    out = buffer[:, :37]
+    assert gemv.gemv_rows_triton(x, weight, b, out=out) is out
+    _assert_close(out, _project(x.contiguous(), weight, b))
+    assert torch.equal(buffer[:, 37:], torch.full((3, 13), 7.0, dtype=torch.bfloat16))
+
+
+def test_rows_refuse_what_they_cannot_run() -> None:
+    _, weight, _ = _inputs(37, 96, torch.bfloat16, bias=False)
+    x = cases.randn((2, 96), torch.bfloat16, DEVICE, seed=1)
+    with pytest.raises(ValueError, match="bfloat16 or float16"):
+        gemv.gemv_rows_triton(x.float(), weight.float(), None)
+    with pytest.raises(ValueError, match=r"rows \[m, 96\]"):
+        gemv.gemv_rows_triton(x[:, :95], weight, None)
+    with pytest.raises(ValueError, match="writes"):
+        gemv.gemv_rows_triton(x, weight, None, out=torch.empty((2, 36), dtype=torch.bfloat16))
+
+
+def test_projections_take_the_rows_gemv_for_a_few_cuda_tokens_only() -> None:
+    """Which path a projection takes: the few-token GEMV from 2 to GEMV_MAX_ROWS tokens
+    of a 16-bit dtype on CUDA; never on the CPU."""
+    weight = torch.empty((8, 16), dtype=torch.bfloat16)
+    assert not linear_ops._use_gemv_rows(torch.empty((4, 16), dtype=torch.bfloat16), weight)
+    if torch.cuda.is_available() and not INTERPRETED:
+        cuda_w = weight.cuda()
+        rows = [
+            linear_ops._use_gemv_rows(torch.empty((m, 16), dtype=dt, device="cuda"), w)
+            for m, dt, w in [
+                (1, torch.bfloat16, cuda_w),
+                (2, torch.bfloat16, cuda_w),
+                (linear_ops.GEMV_MAX_ROWS, torch.bfloat16, cuda_w),
+                (linear_ops.GEMV_MAX_ROWS + 1, torch.bfloat16, cuda_w),
+                (4, torch.float32, cuda_w.float()),
+            ]
+        ]
+        assert rows == [False, True, True, False, False]
+
+
 def test_public_ops_match_the_unfused_path_off_cuda() -> None:
     """On CPU tensors the public ops are the norm / activation reference, then F.linear."""
     x = cases.randn((3, 96), torch.float32, torch.device("cpu"), seed=1)

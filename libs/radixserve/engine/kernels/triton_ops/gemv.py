@@ -182,3 +182,124 @@ def gemv_triton(
         num_stages=stages,
     )
     return out
+
+
+# The few-token GEMV's dtypes: its products run on the tensor cores.
+ROWS_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@triton.jit
+def _gemv_rows_kernel(
+    X,
+    W,
+    Bias,
+    Out,
+    M,
+    N,
+    stride_x,
+    stride_out,
+    K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    INTERPRETED_DOT: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """out[:M] = x[:M] @ W.T for a few tokens: one program per BLOCK_N weight rows streams
+    them once for every token, W tile [BLOCK_N, BLOCK_K] times the tokens' slice on the
+    tensor cores (tokens padded to BLOCK_T with zeros), float32 sums, no split over K."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    toks = tl.arange(0, BLOCK_T)
+    tmask = toks < M
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    w_rows = W + rows[:, None].to(tl.int64) * K
+    x_rows = X + toks[:, None] * stride_x
+    acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        kmask = ks < K
+        w = tl.load(w_rows + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        x = tl.load(x_rows + ks[None, :], mask=tmask[:, None] & kmask[None, :], other=0.0)
+        if INTERPRETED_DOT:
+            # The interpreter's dot reads 16-bit floats as raw integers: float32
+            # operands give the same exact products the tensor cores form.
+            w = w.to(tl.float32)
+            x = x.to(tl.float32)
+            acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, tl.trans(x), acc)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    if HAS_BIAS:
+        acc += tl.load(Bias + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
+    out = Out + toks[None, :] * stride_out + rows[:, None]
+    tl.store(out, acc.to(Out.dtype.element_ty), mask=rmask[:, None] & tmask[None, :])
+
+
+def _rows_config(n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, stages) for a few tokens over an [n, k] weight.
+
+    From `bench/gemv_rows.py` on the H100 (Llama-3.1-8B shapes, 1-16 tokens, in a CUDA
+    graph): long rows (down) and the head stream best as 32 rows x 512, rows of 4096 as
+    64 x 256 (o, n = 4096) or 64 x 128 (qkv, gate_up); the best option was the same at
+    every token count, within 0.5 us.
+    """
+    if k > 8192 or n >= 65536:
+        return 32, 512, 4, 4
+    if n <= 4096:
+        return 64, 256, 4, 4
+    return 64, 128, 4, 4
+
+
+def gemv_rows_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    out: torch.Tensor | None = None,
+    config: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """x @ weight.T (+ bias) for a few tokens x [m, k] of a 16-bit dtype -> [m, n], written
+    into `out` when given. `config` overrides the launch options (benchmarks). Each
+    program holds all m tokens' sums, so this pays for small m only (kernels/linear.py
+    decides)."""
+    m, width = x.shape
+    n, k = weight.shape
+    if not (m >= 1 and width == k and x.stride(-1) == 1 and weight.is_contiguous()):
+        raise ValueError(
+            f"gemv_rows takes rows [m, {k}] with unit stride and a contiguous weight, "
+            f"got {tuple(x.shape)} and {tuple(weight.shape)}"
+        )
+    if x.dtype not in ROWS_DTYPES or weight.dtype != x.dtype:
+        raise ValueError(f"gemv_rows takes bfloat16 or float16, got {x.dtype} and {weight.dtype}")
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    elif out.shape != (m, n) or out.stride(-1) != 1 or out.dtype != x.dtype:
+        raise ValueError(f"gemv_rows writes [{m}, {n}] {x.dtype} rows with unit stride")
+    pdl = programmatic_launch(x.device)
+    block_n, block_k, warps, stages = config or _rows_config(n, k)
+    _gemv_rows_kernel[(triton.cdiv(n, block_n),)](
+        x,
+        weight,
+        weight if bias is None else bias,
+        out,
+        m,
+        n,
+        x.stride(0),
+        out.stride(0),
+        K=k,
+        HAS_BIAS=bias is not None,
+        BLOCK_T=max(16, triton.next_power_of_2(m)),
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        INTERPRETED_DOT=INTERPRETED,
+        PDL=pdl,
+        launch_pdl=pdl,
+        num_warps=warps,
+        num_stages=stages,
+    )
+    return out
