@@ -71,10 +71,13 @@ def test_projections_match_the_unfused_path(dtype: torch.dtype, tokens: int) -> 
     cases.assert_close_projection(silu_mul_linear(gate_up, down_w, None), ref)
 
 
-@pytest.mark.parametrize("tokens", [1, 4])
+@pytest.mark.parametrize("tokens", [1, 4, 16])
 def test_head_writes_the_logits_buffer(tokens: int) -> None:
+    """The head with its final norm, with and without the residual add (the model's
+    forward adds the last residual there), into the runner's logits buffer."""
     dtype = torch.bfloat16
     x = cases.randn((tokens, HIDDEN), dtype, CUDA, seed=1)
+    residual = cases.randn((tokens, HIDDEN), dtype, CUDA, seed=2)
     norm_w, head = _norm_weight(dtype), _weight(VOCAB, HIDDEN, dtype, 9)
     logits = torch.empty((tokens, VOCAB), dtype=dtype, device=CUDA)
     out, _ = add_norm_linear(x, None, norm_w, EPS, head, None, out=logits)
@@ -82,6 +85,10 @@ def test_head_writes_the_logits_buffer(tokens: int) -> None:
     cases.assert_close_projection(
         logits, cases.project_f64(rms_norm_torch(x, norm_w, EPS), head, None)
     )
+    out, summed = add_norm_linear(x, residual, norm_w, EPS, head, None, out=logits)
+    normed, ref_sum = fused_add_rms_norm_torch(x, residual, norm_w, EPS)
+    assert out is logits and torch.equal(summed, ref_sum)
+    cases.assert_close_projection(logits, cases.project_f64(normed, head, None))
 
 
 @pytest.mark.parametrize("tokens", [1, 8])

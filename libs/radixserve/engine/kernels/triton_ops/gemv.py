@@ -208,16 +208,18 @@ def _gemv_rows_kernel(
     tl.store(out, acc.to(dtype), mask=rmask[:, None] & (toks[None, :] < M))
 
 
-def _rows_config(n: int, k: int) -> tuple[int, int, int, int]:
+def _rows_config(n: int, k: int, prologue: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, warps, stages) for a few tokens over an [n, k] weight.
 
     From `bench/gemv_rows.py` on the H100 (Llama-3.1-8B shapes, 1-16 tokens, in a CUDA
     graph): long rows (down) and the head stream best as 32 rows x 512, rows of 4096 as
     64 x 256 (o, n = 4096) or 64 x 128 (qkv, gate_up); the best option was the same at
-    every token count, within 0.5 us.
+    every token count, within 0.5 us. A prologue reading a second input (the residual,
+    or up beside gate) takes one stage less at 512 wide: four stages of its tiles need
+    more shared memory than an SM has.
     """
     if k > 8192 or n >= 65536:
-        return 32, 512, 4, 4
+        return 32, 512, 4, 3 if prologue in (ADD_NORM, SILU_MUL) else 4
     if n <= 4096:
         return 64, 256, 4, 4
     return 64, 128, 4, 4
@@ -295,7 +297,7 @@ def gemv_triton(
             num_stages=stages,
         )
         return out
-    block_n, block_k, warps, stages = config or _rows_config(n, k)
+    block_n, block_k, warps, stages = config or _rows_config(n, k, prologue)
     _gemv_rows_kernel[(triton.cdiv(n, block_n),)](
         x,
         residual,
