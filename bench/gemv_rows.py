@@ -1,6 +1,6 @@
-"""The few-token GEMV (engine/kernels/triton_ops/gemv.py: `gemv_triton`'s tensor-core
-kernel) against torch's GEMM (cuBLASLt) at the Llama-3.1-8B projections, 1 to 16
-tokens, no prologue: a sweep of its launch options, the best per shape and token count, and a decode step's projections
+"""The few-token GEMV (engine/kernels/triton_ops/gemv.py `gemv_rows_triton`) against
+torch's GEMM (cuBLASLt) at the Llama-3.1-8B projections, 1 to 16 tokens: a sweep of its
+launch options, the best per shape and token count, and a decode step's projections
 (32 layers + the head) each way.
 
 Each projection is timed over rotating copies of its weight (>= 400 MB in all), so
@@ -85,7 +85,7 @@ def main() -> None:
             timed = []
             for config in CONFIGS:
                 try:
-                    out = gemv.gemv_triton(x, weights[0], None, config=config)
+                    out = gemv.gemv_rows_triton(x, weights[0], None, config=config)
                 except Exception as e:  # a tile the SM cannot hold
                     if "OutOfResources" not in type(e).__name__:
                         raise
@@ -93,7 +93,7 @@ def main() -> None:
                 if not torch.allclose(out.float(), ref, atol=3e-2, rtol=3e-2):
                     raise SystemExit(f"{name} m={m} {config}: the GEMV differs from torch")
                 us = _per_call_us(
-                    lambda w, x=x, c=config: gemv.gemv_triton(x, w, None, config=c),
+                    lambda w, x=x, c=config: gemv.gemv_rows_triton(x, w, None, config=c),
                     weights,
                     args.reps,
                 )

@@ -5,12 +5,13 @@ head), `silu_mul_linear` (SiLU x mul, then down) and `linear` (o). For one token
 each is a single Triton GEMV with the op folded into its read of the input
 (triton_ops/gemv.py): at batch 1 a projection streams its weight, and the norm and
 activation kernels between them, with their launch gaps, were ~8% of a decode step.
-From 2 to GEMV_MAX_ROWS tokens (16-bit dtypes) likewise, the few-token GEMV streaming
-each weight once for all the tokens on the tensor cores: cuBLAS's kernels for so few
-rows (split over K, with a reduce kernel) read the weights ~8% slower. Otherwise the
-op's kernel (kernels/norm.py, activation.py) then cuBLAS, and on the CPU the torch
-reference. The GEMVs sum in float32 in another order than cuBLAS, so outputs may
-differ from the unfused path by an ulp of the output dtype in a few elements.
+From 2 to GEMV_MAX_ROWS tokens (16-bit dtypes) the op's kernel (kernels/norm.py,
+activation.py) then the few-token Triton GEMV, which streams each weight once for all
+the tokens on the tensor cores: cuBLAS's kernels for so few rows (split over K, with a
+reduce kernel) read the weights ~8% slower. Otherwise the op's kernel then cuBLAS, and
+on the CPU the torch reference. The GEMVs sum in float32 in another order than cuBLAS,
+so outputs may differ from the unfused path by an ulp of the output dtype in a few
+elements.
 """
 
 from __future__ import annotations
@@ -22,10 +23,9 @@ from radixserve.engine.kernels import dispatch
 from radixserve.engine.kernels.activation import silu_and_mul
 from radixserve.engine.kernels.norm import fused_add_rms_norm, rms_norm
 
-# Up to this many tokens the projections run the GEMVs: one decode step's projections
-# of the 8B shape at 2-16 tokens took 5.39-5.45 ms on the few-token kernel against
-# cuBLAS's 5.71-5.93, norms and SiLU aside (bench/gemv_rows.py, H100,
-# docs/performance.md).
+# Up to this many tokens the projections run the few-token GEMV: one decode step's
+# projections of the 8B shape at 2-16 tokens took 5.39-5.45 ms against cuBLAS's
+# 5.71-5.93 (bench/gemv_rows.py, H100, docs/performance.md).
 GEMV_MAX_ROWS = 16
 
 
@@ -33,19 +33,32 @@ def _use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (
         dispatch.use_triton(x)
         and x.dim() == 2
+        and x.shape[0] == 1
         and x.stride(-1) == 1
         and weight.dtype == x.dtype
         and weight.is_contiguous()
-        and (
-            x.shape[0] == 1
-            or (2 <= x.shape[0] <= GEMV_MAX_ROWS and x.dtype in (torch.bfloat16, torch.float16))
-        )
+    )
+
+
+def _use_gemv_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (
+        dispatch.use_triton(x)
+        and x.dim() == 2
+        and 2 <= x.shape[0] <= GEMV_MAX_ROWS
+        and x.stride(-1) == 1
+        and x.dtype in (torch.bfloat16, torch.float16)
+        and weight.dtype == x.dtype
+        and weight.is_contiguous()
     )
 
 
 def _project(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None
 ) -> torch.Tensor:
+    if _use_gemv_rows(x, weight):
+        from radixserve.engine.kernels.triton_ops import gemv
+
+        return gemv.gemv_rows_triton(x, weight, bias, out=out)
     if out is None:
         return F.linear(x, weight, bias)
     if bias is None:
@@ -99,7 +112,7 @@ def silu_mul_linear(
         from radixserve.engine.kernels.triton_ops import gemv
 
         return gemv.gemv_triton(gate_up, weight, bias, gemv.SILU_MUL)
-    return F.linear(silu_and_mul(gate_up), weight, bias)
+    return _project(silu_and_mul(gate_up), weight, bias, None)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -109,4 +122,4 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         from radixserve.engine.kernels.triton_ops import gemv
 
         return gemv.gemv_triton(x, weight, bias)
-    return F.linear(x, weight, bias)
+    return _project(x, weight, bias, None)
