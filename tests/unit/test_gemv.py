@@ -22,6 +22,7 @@ pytest.importorskip("triton", reason="triton is not installed (the dev extra bri
 from radixserve.engine.attention.triton_ops.common import INTERPRETED
 from radixserve.engine.kernels import linear as linear_ops
 from radixserve.engine.kernels.activation import silu_and_mul_torch
+from radixserve.engine.kernels.dispatch import TENSOR_CORE_DTYPES
 from radixserve.engine.kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
 from radixserve.engine.kernels.triton_ops import gemv
 from tests.helpers import fused_kernel_cases as cases
@@ -133,7 +134,7 @@ def test_bad_shapes_are_refused() -> None:
         gemv.gemv_triton(x, weight, None, out=torch.empty((1, 36), dtype=torch.bfloat16))
 
 
-ROWS_DTYPES = [torch.bfloat16, torch.float16]
+ROWS_DTYPES = list(TENSOR_CORE_DTYPES)
 
 
 @pytest.mark.parametrize("dtype", ROWS_DTYPES)

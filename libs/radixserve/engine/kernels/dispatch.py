@@ -8,6 +8,8 @@ import os
 import torch
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
+# The dtypes the tensor-core kernels take (the few-token GEMV).
+TENSOR_CORE_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def use_triton(x: torch.Tensor) -> bool:

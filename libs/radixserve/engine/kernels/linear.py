@@ -46,7 +46,7 @@ def _use_gemv_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
         and x.dim() == 2
         and 2 <= x.shape[0] <= GEMV_MAX_ROWS
         and x.stride(-1) == 1
-        and x.dtype in (torch.bfloat16, torch.float16)
+        and x.dtype in dispatch.TENSOR_CORE_DTYPES
         and weight.dtype == x.dtype
         and weight.is_contiguous()
     )

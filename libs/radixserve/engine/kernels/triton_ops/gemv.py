@@ -1,4 +1,6 @@
-"""One-token linear layers (GEMV) with the op before them fused in.
+"""Linear layers of a few tokens (GEMV): one token with the op before it fused in, and
+2-16 tokens on the tensor cores (`gemv_rows_triton`, after the op's own kernel; its
+single pass over each weight serves every token, with no split-K reduce kernel).
 
 At one token a projection is a stream over its weight, so the RMSNorm (with the residual
 add) before qkv and gate_up, and SiLU x mul before down, are folded into the GEMV's
@@ -17,6 +19,7 @@ import triton
 import triton.language as tl
 
 from radixserve.engine.attention.triton_ops.common import INTERPRETED, programmatic_launch
+from radixserve.engine.kernels.dispatch import TENSOR_CORE_DTYPES
 from radixserve.engine.kernels.triton_ops.activation import silu_mul
 from radixserve.engine.kernels.triton_ops.norm import weighted_norm
 
@@ -184,10 +187,6 @@ def gemv_triton(
     return out
 
 
-# The few-token GEMV's dtypes: its products run on the tensor cores.
-ROWS_DTYPES = (torch.bfloat16, torch.float16)
-
-
 @triton.jit
 def _gemv_rows_kernel(
     X,
@@ -274,7 +273,7 @@ def gemv_rows_triton(
             f"gemv_rows takes rows [m, {k}] with unit stride and a contiguous weight, "
             f"got {tuple(x.shape)} and {tuple(weight.shape)}"
         )
-    if x.dtype not in ROWS_DTYPES or weight.dtype != x.dtype:
+    if x.dtype not in TENSOR_CORE_DTYPES or weight.dtype != x.dtype:
         raise ValueError(f"gemv_rows takes bfloat16 or float16, got {x.dtype} and {weight.dtype}")
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
