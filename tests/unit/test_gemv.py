@@ -176,7 +176,7 @@ def test_rows_refuse_what_they_cannot_run() -> None:
 def test_projections_take_the_rows_gemv_for_a_few_cuda_tokens_only() -> None:
     """Which path a projection takes: the few-token GEMV from 2 to GEMV_MAX_ROWS tokens
     of a 16-bit dtype on CUDA; never on the CPU."""
-    weight = torch.empty((8, 16), dtype=torch.bfloat16)
+    weight = torch.empty((linear_ops.GEMV_ROWS_MIN_N, 16), dtype=torch.bfloat16)
     assert not linear_ops._use_gemv_rows(torch.empty((4, 16), dtype=torch.bfloat16), weight)
     if torch.cuda.is_available() and not INTERPRETED:
         cuda_w = weight.cuda()
@@ -188,9 +188,22 @@ def test_projections_take_the_rows_gemv_for_a_few_cuda_tokens_only() -> None:
                 (linear_ops.GEMV_MAX_ROWS, torch.bfloat16, cuda_w),
                 (linear_ops.GEMV_MAX_ROWS + 1, torch.bfloat16, cuda_w),
                 (4, torch.float32, cuda_w.float()),
+                (4, torch.bfloat16, cuda_w[: linear_ops.GEMV_ROWS_MIN_N - 1]),
             ]
         ]
-        assert rows == [False, True, True, False, False]
+        assert rows == [False, True, True, False, False, False]
+
+
+@pytest.mark.parametrize(
+    ("n", "k", "block_n"),
+    [(6144, 4096, 64), (28672, 4096, 64), (4096, 4096, 32), (2048, 2048, 32), (1024, 1024, 16)],
+)
+def test_rows_config_keeps_at_least_64_programs(n: int, k: int, block_n: int) -> None:
+    """Weight rows per program shrink with the weight, so that at least 64 programs share
+    its read (the 8B shapes keep their measured options)."""
+    chosen, _, _, _ = gemv._rows_config(n, k)
+    assert chosen == block_n
+    assert -(-n // chosen) >= 64
 
 
 def test_public_ops_match_the_unfused_path_off_cuda() -> None:

@@ -5,8 +5,8 @@ head), `silu_mul_linear` (SiLU x mul, then down) and `linear` (o). For one token
 each is a single Triton GEMV with the op folded into its read of the input
 (triton_ops/gemv.py): at batch 1 a projection streams its weight, and the norm and
 activation kernels between them, with their launch gaps, were ~8% of a decode step.
-From 2 to GEMV_MAX_ROWS tokens (16-bit dtypes) the op's kernel (kernels/norm.py,
-activation.py) then the few-token Triton GEMV, which streams each weight once for all
+From 2 to GEMV_MAX_ROWS tokens (16-bit dtypes, weights of GEMV_ROWS_MIN_N rows or more)
+the op's kernel (kernels/norm.py, activation.py) then the few-token Triton GEMV, which streams each weight once for all
 the tokens on the tensor cores: cuBLAS's kernels for so few rows (split over K, with a
 reduce kernel) read the weights ~8% slower. Otherwise the op's kernel then cuBLAS, and
 on the CPU the torch reference. The GEMVs sum in float32 in another order than cuBLAS,
@@ -27,6 +27,9 @@ from radixserve.engine.kernels.norm import fused_add_rms_norm, rms_norm
 # projections of the 8B shape at 2-16 tokens took 5.39-5.45 ms against cuBLAS's
 # 5.71-5.93 (bench/gemv_rows.py, H100, docs/performance.md).
 GEMV_MAX_ROWS = 16
+# Weights of fewer rows leave most SMs idle in the few-token GEMV (one program per 16
+# rows at least): cuBLAS splits them over K instead.
+GEMV_ROWS_MIN_N = 1024
 
 
 def _use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -45,6 +48,7 @@ def _use_gemv_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
         dispatch.use_triton(x)
         and x.dim() == 2
         and 2 <= x.shape[0] <= GEMV_MAX_ROWS
+        and weight.shape[0] >= GEMV_ROWS_MIN_N
         and x.stride(-1) == 1
         and x.dtype in dispatch.TENSOR_CORE_DTYPES
         and weight.dtype == x.dtype

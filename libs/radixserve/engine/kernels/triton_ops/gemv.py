@@ -243,15 +243,17 @@ def _rows_config(n: int, k: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, warps, stages) for a few tokens over an [n, k] weight.
 
     From `bench/gemv_rows.py` on the H100 (Llama-3.1-8B shapes, 1-16 tokens, in a CUDA
-    graph): long rows (down) and the head stream best as 32 rows x 512, rows of 4096 as
-    64 x 256 (o, n = 4096) or 64 x 128 (qkv, gate_up); the best option was the same at
-    every token count, within 0.5 us.
+    graph; the best option was the same at every token count, within 0.5 us): long rows
+    (down, k = 14336) and the head stream best as 32 rows x 512, qkv and gate_up as 64 x
+    128, o (n = 4096) as 64 or 32 x 256 alike. Fewer weight rows take smaller blocks, so
+    that at least 64 programs share the read (one SM streams ~40 GB/s: 64 programs of o
+    reached 2.4 TB/s); kernels/linear.py leaves weights of fewer than 1024 rows to cuBLAS.
     """
     if k > 8192 or n >= 65536:
         return 32, 512, 4, 4
-    if n <= 4096:
-        return 64, 256, 4, 4
-    return 64, 128, 4, 4
+    if n >= 96 * 64:
+        return 64, 128, 4, 4
+    return (32 if n >= 64 * 32 else 16), 256, 4, 4
 
 
 def gemv_rows_triton(
