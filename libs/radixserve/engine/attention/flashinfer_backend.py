@@ -54,7 +54,13 @@ import torch
 
 from radixserve.engine.attention.base import AttentionBackend, check_batch
 from radixserve.engine.attention.cascade import CascadeDecode, CascadeGraph, CascadePass
-from radixserve.engine.attention.sm90_prefill import Sm90Build, is_sm90, sm90_build, use_sm90
+from radixserve.engine.attention.sm90_prefill import (
+    HeadLayout,
+    Sm90Build,
+    is_sm90,
+    sm90_build,
+    use_sm90,
+)
 from radixserve.engine.attention.triton_backend import DecodeRows
 from radixserve.engine.attention.triton_ops.indices import build_kv_indices
 from radixserve.engine.forward_batch import ForwardMode
@@ -213,7 +219,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
     ) -> None:
         if self._sm90_wanted and self._sm90 is None and dtype in DTYPES:
-            self._sm90 = sm90_build(self._fi, self.device, num_heads, num_kv_heads, head_dim, dtype)
+            layout = HeadLayout(self.device, num_heads, num_kv_heads, head_dim, dtype)
+            self._sm90 = sm90_build(self._fi, layout)
 
     def wait_kernel_builds(self, timeout: float) -> bool:
         return self._sm90 is None or self._sm90.wait(timeout)

@@ -28,7 +28,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -73,26 +73,28 @@ def is_sm90(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
-_builds: dict[tuple[Any, ...], Sm90Build] = {}
+class HeadLayout(NamedTuple):
+    """What the SM90 kernels are compiled for."""
+
+    device: torch.device
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+
+_builds: dict[HeadLayout, Sm90Build] = {}
 _builds_lock = threading.Lock()
 
 
-def sm90_build(
-    flashinfer: Any,
-    device: torch.device,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-) -> Sm90Build:
+def sm90_build(flashinfer: Any, layout: HeadLayout) -> Sm90Build:
     """The process's build of the SM90 kernels for this layout, started on first ask:
     engines made one after another (tests, benchmarks) share it."""
-    layout = (device, num_heads, num_kv_heads, head_dim, dtype)
     with _builds_lock:
         build = _builds.get(layout)
         if build is None:
             build = _builds[layout] = Sm90Build(
-                functools.partial(run_small_pass, flashinfer, *layout)
+                functools.partial(run_small_pass, flashinfer, layout)
             )
     return build
 
@@ -146,16 +148,10 @@ class Sm90Build:
             self._done.set()
 
 
-def run_small_pass(
-    flashinfer: Any,
-    device: torch.device,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-) -> None:
+def run_small_pass(flashinfer: Any, layout: HeadLayout) -> None:
     """Plan and run one small SM90 prefill (which compiles its kernels) on a stream and
     workspace of its own, so the engine's passes go on meanwhile."""
+    device, num_heads, num_kv_heads, head_dim, dtype = layout
     stream = torch.cuda.Stream(device)
     with torch.cuda.device(device), torch.cuda.stream(stream):
         workspace = torch.zeros(32 * 2**20, dtype=torch.uint8, device=device)

@@ -5,10 +5,10 @@ head), `silu_mul_linear` (SiLU x mul, then down) and `linear` (o). For one token
 each is a single Triton GEMV with the op folded into its read of the input
 (triton_ops/gemv.py): at batch 1 a projection streams its weight, and the norm and
 activation kernels between them, with their launch gaps, were ~8% of a decode step.
-From 2 to GEMV_MAX_ROWS tokens (16-bit dtypes, weights of GEMV_ROWS_MIN_N rows or more)
-the op's kernel (kernels/norm.py, activation.py) then the few-token Triton GEMV, which streams each weight once for all
-the tokens on the tensor cores: cuBLAS's kernels for so few rows (split over K, with a
-reduce kernel) read the weights ~8% slower. Otherwise the op's kernel then cuBLAS, and
+From 2 to GEMV_MAX_ROWS tokens (16-bit dtypes, weights of GEMV_ROWS_MIN_N rows or
+more) the op's kernel (kernels/norm.py, activation.py) then the few-token Triton GEMV,
+which streams each weight once for all the tokens on the tensor cores: cuBLAS's kernels
+for so few rows (split over K, with a reduce kernel) read the weights ~8% slower. Otherwise the op's kernel then cuBLAS, and
 on the CPU the torch reference. The GEMVs sum in float32 in another order than cuBLAS,
 so outputs may differ from the unfused path by an ulp of the output dtype in a few
 elements.
@@ -33,24 +33,28 @@ GEMV_ROWS_MIN_N = 1024
 
 
 def _use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (
-        dispatch.use_triton(x)
-        and x.dim() == 2
-        and x.shape[0] == 1
-        and x.stride(-1) == 1
-        and weight.dtype == x.dtype
-        and weight.is_contiguous()
-    )
+    """One token: the one-token GEMV (with the op before it folded in)."""
+    return x.dim() == 2 and x.shape[0] == 1 and _gemv_operands(x, weight)
 
 
 def _use_gemv_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """2 to GEMV_MAX_ROWS tokens of a 16-bit dtype over a large enough weight: the
+    few-token GEMV (after the op's own kernel)."""
     return (
-        dispatch.use_triton(x)
-        and x.dim() == 2
+        x.dim() == 2
         and 2 <= x.shape[0] <= GEMV_MAX_ROWS
         and weight.shape[0] >= GEMV_ROWS_MIN_N
-        and x.stride(-1) == 1
         and x.dtype in dispatch.TENSOR_CORE_DTYPES
+        and _gemv_operands(x, weight)
+    )
+
+
+def _gemv_operands(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """CUDA rows with unit stride and a contiguous weight of their dtype: what the GEMV
+    kernels read."""
+    return (
+        dispatch.use_triton(x)
+        and x.stride(-1) == 1
         and weight.dtype == x.dtype
         and weight.is_contiguous()
     )
