@@ -95,7 +95,8 @@ def test_head_writes_the_logits_buffer(tokens: int) -> None:
 def test_decoder_chain_replays_in_a_cuda_graph(tokens: int) -> None:
     """Two layers of qkv (add + norm), o, gate_up (add + norm), down (SiLU x mul), each
     kernel dependent on the one before (one token: the fused GEMVs; eight: the norm and
-    activation kernels and the few-token GEMV): replays on new inputs equal eager runs
+    activation kernels and the few-token GEMV, all launched as programmatic dependents
+    on Hopper): replays on new inputs equal eager runs
     bit for bit, and the unfused path within rounding."""
     dtype = torch.bfloat16
     layers = [

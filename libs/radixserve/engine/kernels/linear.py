@@ -21,12 +21,9 @@ import torch.nn.functional as F
 
 from radixserve.engine.kernels import dispatch
 from radixserve.engine.kernels.activation import silu_and_mul
+from radixserve.engine.kernels.dispatch import GEMV_MAX_ROWS
 from radixserve.engine.kernels.norm import fused_add_rms_norm, rms_norm
 
-# Up to this many tokens the projections run the few-token GEMV: one decode step's
-# projections of the 8B shape at 2-16 tokens took 5.39-5.45 ms against cuBLAS's
-# 5.71-5.93 (bench/gemv_rows.py, H100, docs/performance.md).
-GEMV_MAX_ROWS = 16
 # Weights of fewer rows leave most SMs idle in the few-token GEMV (one program per 16
 # rows at least): cuBLAS splits them over K instead.
 GEMV_ROWS_MIN_N = 1024

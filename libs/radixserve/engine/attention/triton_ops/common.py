@@ -9,6 +9,8 @@ import triton
 import triton.language as tl
 from triton import knobs
 
+from radixserve.engine.kernels.dispatch import GEMV_MAX_ROWS
+
 # Scores are kept in base 2 (exp2 is one instruction; exp is exp2 plus a multiply), so
 # the softmax scale is folded with log2(e) once on the host.
 LOG2E = 1.4426950408889634
@@ -74,6 +76,15 @@ def programmatic_launch(device: torch.device) -> bool:
         and device.type == "cuda"
         and _capability_major(device.index or 0) >= 9
     )
+
+
+def few_token_dependent(device: torch.device, rows: int) -> bool:
+    """Whether an elementwise kernel over `rows` tokens (norm, SiLU x mul, rotary) is
+    launched as a programmatic dependent: in steps of up to GEMV_MAX_ROWS tokens, where
+    it sits between the GEMVs (launched so too) and its launch overlaps their ends
+    (-0.1 ms a decode step of 2-16 requests, 8B shape, H100). Beside cuBLAS's GEMMs
+    (more tokens) that measured 0.4% slower at 64 requests."""
+    return rows <= GEMV_MAX_ROWS and programmatic_launch(device)
 
 
 def dot_precision(dtype: torch.dtype) -> str:

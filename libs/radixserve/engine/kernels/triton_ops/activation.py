@@ -1,4 +1,5 @@
-"""SiLU x mul kernel: one program per (token, block of the intermediate dim)."""
+"""SiLU x mul kernel: one program per (token, block of the intermediate dim), over a few
+tokens launched as a programmatic dependent on Hopper (as kernels/triton_ops/norm.py says)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from radixserve.engine.attention.triton_ops.common import INTERPRETED
+from radixserve.engine.attention.triton_ops.common import INTERPRETED, few_token_dependent
 
 _BLOCK = 1024
 
@@ -35,7 +36,11 @@ def _silu_and_mul_kernel(
     N: tl.constexpr,
     BLOCK: tl.constexpr,
     LIBDEVICE_EXP: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
@@ -52,6 +57,7 @@ def silu_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"silu_and_mul takes [tokens, 2 * n] rows, got {tuple(gate_up.shape)}")
     n = width // 2
     out = torch.empty((tokens, n), dtype=gate_up.dtype, device=gate_up.device)
+    pdl = few_token_dependent(gate_up.device, tokens)
     _silu_and_mul_kernel[(tokens, triton.cdiv(n, _BLOCK))](
         gate_up,
         gate_up.stride(0),
@@ -59,6 +65,8 @@ def silu_and_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
         N=n,
         BLOCK=_BLOCK,
         LIBDEVICE_EXP=not INTERPRETED,
+        PDL=pdl,
+        launch_pdl=pdl,
         num_warps=4,
     )
     return out

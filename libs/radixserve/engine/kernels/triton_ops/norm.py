@@ -1,10 +1,15 @@
-"""RMSNorm kernels: one program per row, the whole row in one block."""
+"""RMSNorm kernels: one program per row, the whole row in one block. Over a few tokens on
+Hopper they are launched as programmatic dependents, as the GEMVs around them are
+(common.few_token_dependent): a kernel's launch overlaps the end of the one before,
+where a decode step of a few tokens is ~10 short kernels a layer."""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from radixserve.engine.attention.triton_ops.common import few_token_dependent
 
 
 @triton.jit
@@ -29,10 +34,16 @@ def _rms_norm_kernel(
     ROWS_B: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Row pid of x seen as [A, ROWS_B, N] (strided, last dim contiguous) into row pid
     of the contiguous Out; with HAS_RESIDUAL (2-D x, ROWS_B == 1) the row is first
     x + residual, rounded and stored to ResidualOut."""
+    if PDL:
+        # A programmatic dependent: wait for the kernel before to finish (and its writes
+        # to land) before reading anything, then let the next kernel's launch begin.
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N
@@ -62,6 +73,7 @@ def _launch(
     if x3.stride(-1) != 1 or weight.shape != (n,):
         raise ValueError(f"rms_norm needs a contiguous last dim and a [{n}] weight")
     block = triton.next_power_of_2(n)
+    pdl = few_token_dependent(x3.device, a * b)
     _rms_norm_kernel[(a * b,)](
         x3,
         x3.stride(0),
@@ -76,6 +88,8 @@ def _launch(
         ROWS_B=b,
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
+        PDL=pdl,
+        launch_pdl=pdl,
         num_warps=min(max(block // 512, 1), 16),
     )
 

@@ -5,7 +5,8 @@ half, with the token's cos/sin row read once.
 With STORE the same launch also writes the step's KV: part 1 stores the rotated k
 rows into the layer's K buffer at the token's slot and copies the token's v rows into
 the V buffer, each cast to the buffer's dtype (what store_kv does after the rotary
-kernel, one launch fewer).
+kernel, one launch fewer). Over a few tokens launched as a programmatic dependent on
+Hopper (as kernels/triton_ops/norm.py says).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.engine.attention.triton_ops.common import few_token_dependent
 from radixserve.engine.kernels.kv_store import KVWrite
 from radixserve.engine.kernels.triton_ops.kv_store import check_store
 
@@ -61,7 +63,11 @@ def _rotary_kernel(
     HALF: tl.constexpr,
     BLOCK: tl.constexpr,
     STORE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     offs = tl.arange(0, BLOCK)[None, :]
@@ -133,6 +139,7 @@ def rotary_triton(
     half = head_dim // 2
     block = triton.next_power_of_2(half)
     block_q_heads = triton.next_power_of_2(q_heads)
+    pdl = few_token_dependent(q.device, tokens)
     _rotary_kernel[(tokens, 2)](
         q,
         q.stride(0),
@@ -159,6 +166,8 @@ def rotary_triton(
         HALF=half,
         BLOCK=block,
         STORE=store is not None,
+        PDL=pdl,
+        launch_pdl=pdl,
         # The q block is the larger: 4 warps for Llama's 32 heads x 64, fewer below.
         num_warps=min(max(block_q_heads * block // 512, 1), 4),
         enable_fp_fusion=False,  # float32: a fused multiply-add would round differently
