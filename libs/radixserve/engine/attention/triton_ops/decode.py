@@ -80,11 +80,15 @@ def launch_options(num_splits: int) -> LaunchOptions:
     - 1 split (bs 64): (64, 2, 2) 0.0553 against 0.0600 for (64, 4, 2); the sweep's
       best, (32, 4, 3), 0.0552. Each program walks a whole sequence, and there are
       requests x KV heads of them: at two warps each, more of them stay resident.
-    - 16 splits (bs 1): (64, 4, 2) 0.0064, within 0.5 us of the sweep's best.
-    Other split counts keep (64, 4, 2), unmeasured."""
+    - 2-16 splits (bs 1-32): (64, 2, 3) against (64, 4, 2), contexts 544 and 4096:
+      bs 2 0.0130 against 0.0174 at 4096; bs 8 0.0522 against 0.0566 at 4096; bs 16
+      0.0135 against 0.0156 at 544 and 0.0967 against 0.1043 at 4096; within ~10% of
+      the sweep's best everywhere (bs 1 at 544: 0.0066 against 0.0060). In the engine
+      (one_batch.py, 2048-token prompts) decode steps of 1-32 requests took 0.05-0.24
+      ms less."""
     if num_splits == 1:
         return LaunchOptions(block_n=64, num_warps=2, num_stages=2)
-    return LaunchOptions(block_n=64, num_warps=4, num_stages=2)
+    return LaunchOptions(block_n=64, num_warps=2, num_stages=3)
 
 
 # num_splits changes from batch to batch: one compiled kernel for every value.
