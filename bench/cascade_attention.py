@@ -184,7 +184,7 @@ def sweep(groups: int, members: int, prefix: int, suffix: int) -> None:
     print(
         f"bs {bs}, {groups} groups over {prefix} + {suffix}: prefix {prefix_gb:.3f} GB, suffix {suffix_gb:.3f} GB"
     )
-    for kind, default in (("prefix", PREFIX_OPTIONS), ("suffix", launch_options(1))):
+    for kind, default in (("prefix", PREFIX_OPTIONS), ("suffix", launch_options(1, 0, 0))):
         best = sorted(r for r in rows if r[1].startswith(kind))
         for ms, name, gbs in best[:8]:
             print(f"{ms:8.4f} ms {gbs:7.0f} GB/s  {name}")

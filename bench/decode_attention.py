@@ -12,6 +12,7 @@ stages at one split too). "current" is the engine's own choice: the split count
 beside it when installed. GB/s counts the KV each must read (K and V of every token once).
 
     python bench/decode_attention.py [--batch-sizes 1 64 --context 528]
+    python bench/decode_attention.py --batch-sizes 1 --context 32768 --only 16,128,4,3
 """
 
 from __future__ import annotations
@@ -67,7 +68,9 @@ def graph_time_ms(fn: Callable[[], None], reps: int) -> float:
     return statistics.median(times[2:])
 
 
-def sweep(bs: int, context: int, reps: int) -> None:
+def sweep(
+    bs: int, context: int, reps: int, only: list[tuple[int, int, int, int]] | None = None
+) -> None:
     device = torch.device("cuda")
     pool_slots = bs * context + 16
     k_buf = torch.randn(pool_slots, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device=device)
@@ -80,11 +83,14 @@ def sweep(bs: int, context: int, reps: int) -> None:
     gb = bs * context * 2 * KV_HEADS * HEAD_DIM * 2 / 1e9
     scale = HEAD_DIM**-0.5
     splits_now = graph_num_kv_splits(bs, KV_HEADS, num_sms(device))
-    current = (splits_now, *dataclasses.astuple(launch_options(splits_now)))
+    programs = bs * KV_HEADS * splits_now  # a group of 4 query heads fits one program
+    options_now = launch_options(splits_now, programs, num_sms(device))
+    current = (splits_now, *dataclasses.astuple(options_now))
     results = []
-    for splits, block_n, warps, stages in itertools.product(
-        [1, 2, 4, 8, 16], [32, 64, 128], [2, 4, 8], [1, 2, 3, 4]
-    ):
+    configs = only or list(
+        itertools.product([1, 2, 4, 8, 16], [32, 64, 128], [2, 4, 8], [1, 2, 3, 4])
+    )
+    for splits, block_n, warps, stages in [*configs, *([current] if only else [])]:
         mid_out = torch.empty(bs, HEADS, splits, HEAD_DIM, dtype=torch.float32, device=device)
         mid_lse = torch.empty(bs, HEADS, splits, dtype=torch.float32, device=device)
         opts = LaunchOptions(block_n, warps, stages)
@@ -117,7 +123,7 @@ def sweep(bs: int, context: int, reps: int) -> None:
     print(f"{'':>9} {'ms':>7} {'GB/s':>6} {'2-stage':>7} {'stage1':>7} splits block_n warps stages")
     for tag, r in [("current", mine[0])] if mine else []:
         print(f"{tag:>9} {r[0]:7.4f} {gb / r[0] * 1e3:6.0f} {r[1]:7.4f} {r[2]:7.4f} {r[3:]}")
-    for r in results[:8]:
+    for r in results if only else results[:8]:
         print(f"{'best':>9} {r[0]:7.4f} {gb / r[0] * 1e3:6.0f} {r[1]:7.4f} {r[2]:7.4f} {r[3:]}")
     try:
         import flashinfer
@@ -145,9 +151,17 @@ def main() -> None:
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--context", type=int, default=528)
     ap.add_argument("--reps", type=int, default=12)
+    ap.add_argument(
+        "--only",
+        nargs="+",
+        default=None,
+        metavar="SPLITS,BLOCK_N,WARPS,STAGES",
+        help="time these configurations (and the current one) instead of the sweep",
+    )
     args = ap.parse_args()
+    only = [tuple(int(v) for v in c.split(",")) for c in args.only] if args.only else None
     for bs in args.batch_sizes:
-        sweep(bs, args.context, args.reps)
+        sweep(bs, args.context, args.reps, only)  # type: ignore[arg-type]
 
 
 if __name__ == "__main__":

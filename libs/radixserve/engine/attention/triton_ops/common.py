@@ -48,6 +48,7 @@ if INTERPRETED:
     _let_interpreter_loop_to_loaded_bounds()
 
 
+@functools.cache
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors the split counts are sized for; under the interpreter any
     value runs the same kernels (few: it is slow)."""

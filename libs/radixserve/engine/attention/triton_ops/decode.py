@@ -23,6 +23,7 @@ may be the decoding subset of a mixed batch, so each one's token row is given.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +35,7 @@ from radixserve.engine.attention.triton_ops.common import (
     attend_paged_range,
     dot_precision,
     fold_partial,
+    num_sms,
     programmatic_launch,
 )
 
@@ -72,8 +74,9 @@ class LaunchOptions:
     num_stages: int
 
 
-def launch_options(num_splits: int) -> LaunchOptions:
-    """Stage 1's options for `num_splits` splits, from bench/decode_attention.py on an
+def launch_options(num_splits: int, programs: int, sms: int) -> LaunchOptions:
+    """Stage 1's options for `num_splits` splits over `programs` programs (requests x KV
+    heads x splits) on `sms` SMs, from bench/decode_attention.py on an
     H100 (bf16, 32 query / 8 KV heads, head dim 128, context 528, one layer in a CUDA
     graph, both stages timed; (block_n, warps, stages): ms):
 
@@ -85,9 +88,14 @@ def launch_options(num_splits: int) -> LaunchOptions:
       0.0135 against 0.0156 at 544 and 0.0967 against 0.1043 at 4096; within ~10% of
       the sweep's best everywhere (bs 1 at 544: 0.0066 against 0.0060). In the engine
       (one_batch.py, 2048-token prompts) decode steps of 1-32 requests took 0.05-0.24
-      ms less."""
+      ms less. At 32768 tokens: bs 1 0.073 against 0.138, bs 2 0.099 against 0.147.
+    - No more programs than SMs (bs 1: 8 KV heads x 16 splits): each program carries
+      more in flight, (128, 4, 3): bs 1 0.057 against 0.073 at 32768, 0.0097-0.0100
+      against 0.0110 at 4096, 0.0069-0.0071 against 0.0067 at 544."""
     if num_splits == 1:
         return LaunchOptions(block_n=64, num_warps=2, num_stages=2)
+    if programs <= sms:
+        return LaunchOptions(block_n=128, num_warps=4, num_stages=3)
     return LaunchOptions(block_n=64, num_warps=2, num_stages=3)
 
 
@@ -285,9 +293,9 @@ def _launch_split_kernel(
         num_splits = 1
         strides = (0, 0, 0, 0, 0, out.stride(0), out.stride(1))
         mid_out = mid_lse = out  # placeholders: not written with DIRECT on
-    options = options or launch_options(num_splits)
-    dependent = overlap_writer and merged is not None and programmatic_launch(q.device)
     grid = (q_rows.shape[0], num_kv_heads * triton.cdiv(group_size, _BLOCK_H), num_splits)
+    options = options or launch_options(num_splits, math.prod(grid), num_sms(q.device))
+    dependent = overlap_writer and merged is not None and programmatic_launch(q.device)
     _decode_split_kernel[grid](
         q,
         q_rows,
@@ -337,7 +345,7 @@ def decode_partials(
 ) -> None:
     """Stage 1 alone: each (request, head, split)'s partial output and lse in mid_out and
     mid_lse (splits past a short sequence's last are not written). `options` default to
-    `launch_options(num_splits)`; others are for bench/decode_attention.py's sweep."""
+    `launch_options`; others are for bench/decode_attention.py's sweep."""
     _launch_split_kernel(
         q, k_buffer, v_buffer, q_rows, kv_indptr, kv_indices, scale, options,
         (mid_out, mid_lse), None,
