@@ -88,6 +88,16 @@ def few_token_dependent(device: torch.device, rows: int) -> bool:
     return rows <= GEMV_MAX_ROWS and programmatic_launch(device)
 
 
+@triton.jit
+def start_as_dependent(PDL: tl.constexpr):
+    """A kernel launched as a programmatic dependent (PDL) waits here for the kernel
+    before it to finish, and its writes to land, before it reads anything; then it lets
+    the next kernel's launch begin (that kernel waits for this one in turn)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """tl.dot's input precision: full float32 for float32 inputs.
 

@@ -8,7 +8,11 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from radixserve.engine.attention.triton_ops.common import INTERPRETED, few_token_dependent
+from radixserve.engine.attention.triton_ops.common import (
+    INTERPRETED,
+    few_token_dependent,
+    start_as_dependent,
+)
 
 _BLOCK = 1024
 
@@ -38,9 +42,7 @@ def _silu_and_mul_kernel(
     LIBDEVICE_EXP: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    start_as_dependent(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N

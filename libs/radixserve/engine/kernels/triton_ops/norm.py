@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.engine.attention.triton_ops.common import few_token_dependent
+from radixserve.engine.attention.triton_ops.common import few_token_dependent, start_as_dependent
 
 
 @triton.jit
@@ -39,11 +39,7 @@ def _rms_norm_kernel(
     """Row pid of x seen as [A, ROWS_B, N] (strided, last dim contiguous) into row pid
     of the contiguous Out; with HAS_RESIDUAL (2-D x, ROWS_B == 1) the row is first
     x + residual, rounded and stored to ResidualOut."""
-    if PDL:
-        # A programmatic dependent: wait for the kernel before to finish (and its writes
-        # to land) before reading anything, then let the next kernel's launch begin.
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    start_as_dependent(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < N

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.engine.attention.triton_ops.common import few_token_dependent
+from radixserve.engine.attention.triton_ops.common import few_token_dependent, start_as_dependent
 from radixserve.engine.kernels.kv_store import KVWrite
 from radixserve.engine.kernels.triton_ops.kv_store import check_store
 
@@ -65,9 +65,7 @@ def _rotary_kernel(
     STORE: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    start_as_dependent(PDL)
     token = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     offs = tl.arange(0, BLOCK)[None, :]
