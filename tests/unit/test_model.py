@@ -245,17 +245,43 @@ def test_failed_conversion_leaves_no_folder(tmp_path: Path) -> None:
     assert list((cache / "models").iterdir()) == []
 
 
-def test_conversion_key_follows_file_identity(tmp_path: Path) -> None:
+def test_conversion_key_follows_file_content(tmp_path: Path) -> None:
     import os
+    import shutil
 
     from radixserve.engine.model.gguf_convert import converted_dir
 
     model = tmp_path / "m.gguf"
-    model.write_bytes(b"a")
+    model.write_bytes(b"a" * 100)
     first = converted_dir(model, tmp_path)
     assert converted_dir(model, tmp_path) == first
-    os.utime(model, ns=(0, 10**9))
+    # The same bytes elsewhere (a reinstall in a new virtualenv) reuse the conversion.
+    (tmp_path / "elsewhere").mkdir()
+    copy = tmp_path / "elsewhere" / "m.gguf"
+    shutil.copyfile(model, copy)
+    os.utime(copy, ns=(0, 10**9))
+    assert converted_dir(copy, tmp_path) == first
+    # Other bytes of the same size and name do not.
+    model.write_bytes(b"b" * 100)
+    os.utime(model, ns=(0, 2 * 10**9))
     assert converted_dir(model, tmp_path) != first
+
+
+def test_stale_staging_folders_are_removed(tmp_path: Path) -> None:
+    import os
+
+    from radixserve.engine.model.gguf_convert import convert_gguf
+
+    models = tmp_path / "cache" / "models"
+    stale, fresh = models / ".broken-abc", models / ".broken-def"
+    stale.mkdir(parents=True)
+    fresh.mkdir()
+    os.utime(stale, (0, 0))
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"not a gguf file at all")
+    with pytest.raises(Exception):  # noqa: B017 - gguf's own parse error type
+        convert_gguf(bad, tmp_path / "cache")
+    assert sorted(p.name for p in models.iterdir()) == [".broken-def"]
 
 
 def test_chat_template_and_eos_survive_conversion(smollm2_dir: Path) -> None:

@@ -3,8 +3,8 @@
 transformers' GGUF reader does the hard parts: dequantization, llama.cpp's q/k
 row permutation, the tokenizer and its chat template. We call its checkpoint
 reader directly rather than `from_pretrained(gguf_file=...)`, which insists on
-`accelerate` only to place weights. The folder is cached by file identity and
-written atomically, so a second start costs a directory lookup.
+`accelerate` only to place weights. The folder is cached by the file's content
+digest and written atomically, so a second start costs a directory lookup.
 """
 
 from __future__ import annotations
@@ -49,12 +49,50 @@ def default_cache_dir() -> Path:
     return Path(root).expanduser() if root else Path.home() / ".cache" / "radixserve"
 
 
+def file_digest(path: Path, cache_dir: Path) -> str:
+    """SHA-256 of the file's bytes, memoised by (path, size, mtime) under `cache_dir`.
+
+    The content, not the path, names a conversion: a reinstall (a new virtualenv, a new
+    clone) finds the folder an identical file was converted to, instead of writing
+    another copy. The memo spares hashing a large file on every start.
+    """
+    stat = path.stat()
+    identity = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    memo = cache_dir / "digests" / hashlib.sha256(identity.encode()).hexdigest()[:32]
+    try:
+        digest = memo.read_text().strip()
+        if len(digest) == 64:
+            return digest
+    except OSError:
+        pass
+    hasher = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(1 << 22):
+            hasher.update(block)
+    digest = hasher.hexdigest()
+    memo.parent.mkdir(parents=True, exist_ok=True)
+    partial = memo.with_name(f".{memo.name}.{os.getpid()}")
+    partial.write_text(digest)
+    os.replace(partial, memo)
+    return digest
+
+
 def converted_dir(gguf_path: Path, cache_dir: Path) -> Path:
-    """Where the conversion of this exact file (path, size, mtime) lives."""
-    stat = gguf_path.stat()
-    identity = f"{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
-    digest = hashlib.sha256(identity.encode()).hexdigest()[:16]
-    return cache_dir / "models" / f"{gguf_path.stem}-{digest}"
+    """Where the conversion of a file with these exact bytes lives."""
+    return cache_dir / "models" / f"{gguf_path.stem}-{file_digest(gguf_path, cache_dir)[:16]}"
+
+
+def _remove_stale_staging(models: Path, stem: str, older_than_s: float = 86400.0) -> None:
+    """Staging folders a killed conversion left behind (a day old: no live one is)."""
+    import time
+
+    cutoff = time.time() - older_than_s
+    for stale in models.glob(f".{stem}-*"):
+        try:
+            if stale.is_dir() and stale.stat().st_mtime < cutoff:
+                shutil.rmtree(stale, ignore_errors=True)
+        except OSError:
+            continue
 
 
 def convert_gguf(gguf_path: str | Path, cache_dir: Path | None = None) -> Path:
@@ -66,6 +104,7 @@ def convert_gguf(gguf_path: str | Path, cache_dir: Path | None = None) -> Path:
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_staging(target.parent, gguf_path.stem)
     log.info("converting %s to %s (once; later starts reuse it)", gguf_path, target)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
