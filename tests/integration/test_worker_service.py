@@ -202,6 +202,87 @@ async def test_abort_frees_kv_and_flush_answers(nats_url: str, worker: tuple[str
         assert flushed.ok and flushed.worker_id == worker_id
 
 
+async def test_kv_events_mirror_the_cache_and_a_snapshot_resyncs(
+    nats_url: str, worker: tuple[str, str]
+) -> None:
+    """A mirror built as the scheduler builds it: a snapshot first (the worker has served
+    other tests), then numbered batches with no gap; a prompt's whole blocks appear once it
+    ran, the heartbeat reports the last batch's number, and a flush clears the mirror."""
+    from tests.unit.test_kv_block_events import replay
+
+    prefix, worker_id = worker
+    subjects = protocol.Subjects(prefix)
+    batches: list[protocol.KvEventBatch] = []
+    beats: list[protocol.Heartbeat] = []
+    finished = asyncio.Event()
+
+    async with _bus(nats_url) as bus:
+
+        async def on_events(msg: BusMsg) -> None:
+            batches.append(protocol.decode(msg.data, protocol.KvEventBatch))
+
+        async def on_beat(msg: BusMsg) -> None:
+            beats.append(protocol.decode(msg.data, protocol.Heartbeat))
+
+        async def on_detok(msg: BusMsg) -> None:
+            for out in protocol.decode(msg.data, protocol.StepOutputBatch).outputs:
+                if out.rid == "kv-ev" and out.finish_reason is not None:
+                    finished.set()
+
+        await bus.subscribe(subjects.kv_events(worker_id), on_events)
+        await bus.subscribe(subjects.heartbeat(worker_id), on_beat)
+        await bus.subscribe(subjects.detok, on_detok)
+        await _wait_ready(bus, subjects, worker_id)
+        await bus.publish(
+            subjects.worker_kv_snapshot(worker_id),
+            protocol.encode(protocol.KvSnapshotRequest(worker_id=worker_id, reason="test")),
+        )
+
+        async def until(check: object, what: str) -> None:
+            for _ in range(400):
+                if check():  # type: ignore[operator]
+                    return
+                await asyncio.sleep(0.05)
+            raise AssertionError(f"timed out waiting for {what}")
+
+        await until(
+            lambda: beats and any(b.events[:1] == [protocol.AllBlocksCleared()] for b in batches),
+            "the snapshot",
+        )
+        block = beats[-1].capacity.kv_block_size
+        assert block == 16
+        start = next(
+            i for i, b in enumerate(batches) if b.events[:1] == [protocol.AllBlocksCleared()]
+        )
+        prompt = list(range(500, 500 + 3 * block + 7))
+        await bus.publish(
+            subjects.worker_run(worker_id),
+            _routed("kv-ev", prompt, worker_id, max_new_tokens=3, temperature=0.0),
+        )
+        await asyncio.wait_for(finished.wait(), 60)
+        expected = set(protocol.block_hashes(prompt, block))
+        mirror: set[int] = set()
+
+        def caught_up() -> bool:
+            mirror.clear()
+            for batch in batches[start:]:
+                replay(mirror, batch.events)
+            return expected <= mirror
+
+        await until(caught_up, "the prompt's blocks")
+        seqs = [b.seq for b in batches[start:]]
+        assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))  # numbered, no gap
+        assert {b.epoch for b in batches} == {beats[-1].epoch}
+        await until(lambda: beats[-1].kv_event_seq == batches[-1].seq, "the heartbeat's seq")
+        reply = await bus.request(
+            subjects.worker_flush_cache(worker_id),
+            protocol.encode(protocol.FlushCacheRequest(rid="kv-f")),
+            timeout_s=10,
+        )
+        assert protocol.decode(reply.data, protocol.FlushCacheReply).ok
+        await until(lambda: batches[-1].events == [protocol.AllBlocksCleared()], "the clear")
+
+
 async def test_an_abort_right_behind_a_constrained_run_is_answered(
     nats_url: str, worker: tuple[str, str]
 ) -> None:

@@ -72,3 +72,64 @@ def test_a_hung_step_is_told_apart_and_located(tiny_llama_dir: Path) -> None:
     assert engine_failure(driver, 0.2) == "the engine thread stopped"
     driver.error = RuntimeError("CUDA error")
     assert engine_failure(driver, 0.2) == "the engine thread failed: RuntimeError('CUDA error')"
+
+
+def test_kv_events_follow_the_steps_and_a_snapshot_rebuilds_them(tiny_llama_dir: Path) -> None:
+    """The engine thread hands the cache's changes over after the steps that made them; a
+    snapshot, asked for between steps, describes the same blocks from a clear."""
+    from radixserve.protocol import AllBlocksCleared, KvEvent, block_hashes
+    from tests.unit.test_kv_block_events import replay
+
+    engine = Engine(
+        model_path=str(tiny_llama_dir), device="cpu", dtype="float32", max_total_tokens=512
+    )
+    block = engine.enable_kv_events()
+    batches: list[list[KvEvent]] = []
+    lock = threading.Lock()
+
+    def on_kv_events(events: list[KvEvent]) -> None:
+        with lock:
+            batches.append(events)
+
+    def take() -> list[list[KvEvent]]:
+        with lock:
+            taken = list(batches)
+            batches.clear()
+        return taken
+
+    driver = EngineDriver(
+        engine,
+        on_step=lambda step, outs: None,
+        on_reject=lambda e, g: None,
+        on_kv_events=on_kv_events,
+    )
+    prompt = [(5 * i) % 90 + 3 for i in range(3 * block + 5)]
+    expected = set(block_hashes(prompt, block))
+    try:
+        engine.submit(prompt, {"max_new_tokens": 3, "temperature": 0})  # before the thread
+        driver.start()
+        deadline = time.monotonic() + 60
+        mirror: set[int] = set()
+        while not expected <= mirror and time.monotonic() < deadline:
+            for events in take():
+                replay(mirror, events)
+            time.sleep(0.02)
+        assert expected <= mirror  # the prompt's three whole blocks
+        while engine.has_work() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.1)  # the engine thread's last drain after the last step
+        for events in take():
+            replay(mirror, events)
+        driver.kv_snapshot()
+        snapshots: list[list[KvEvent]] = []
+        while not snapshots and time.monotonic() < deadline:
+            snapshots = take()
+            time.sleep(0.02)
+        (snapshot,) = snapshots
+        assert snapshot[0] == AllBlocksCleared()
+        rebuilt: set[int] = {0}
+        replay(rebuilt, snapshot)
+        assert rebuilt == mirror
+    finally:
+        driver.stop()
+        engine.shutdown()

@@ -29,6 +29,7 @@ from radixserve.engine.config import EngineConfig
 from radixserve.engine.constrained import GrammarBackend
 from radixserve.engine.groups import ChoiceOutput, RequestGroup
 from radixserve.engine.kvcache.base import PrefixCache
+from radixserve.engine.kvcache.block_events import BlockEventLog, event_block_size
 from radixserve.engine.kvcache.naive_cache import NaiveCache
 from radixserve.engine.kvcache.radix_cache import RadixCache
 from radixserve.engine.model.tokenizer import apply_chat_template, load_tokenizer
@@ -40,6 +41,7 @@ from radixserve.engine.sched.kv_manager import KVUsage
 from radixserve.engine.sched.scheduler import Scheduler
 from radixserve.engine.token_ids import checked_token_ids
 from radixserve.grammar import InvalidGrammar, grammar_source_of
+from radixserve.protocol.kv_events import AllBlocksCleared, KvEvent
 
 if TYPE_CHECKING:
     import xgrammar as xgr
@@ -66,6 +68,7 @@ class Engine:
             if self.config.disable_radix_cache
             else RadixCache(self.runner.kv_pool)
         )
+        self._kv_events: BlockEventLog | None = None
         self.scheduler = Scheduler(
             self.config,
             self.runner,
@@ -253,6 +256,35 @@ class Engine:
         out = self.generate(input_ids=ids, sampling_params=sampling_params)
         assert isinstance(out, dict)
         return out
+
+    # -- KV events: the prefix cache's changes, for cache-aware routing -----------------
+    def enable_kv_events(self) -> int:
+        """Record the prefix cache's changes as KV events from now on (before the first
+        request); returns the events' block size in tokens."""
+        with self._lock:
+            self._check_open()
+            if self._kv_events is None:
+                log = BlockEventLog(event_block_size(self.config.page_size))
+                if isinstance(self.scheduler.kv.cache, RadixCache):
+                    self.scheduler.kv.cache.enable_events(log)
+                self._kv_events = log
+            return self._kv_events.block_size
+
+    def drain_kv_events(self) -> list[KvEvent]:
+        """The events since the last drain (none unless `enable_kv_events` was called)."""
+        with self._lock:
+            return self._kv_events.drain() if self._kv_events is not None else []
+
+    def kv_snapshot(self) -> list[KvEvent]:
+        """The whole cache as events (cleared, then every cached block); it replaces the
+        events not drained yet, which it already reflects."""
+        with self._lock:
+            self._check_open()
+            if self._kv_events is not None:
+                self._kv_events.drain()
+            if isinstance(self.scheduler.kv.cache, RadixCache):
+                return self.scheduler.kv.cache.snapshot_events()
+            return [AllBlocksCleared()]
 
     def flush_cache(self) -> bool:
         """Empty the radix cache. Returns False (and does nothing) while requests run."""

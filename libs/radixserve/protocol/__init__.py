@@ -48,6 +48,7 @@ from radixserve.protocol.kv_events import (
     RemovedBlocks,
     StoredBlocks,
     block_hashes,
+    split_events,
 )
 from radixserve.protocol.outputs import (
     DetokParams,
@@ -138,6 +139,7 @@ __all__ = [
     "num_tokens",
     "pack_tokens",
     "retry_later_error",
+    "split_events",
     "subject_matches",
     "too_large_error",
     "unpack_tokens",

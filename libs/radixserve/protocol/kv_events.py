@@ -10,7 +10,8 @@ Events travel in `KvEventBatch`es with a per-worker `seq` that grows by one per
 batch; `epoch` changes when the worker restarts (its cache is empty again). A gap
 in `seq` or a new `epoch` means the mirror is stale: the scheduler asks for a
 snapshot (`KvSnapshotRequest`), answered by a batch that starts with
-`AllBlocksCleared` and stores every cached block.
+`AllBlocksCleared` and stores every cached block (in several batches, in order, when
+it is large: `split_events` keeps each batch well under NATS's 1 MiB payload limit).
 """
 
 from __future__ import annotations
@@ -76,7 +77,8 @@ class KvEventBatch(Message, frozen=True):
 
 
 class KvSnapshotRequest(Message, frozen=True):
-    """scheduler -> a worker, request/reply: send your whole cache as one `KvEventBatch`."""
+    """scheduler -> a worker: publish your whole cache on your `kv_events` subject (a
+    batch that starts with `AllBlocksCleared`, then more batches in sequence if large)."""
 
     worker_id: str
     reason: str = ""
@@ -108,3 +110,66 @@ def block_hashes(
         parent = int.from_bytes(h.digest(), "little", signed=True)
         hashes.append(parent)
     return hashes
+
+
+# A batch's events, measured as their encoded size (msgpack: 9 bytes a hash, a few bytes
+# of framing an event); half of NATS's default 1 MiB payload.
+MAX_BATCH_BYTES = 512 * 1024
+_HASH_WIRE_BYTES = 9
+
+
+def _event_bytes(event: KvEvent) -> int:
+    if isinstance(event, StoredBlocks):
+        return len(event.token_ids) + _HASH_WIRE_BYTES * (len(event.block_hashes) + 1) + 64
+    if isinstance(event, RemovedBlocks):
+        return _HASH_WIRE_BYTES * len(event.block_hashes) + 32
+    return 16
+
+
+def _split_stored(event: StoredBlocks, max_bytes: int) -> list[StoredBlocks]:
+    """One long chain as consecutive chains of at most ~max_bytes each."""
+    per_block = event.block_size * TOKEN_BYTES + _HASH_WIRE_BYTES
+    step = max(1, (max_bytes - 128) // per_block)
+    if len(event.block_hashes) <= step:
+        return [event]
+    out: list[StoredBlocks] = []
+    parent = event.parent_hash
+    block_bytes = event.block_size * TOKEN_BYTES
+    for start in range(0, len(event.block_hashes), step):
+        hashes = event.block_hashes[start : start + step]
+        tokens = event.token_ids[start * block_bytes : (start + len(hashes)) * block_bytes]
+        out.append(StoredBlocks(hashes, tokens, event.block_size, parent))
+        parent = hashes[-1]
+    return out
+
+
+def split_events(
+    events: Sequence[KvEvent], max_bytes: int = MAX_BATCH_BYTES
+) -> list[list[KvEvent]]:
+    """`events` in order, as consecutive groups of about `max_bytes` at most (a long
+    chain of stored blocks becomes several chains; removals of many blocks, several)."""
+    if max_bytes < 1024:
+        raise ValueError(f"max_bytes must be >= 1024, got {max_bytes}")
+    groups: list[list[KvEvent]] = []
+    current: list[KvEvent] = []
+    size = 0
+    for event in events:
+        pieces: Sequence[KvEvent]
+        if isinstance(event, StoredBlocks):
+            pieces = _split_stored(event, max_bytes)
+        elif isinstance(event, RemovedBlocks) and _event_bytes(event) > max_bytes:
+            step = (max_bytes - 64) // _HASH_WIRE_BYTES
+            hashes = event.block_hashes
+            pieces = [RemovedBlocks(hashes[i : i + step]) for i in range(0, len(hashes), step)]
+        else:
+            pieces = [event]
+        for piece in pieces:
+            cost = _event_bytes(piece)
+            if current and size + cost > max_bytes:
+                groups.append(current)
+                current, size = [], 0
+            current.append(piece)
+            size += cost
+    if current:
+        groups.append(current)
+    return groups

@@ -149,7 +149,8 @@ class Subjects:
         return self._join("worker", check_token(worker_id, "worker id"), "flush_cache")
 
     def worker_kv_snapshot(self, worker_id: str) -> str:
-        """scheduler -> one worker, request/reply: `KvSnapshotRequest` -> `KvEventBatch`."""
+        """scheduler -> one worker: `KvSnapshotRequest`; the answer is the worker's whole
+        cache as `KvEventBatch`es on its `kv_events` subject, in sequence."""
         return self._join("worker", check_token(worker_id, "worker id"), "kv_snapshot")
 
     # -- grammar -------------------------------------------------------------------

@@ -1,8 +1,10 @@
 """worker: owns the engine (model, KV pool, radix cache) and runs routed requests.
 
-Subscribes `{p}.worker.{id}.>` (run, abort, flush_cache); the engine runs in its own
-thread (`radixserve.worker.driver`) and hands back one `StepOutputBatch` per step,
-published on `{p}.detok`. Publishes `Heartbeat` and `WorkerStats` every second.
+Subscribes `{p}.worker.{id}.>` (run, abort, flush_cache, kv_snapshot); the engine runs
+in its own thread (`radixserve.worker.driver`) and hands back one `StepOutputBatch` per
+step, published on `{p}.detok`. Publishes `Heartbeat` and `WorkerStats` every second, and
+its radix cache's changes as `KvEventBatch`es on `{p}.kv_events.{id}` (numbered; the
+whole cache again when the scheduler asks), from which the scheduler routes by prefix.
 On SIGTERM: heartbeat "draining" (the scheduler routes nothing new), new requests are
 handed back with a 503, running ones finish (bounded by the drain timeout) and the
 rest are aborted.
@@ -101,6 +103,8 @@ class WorkerService:
         )
         self.model_name = ""
         self.outbox: asyncio.Queue[tuple[int, list[protocol.StepOutput]]] = asyncio.Queue()
+        self.kv_outbox: asyncio.Queue[list[protocol.KvEvent]] = asyncio.Queue()
+        self.kv_event_seq = -1  # the last KvEventBatch numbered (published or not)
         self.driver: Any = None
         self.telemetry = WorkerTelemetry(
             WorkerMetrics(ctx.metrics, self.worker_id), get_tracer(SERVICE)
@@ -123,6 +127,7 @@ class WorkerService:
         await asyncio.to_thread(engine.grammars.warm_up)  # before the engine thread runs
         self.grammars = GrammarLoader(engine.grammars, self._fetch_grammar)
         loop = asyncio.get_running_loop()
+        kv_block_size = engine.enable_kv_events()  # before any request: the tree is empty
         self.driver = EngineDriver(
             engine,
             on_step=lambda step, outs: self._from_thread(
@@ -132,6 +137,7 @@ class WorkerService:
                 loop, self._spawn_reject, error, gateway
             ),
             telemetry=self.telemetry,
+            on_kv_events=lambda events: self._from_thread(loop, self.kv_outbox.put_nowait, events),
         )
         config = engine.config
         self.telemetry.metrics.set_cache_config(config.page_size, engine.runner.kv_pool.num_pages)
@@ -140,11 +146,12 @@ class WorkerService:
             max_total_num_tokens=engine.runner.kv_pool.size,
             max_context_len=engine.context_len,
             page_size=config.page_size,
-            kv_block_size=config.page_size,
+            kv_block_size=kv_block_size,
         )
         self.model_name = str(engine.runner.model_path)
         self.driver.start()
         self.ctx.spawn(self._publish_steps(), "publish-steps")
+        self.ctx.spawn(self._publish_kv_events(), "publish-kv-events")
         self.ctx.spawn(self._stats(), "stats")
         self.ctx.spawn(self._watch_engine(), "watch-engine")
         await self.ctx.bus.subscribe(self.subjects.worker_all(self.worker_id), self._on_message)
@@ -191,6 +198,10 @@ class WorkerService:
             # In a task of its own: runs and aborts behind it are not held up.
             request = protocol.decode(msg.data, protocol.FlushCacheRequest)
             self.ctx.spawn(self._flush_cache(msg, request), f"flush-{request.rid}")
+        elif kind == "kv_snapshot":
+            snapshot = protocol.decode(msg.data, protocol.KvSnapshotRequest)
+            log.info("KV snapshot asked for: %s", snapshot.reason or "no reason given")
+            self.driver.kv_snapshot()  # answered on kv_events, in sequence
 
     async def _flush_cache(self, msg: BusMsg, request: protocol.FlushCacheRequest) -> None:
         try:
@@ -286,6 +297,26 @@ class WorkerService:
                 # (the detokenizer logs the gap), the worker and its other requests are not.
                 log.error("step %d's %d outputs not published: %r", step, len(outputs), exc)
 
+    async def _publish_kv_events(self) -> None:
+        while True:
+            events = await self.kv_outbox.get()
+            for group in protocol.split_events(events):
+                self.kv_event_seq += 1
+                batch = protocol.KvEventBatch(
+                    worker_id=self.worker_id,
+                    epoch=self.epoch,
+                    seq=self.kv_event_seq,
+                    events=group,
+                    time=time.time(),
+                )
+                try:
+                    await self.ctx.bus.publish(
+                        self.subjects.kv_events(self.worker_id), protocol.encode(batch)
+                    )
+                except BusError as exc:
+                    # The scheduler sees the gap in `seq` and asks for a snapshot.
+                    log.warning("KV event batch %d not published: %r", batch.seq, exc)
+
     async def _watch_engine(self) -> None:
         while True:
             await asyncio.sleep(0.5)
@@ -308,6 +339,7 @@ class WorkerService:
             status=self.status,
             capacity=self.capacity,
             epoch=self.epoch,
+            kv_event_seq=self.kv_event_seq,
             model=self.model_name,
         )
         if self.ctx.bus.is_connected:

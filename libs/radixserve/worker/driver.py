@@ -4,6 +4,8 @@ The asyncio side (the worker service) never waits on the engine: `submit`, `abor
 and `flush_cache` put a command in a thread-safe inbox and return; the engine thread
 applies the commands between steps, runs `engine.step()`, and hands one list of
 `StepOutput`s per step to `on_step` (which the service forwards to its event loop).
+With `on_kv_events`, the prefix cache's changes go the same way after each step (and a
+snapshot of the whole cache when `kv_snapshot` asks), for the scheduler's mirror.
 A snapshot of the engine's load is refreshed after every step for stats, and the
 start of the step in progress is kept, so the service can tell a hung engine
 (`step_running_s`) and log where it hangs (`thread_stack`).
@@ -32,6 +34,7 @@ log = logging.getLogger(__name__)
 
 StepCallback = Callable[[int, list[protocol.StepOutput]], None]  # (step number, outputs)
 RejectCallback = Callable[[protocol.RequestError, str], None]  # (error, gateway id)
+KvEventsCallback = Callable[[list[protocol.KvEvent]], None]  # in the cache's order
 
 LOAD_REFRESH_S = 0.1  # stats go out every second; a fresher load is never read
 _PARAM_RE = re.compile(r"sampling parameter '(\w+)'")
@@ -60,6 +63,11 @@ class _Flush:
     done: concurrent.futures.Future[bool]
 
 
+@dataclass(frozen=True)
+class _Snapshot:
+    """Send the whole cache as KV events (it replaces the events not sent yet)."""
+
+
 class EngineDriver:
     def __init__(
         self,
@@ -68,10 +76,12 @@ class EngineDriver:
         on_reject: RejectCallback,
         idle_wait_s: float = 0.05,
         telemetry: WorkerTelemetry | None = None,
+        on_kv_events: KvEventsCallback | None = None,
     ) -> None:
         self.engine = engine
         self.on_step = on_step
         self.on_reject = on_reject
+        self.on_kv_events = on_kv_events
         self.idle_wait_s = idle_wait_s
         # Step time, batch size and the per-request counters/spans, measured here in the
         # engine thread (prometheus_client and OTel spans are thread-safe).
@@ -82,7 +92,9 @@ class EngineDriver:
         self.load: EngineLoad = engine.load()
         self._load_at = time.monotonic()
         self.generated_tokens = 0  # for throughput in stats
-        self._inbox: queue.SimpleQueue[_Submit | _Gone | _Abort | _Flush] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[_Submit | _Gone | _Abort | _Flush | _Snapshot] = (
+            queue.SimpleQueue()
+        )
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._step_started: float | None = None  # monotonic, while a step runs
@@ -108,6 +120,11 @@ class EngineDriver:
         done: concurrent.futures.Future[bool] = concurrent.futures.Future()
         self._inbox.put(_Flush(done))
         return done
+
+    def kv_snapshot(self) -> None:
+        """Have the engine thread send its whole cache through `on_kv_events` (between
+        steps, so it is in order with the events before and after it)."""
+        self._inbox.put(_Snapshot())
 
     @property
     def alive(self) -> bool:
@@ -140,6 +157,7 @@ class EngineDriver:
                 self._apply_commands(wait_s=0.0 if busy else self.idle_wait_s)
                 if self.engine.has_work():
                     self._step()
+                self._send_kv_events(self.engine.drain_kv_events())
                 now = time.monotonic()
                 if now - self._load_at >= LOAD_REFRESH_S:  # a tree walk: not every step
                     self.load = self.engine.load()
@@ -167,6 +185,8 @@ class EngineDriver:
                 self._publish(aborted)
             elif isinstance(command, _Abort):
                 self.engine.abort(command.rid)
+            elif isinstance(command, _Snapshot):
+                self._send_kv_events(self.engine.kv_snapshot())
             elif command.done.set_running_or_notify_cancel():  # not given up on meanwhile
                 command.done.set_result(self.engine.flush_cache())
             deadline = 0.0  # after the first command, only drain what is already there
@@ -211,6 +231,10 @@ class EngineDriver:
             batch_size = sum(1 for choice in choices if choice.new_token_ids)
             self.telemetry.observe_step(started, seconds, batch_size, outputs)
         self._publish(outputs)
+
+    def _send_kv_events(self, events: list[protocol.KvEvent]) -> None:
+        if events and self.on_kv_events is not None:
+            self.on_kv_events(events)
 
     def _publish(self, outputs: list[protocol.StepOutput]) -> None:
         if outputs:

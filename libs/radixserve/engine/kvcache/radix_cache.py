@@ -7,6 +7,11 @@ eviction only ever takes unlocked leaves, least recently used first.
 With page_size > 1 the tree works in whole pages: children are keyed by their first
 page, matches are whole pages, and inserted keys must be page-aligned (the caller
 keeps the slots of a trailing partial page, as SGLang's scheduler does).
+
+With a `BlockEventLog` (`enable_events`), every change is also recorded as KV events in
+blocks of `log.block_size` tokens: a node keeps the hashes of the blocks that end inside
+it (`blocks`), stores them when it is created, hands them to the upper part when it is
+split, and removes them when it is evicted. `snapshot_events` describes the whole tree.
 """
 
 from __future__ import annotations
@@ -19,13 +24,26 @@ from typing import Any
 import torch
 
 from radixserve.engine.kvcache.base import CacheSizes, MatchResult, PrefixCache
+from radixserve.engine.kvcache.block_events import BlockEventLog
 from radixserve.engine.kvcache.pool import KVPool
+from radixserve.protocol.kv_events import AllBlocksCleared, KvEvent, StoredBlocks
+from radixserve.protocol.tokens import pack_tokens
 
 ChildKey = int | tuple[int, ...]
 
 
 class TreeNode:
-    __slots__ = ("children", "key", "last_access_time", "lock_ref", "node_id", "parent", "value")
+    __slots__ = (
+        "blocks",
+        "children",
+        "depth",
+        "key",
+        "last_access_time",
+        "lock_ref",
+        "node_id",
+        "parent",
+        "value",
+    )
 
     def __init__(
         self, node_id: int, key: list[int], value: torch.Tensor, parent: TreeNode | None
@@ -34,9 +52,11 @@ class TreeNode:
         self.key = key
         self.value = value  # int64 KV slots, one per token of `key`
         self.parent = parent  # None for the root and for evicted (detached) nodes
+        self.depth: int = (parent.depth if parent is not None else 0) + len(key)  # root..end
         self.children: dict[ChildKey, TreeNode] = {}
         self.lock_ref = 0
         self.last_access_time = 0
+        self.blocks: list[int] = []  # KV-event hashes of the blocks ending in this node
 
     def __repr__(self) -> str:
         head = " ".join(map(str, self.key[:8])) + (" …" if len(self.key) > 8 else "")
@@ -76,6 +96,7 @@ class RadixCache(PrefixCache):
             )
         self.kv_pool = kv_pool
         self.page_size = page_size
+        self.events: BlockEventLog | None = None
         self._clock = itertools.count(1)  # logical LRU time: deterministic, strictly increasing
         self._node_ids = itertools.count()
         self._init_tree()
@@ -90,6 +111,64 @@ class RadixCache(PrefixCache):
         if self._protected_tokens or self._root_locks:
             raise RuntimeError("RadixCache.reset() while requests still hold locks on it")
         self._init_tree()
+        if self.events is not None:
+            self.events.cleared()
+
+    # -- KV events -----------------------------------------------------------------
+    def enable_events(self, log: BlockEventLog) -> None:
+        """Record every change in `log` from now on (an empty cache only: what is cached
+        already would be missing from the events)."""
+        if self._root.children:
+            raise RuntimeError("enable_events on a cache that already holds prefixes")
+        if log.block_size % self.page_size:
+            raise ValueError(
+                f"event block size {log.block_size} is not a whole number of pages "
+                f"({self.page_size} tokens)"
+            )
+        self.events = log
+
+    def _last_block_hash(self, node: TreeNode) -> int | None:
+        """The hash of the last whole block ending at or above `node`'s end."""
+        walk: TreeNode | None = node
+        while walk is not None and not walk.blocks:
+            walk = walk.parent
+        return walk.blocks[-1] if walk is not None else None
+
+    def _record_stored(self, leaf: TreeNode, key: Sequence[int]) -> None:
+        """Store the blocks that end inside the new `leaf` (`key`: root..leaf's end)."""
+        assert self.events is not None and leaf.parent is not None
+        size = self.events.block_size
+        first, end = leaf.parent.depth // size * size, leaf.depth // size * size
+        if end > first:
+            parent_hash = self._last_block_hash(leaf.parent)
+            leaf.blocks = self.events.stored(list(key[first:end]), parent_hash)
+
+    def snapshot_events(self) -> list[KvEvent]:
+        """The whole tree as events: cleared, then every node's blocks, parents first."""
+        events: list[KvEvent] = [AllBlocksCleared()]
+        size = self.events.block_size if self.events is not None else 0
+        if not size:
+            return events
+        stack: list[tuple[TreeNode, list[int], int | None]] = [
+            (child, [], None) for child in self._root.children.values()
+        ]
+        while stack:
+            node, above, parent_hash = stack.pop()
+            path = above + node.key
+            if node.blocks:
+                end = node.depth // size * size
+                first = end - size * len(node.blocks)
+                events.append(
+                    StoredBlocks(
+                        block_hashes=list(node.blocks),
+                        token_ids=pack_tokens(path[first:end]),
+                        block_size=size,
+                        parent_hash=parent_hash,
+                    )
+                )
+            last = node.blocks[-1] if node.blocks else parent_hash
+            stack.extend((child, path, last) for child in node.children.values())
+        return events
 
     # -- lookup and insertion ----------------------------------------------------
     def match_prefix(self, key: Sequence[int]) -> MatchResult:
@@ -141,6 +220,8 @@ class RadixCache(PrefixCache):
             leaf.last_access_time = node.last_access_time  # this walk's clock tick
             node.children[self._child_key(leaf.key, 0)] = leaf
             self._evictable_tokens += len(leaf.key)
+            if self.events is not None:
+                self._record_stored(leaf, key)
         return pos
 
     def _check_insert_args(self, key: Sequence[int], indices: torch.Tensor) -> None:
@@ -174,6 +255,10 @@ class RadixCache(PrefixCache):
         upper = TreeNode(next(self._node_ids), child.key[:n], child.value[:n], parent)
         upper.lock_ref = child.lock_ref  # same locks cover both parts: counters are unchanged
         upper.last_access_time = child.last_access_time
+        if child.blocks:  # the blocks ending in the upper part move with it
+            size = self.events.block_size if self.events is not None else 1
+            moved = upper.depth // size - parent.depth // size
+            upper.blocks, child.blocks = child.blocks[:moved], child.blocks[moved:]
         parent.children[self._child_key(upper.key, 0)] = upper
         child.key = child.key[n:]
         child.value = child.value[n:]
@@ -235,6 +320,8 @@ class RadixCache(PrefixCache):
             assert parent is not None
             self.kv_pool.free(leaf.value)
             del parent.children[self._child_key(leaf.key, 0)]
+            if self.events is not None:
+                self.events.removed(leaf.blocks)
             leaf.parent = None  # detached: a stale handle to it is caught by _check_live
             self._evictable_tokens -= len(leaf.key)
             freed += len(leaf.key)
@@ -280,6 +367,10 @@ class RadixCache(PrefixCache):
             assert parent.children.get(self._child_key(node.key, 0)) is node, f"{node!r} misfiled"
             assert node.value.dtype == torch.int64 and node.value.device == self.kv_pool.device
             assert node.lock_ref >= 0, f"negative lock_ref in {node!r}"
+            assert node.depth == parent.depth + len(node.key), f"{node!r} has a wrong depth"
+            size = self.events.block_size if self.events is not None else 0
+            ends = node.depth // size - parent.depth // size if size else 0
+            assert len(node.blocks) == ends, f"{node!r} holds {len(node.blocks)} of {ends} blocks"
             child_locks = sum(c.lock_ref for c in node.children.values())
             # Each lock on a descendant also counts on this node.
             assert node.lock_ref >= child_locks, f"{node!r} has fewer locks than its children"
