@@ -38,6 +38,7 @@ def running_stack(
     extra_args: dict[str, list[str]] | None = None,
     context_length: int | None = None,
     ready_timeout_s: float = 150.0,
+    workers: int = 1,
 ) -> Iterator[RunningStack]:
     prefix = f"s{uuid.uuid4().hex[:8]}"
     context = ["--context-length", str(context_length)] if context_length else []
@@ -47,7 +48,7 @@ def running_stack(
         subject_prefix=prefix,
         host="127.0.0.1",
         port=free_port(),
-        workers=1,
+        workers=workers,
         model_dir=model_dir,
         served_model_name="test-model",
         worker_args=[*worker_args, *context],

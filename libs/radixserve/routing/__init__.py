@@ -6,8 +6,10 @@
         case Rejected(gateway_id, error): ...   # publish on subjects.gateway_errors(gateway_id)
         case Dropped(reason): ...
 
-`Router` is the seam for the cache-aware router (KV-event mirrors); `LeastLoadRouter`
-is the default. Nothing here does I/O.
+`Router` is the seam: `CacheAwareRouter` (the default, `routing="cache_aware"`) weighs
+the prefix each worker caches, as its `KvMirrors` copy of that worker's radix cache
+says (kept from the KV events via `on_kv_events`), against load; `LeastLoadRouter`
+(`routing="least_load"`) weighs load only. Nothing here does I/O.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from radixserve.routing.acks import PendingAcks
 from radixserve.routing.dispatcher import (
     NO_WORKER,
     QUEUE_FULL,
+    ROUTING_POLICIES,
     WORKER_LOST,
     Decision,
     Dispatcher,
@@ -27,27 +30,39 @@ from radixserve.routing.dispatcher import (
 from radixserve.routing.finish import FinishedChoice, finished_choices
 from radixserve.routing.flush import merge_flush_replies
 from radixserve.routing.inflight import InflightEntry, InflightTable
+from radixserve.routing.kv_mirror import KvMirrors, PromptHashes, WorkerMirror
 from radixserve.routing.registry import WorkerRegistry, WorkerState
-from radixserve.routing.router import LeastLoadRouter, Route, Router, WorkerLoad
+from radixserve.routing.router import (
+    CacheAwareRouter,
+    LeastLoadRouter,
+    Route,
+    Router,
+    WorkerLoad,
+)
 
 __all__ = [
     "NO_WORKER",
     "QUEUE_FULL",
+    "ROUTING_POLICIES",
     "WORKER_LOST",
+    "CacheAwareRouter",
     "Decision",
     "Dispatcher",
     "Dropped",
     "FinishedChoice",
     "InflightEntry",
     "InflightTable",
+    "KvMirrors",
     "LeastLoadRouter",
     "PendingAcks",
+    "PromptHashes",
     "RecentAborts",
     "Rejected",
     "Route",
     "Routed",
     "Router",
     "WorkerLoad",
+    "WorkerMirror",
     "WorkerRegistry",
     "WorkerState",
     "finished_choices",

@@ -5,6 +5,8 @@ the service only decodes, calls and publishes, and the tests drive it directly.
 
     dispatcher = Dispatcher(max_pending_requests=1024, worker_timeout_s=5, retry_after_s=1)
     dispatcher.on_heartbeat(beat, now)           # Heartbeat / WorkerStats keep the registry
+    dispatcher.on_kv_events(batch)               # KvEventBatch keeps the cache mirrors
+    for worker_id in dispatcher.kv_snapshots_due(now): ...   # send a KvSnapshotRequest
     decision = dispatcher.admit(tokenized, now, time.time())   # Routed | Rejected | Dropped
     worker = dispatcher.abort(rid, now)          # forward to it, or None
     dispatcher.on_finished(rid, index, kind)     # from the workers' step outputs
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 from radixserve.protocol import (
     FinishKind,
     Heartbeat,
+    KvEventBatch,
     RequestError,
     RoutedRequest,
     TokenizedRequest,
@@ -28,8 +31,9 @@ from radixserve.protocol import (
 )
 from radixserve.routing.aborts import RecentAborts
 from radixserve.routing.inflight import InflightEntry, InflightTable
+from radixserve.routing.kv_mirror import KvMirrors
 from radixserve.routing.registry import WorkerRegistry
-from radixserve.routing.router import LeastLoadRouter, Router, WorkerLoad
+from radixserve.routing.router import CacheAwareRouter, LeastLoadRouter, Router, WorkerLoad
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +41,7 @@ SERVICE = "scheduler"
 QUEUE_FULL = "queue_full"
 NO_WORKER = "no_worker"
 WORKER_LOST = "worker_lost"
+ROUTING_POLICIES = ("cache_aware", "least_load")
 
 
 @dataclass(frozen=True)
@@ -65,12 +70,17 @@ Decision = Routed | Rejected | Dropped
 
 
 class Dispatcher:
+    """`routing` picks the router ("cache_aware": a `CacheAwareRouter` over
+    `kv_mirrors`, fed by `on_kv_events`; "least_load": no mirrors, events ignored)
+    unless `router` is given; a given `CacheAwareRouter`'s mirrors are fed."""
+
     def __init__(
         self,
         *,
         max_pending_requests: int,
         worker_timeout_s: float,
         retry_after_s: float,
+        routing: str = "cache_aware",
         router: Router | None = None,
         abort_memory_s: float = 60.0,
     ) -> None:
@@ -78,8 +88,17 @@ class Dispatcher:
             raise ValueError(f"max_pending_requests must be >= 1, got {max_pending_requests}")
         if retry_after_s < 0:
             raise ValueError(f"retry_after_s must be >= 0, got {retry_after_s}")
+        if routing not in ROUTING_POLICIES:
+            raise ValueError(
+                f"routing must be one of {', '.join(ROUTING_POLICIES)}, got {routing!r}"
+            )
         self.max_pending_requests = max_pending_requests
         self.retry_after_s = retry_after_s
+        self.kv_mirrors: KvMirrors | None = None
+        if router is None and routing == "cache_aware":
+            router = CacheAwareRouter(KvMirrors())
+        if isinstance(router, CacheAwareRouter):
+            self.kv_mirrors = router.mirrors
         self.router: Router = router or LeastLoadRouter()
         self.workers = WorkerRegistry(worker_timeout_s)
         self.inflight = InflightTable()
@@ -89,6 +108,8 @@ class Dispatcher:
 
     def on_heartbeat(self, beat: Heartbeat, now: float) -> list[Rejected]:
         """Keep the worker alive; if it restarted, what it held is lost (503s to send)."""
+        if self.kv_mirrors is not None:
+            self.kv_mirrors.on_heartbeat(beat)
         if not self.workers.on_heartbeat(beat, now):
             return []
         log.warning("worker %s restarted (epoch %d)", beat.worker_id, beat.epoch)
@@ -96,6 +117,17 @@ class Dispatcher:
 
     def on_stats(self, stats: WorkerStats, now: float) -> None:
         self.workers.on_stats(stats, now)
+
+    def on_kv_events(self, batch: KvEventBatch) -> None:
+        """Update the worker's cache mirror. A worker the registry does not know (expired,
+        or not heard from yet) is ignored: its first heartbeat starts its mirror, which
+        asks for a snapshot if batches were published before."""
+        if self.kv_mirrors is not None and batch.worker_id in self.workers:
+            self.kv_mirrors.on_events(batch)
+
+    def kv_snapshots_due(self, now: float) -> list[str]:
+        """Workers to send a `KvSnapshotRequest` now (their mirror is stale)."""
+        return [] if self.kv_mirrors is None else self.kv_mirrors.snapshots_due(now)
 
     def on_finished(self, rid: str, index: int, kind: FinishKind) -> bool:
         """A choice finished; True when that finished the whole request."""
@@ -113,6 +145,8 @@ class Dispatcher:
         lost: list[Rejected] = []
         for worker_id in self.workers.expire(now):
             log.warning("worker %s missed its heartbeats; dropped", worker_id)
+            if self.kv_mirrors is not None:
+                self.kv_mirrors.drop(worker_id)
             lost += self._lose(
                 worker_id,
                 f"worker {worker_id} stopped answering (no heartbeat for "

@@ -1,8 +1,8 @@
 """The routing decision: which ready worker gets a request.
 
-`Router` is the seam: `LeastLoadRouter` compares reported load only; the cache-aware
-router (KV-event mirrors of each worker's radix tree) implements the same `pick`,
-trading the cached prefix length it finds against load, and fills
+`Router` is the seam. `LeastLoadRouter` compares reported load only;
+`CacheAwareRouter` also looks up the prompt in `KvMirrors` (the scheduler's copies of
+each worker's radix cache), trades the cached prefix it finds against load, and fills
 `expected_cached_tokens`.
 """
 
@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from radixserve.protocol import TokenizedRequest
+from radixserve.protocol import TokenizedRequest, unpack_tokens_array
+from radixserve.routing.kv_mirror import KvMirrors, PromptHashes
 
 
 @dataclass(frozen=True)
@@ -46,3 +47,55 @@ class LeastLoadRouter:
             return None
         best = min(workers, key=lambda w: (w.load, w.inflight, w.worker_id))
         return Route(best.worker_id)
+
+
+class CacheAwareRouter:
+    """SGLang's cache-aware policy over `KvMirrors`.
+
+    While loads are balanced, the worker caching the longest prefix of the prompt
+    (ties: lower load, fewer in flight, lower id) gets it, if that prefix covers at
+    least `cache_threshold` of the prompt; otherwise the least loaded worker does.
+    Loads are imbalanced when the busiest worker's exceeds the idlest's by more than
+    `balance_abs_threshold` and by more than `balance_rel_threshold` times: then the
+    least loaded worker gets it, whatever it caches, since reuse would not pay for the
+    queueing. `expected_cached_tokens` is always the mirror's match on the chosen worker.
+    """
+
+    def __init__(
+        self,
+        mirrors: KvMirrors,
+        *,
+        cache_threshold: float = 0.5,
+        balance_abs_threshold: int = 32,
+        balance_rel_threshold: float = 1.5,
+    ) -> None:
+        if not 0.0 <= cache_threshold <= 1.0:
+            raise ValueError(f"cache_threshold must be in [0, 1], got {cache_threshold}")
+        if balance_abs_threshold < 0:
+            raise ValueError(f"balance_abs_threshold must be >= 0, got {balance_abs_threshold}")
+        if balance_rel_threshold < 1.0:
+            raise ValueError(f"balance_rel_threshold must be >= 1, got {balance_rel_threshold}")
+        self.mirrors = mirrors
+        self.cache_threshold = cache_threshold
+        self.balance_abs_threshold = balance_abs_threshold
+        self.balance_rel_threshold = balance_rel_threshold
+        self._least_load = LeastLoadRouter()
+
+    def pick(self, request: TokenizedRequest, workers: Sequence[WorkerLoad]) -> Route | None:
+        least = self._least_load.pick(request, workers)
+        if least is None:
+            return None
+        prompt = PromptHashes(unpack_tokens_array(request.input_ids))
+        if self._imbalanced(workers):
+            return Route(least.worker_id, self.mirrors.matched_tokens(least.worker_id, prompt))
+        matched = {w.worker_id: self.mirrors.matched_tokens(w.worker_id, prompt) for w in workers}
+        best = min(workers, key=lambda w: (-matched[w.worker_id], w.load, w.inflight, w.worker_id))
+        hit = matched[best.worker_id]
+        if hit > 0 and hit >= self.cache_threshold * prompt.num_tokens:
+            return Route(best.worker_id, hit)
+        return Route(least.worker_id, matched[least.worker_id])
+
+    def _imbalanced(self, workers: Sequence[WorkerLoad]) -> bool:
+        loads = [w.load for w in workers]
+        high, low = max(loads), min(loads)
+        return high - low > self.balance_abs_threshold and high > self.balance_rel_threshold * low

@@ -1,9 +1,11 @@
 """scheduler service: routes each `TokenizedRequest` to a worker (docs/request-path.md, hop 3).
 
-Keeps the live workers from their heartbeats and stats, sends each request to the
-least loaded ready worker, remembers rid -> worker until the request finishes (seen
-in the workers' step outputs), forwards aborts, fans `flush_cache` out, and answers
-429 / 503 when it cannot take a request. Every decision is `radixserve.routing`'s;
+Keeps the live workers from their heartbeats and stats and a mirror of each one's radix
+cache from its KV events (asking a worker for a snapshot when its mirror missed a
+batch), sends each request to the worker caching the longest prefix of its prompt while
+loads are balanced, else to the least loaded one (`--routing`), remembers rid -> worker
+until the request finishes (seen in the workers' step outputs), forwards aborts, fans
+`flush_cache` out, and answers 429 / 503 when it cannot take a request. Every decision is `radixserve.routing`'s;
 this file only moves messages.
 """
 
@@ -23,6 +25,8 @@ from radixserve.protocol import (
     Heartbeat,
     InflightQuery,
     InflightReply,
+    KvEventBatch,
+    KvSnapshotRequest,
     ProtocolError,
     QueueGroups,
     RequestError,
@@ -32,6 +36,7 @@ from radixserve.protocol import (
     encode,
 )
 from radixserve.routing import (
+    ROUTING_POLICIES,
     Dispatcher,
     Dropped,
     PendingAcks,
@@ -67,6 +72,7 @@ class SchedulerSettings:
     flush_timeout_s: float = 5.0  # per worker, all at once
     # A run message a worker has not acknowledged within this long was lost: 503.
     worker_ack_timeout_s: float = 10.0
+    routing: str = "cache_aware"  # or least_load (routing.ROUTING_POLICIES)
 
     def __post_init__(self) -> None:
         if self.max_pending_requests < 1:
@@ -77,6 +83,8 @@ class SchedulerSettings:
             raise ValueError("--retry-after-s must be >= 0")
         if self.worker_ack_timeout_s <= 0:
             raise ValueError("--worker-ack-timeout-s must be > 0")
+        if self.routing not in ROUTING_POLICIES:
+            raise ValueError(f"--routing must be one of {', '.join(ROUTING_POLICIES)}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -101,6 +109,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=10.0,
         help="a request whose worker has not acknowledged it within this long gets 503",
     )
+    parser.add_argument(
+        "--routing",
+        choices=ROUTING_POLICIES,
+        default="cache_aware",
+        help="cache_aware: the worker caching the longest prefix of the prompt (from its KV "
+        "events) while loads are balanced, else the least loaded; least_load: load only",
+    )
 
 
 def settings_from(ns: argparse.Namespace) -> SchedulerSettings:
@@ -110,6 +125,7 @@ def settings_from(ns: argparse.Namespace) -> SchedulerSettings:
         worker_timeout_s=ns.worker_timeout_s,
         retry_after_s=ns.retry_after_s,
         worker_ack_timeout_s=ns.worker_ack_timeout_s,
+        routing=ns.routing,
     )
 
 
@@ -127,6 +143,7 @@ async def start(ctx: ServiceContext, settings: SchedulerSettings) -> None:
         max_pending_requests=settings.max_pending_requests,
         worker_timeout_s=settings.worker_timeout_s,
         retry_after_s=settings.retry_after_s,
+        routing=settings.routing,
     )
     bus, subjects = ctx.bus, ctx.subjects
     metrics = SchedulerMetrics(ctx.metrics)
@@ -168,7 +185,7 @@ async def start(ctx: ServiceContext, settings: SchedulerSettings) -> None:
             if isinstance(decision, Routed):
                 routed = decision.routed
                 log.debug("routed to %s", routed.worker_id, extra={"rid": request.rid})
-                metrics.observe_routed(routed.worker_id)
+                metrics.observe_routed(routed.worker_id, routed.expected_cached_tokens)
                 span.set_attribute(genai.WORKER_ID, routed.worker_id)
                 token = acks.sent(request.rid, routed.worker_id, time.monotonic())
                 try:
@@ -270,6 +287,24 @@ async def start(ctx: ServiceContext, settings: SchedulerSettings) -> None:
             return
         dispatcher.on_stats(stats, time.monotonic())
 
+    async def on_kv_events(msg: BusMsg) -> None:
+        try:
+            batch = decode(msg.data, KvEventBatch)
+        except ProtocolError as exc:
+            log.warning("malformed KvEventBatch on %s: %s", msg.subject, exc)
+            return
+        dispatcher.on_kv_events(batch)
+
+    async def ask_snapshots(now: float) -> None:
+        """A worker whose mirror missed a batch resends its whole cache on kv_events."""
+        for worker_id in dispatcher.kv_snapshots_due(now):
+            request = KvSnapshotRequest(worker_id=worker_id, reason="the mirror missed a batch")
+            metrics.observe_kv_snapshot(worker_id)
+            try:
+                await bus.publish(subjects.worker_kv_snapshot(worker_id), encode(request))
+            except BusError as exc:  # asked again after the retry interval
+                log.warning("KV snapshot request to %s not sent: %r", worker_id, exc)
+
     async def on_step_outputs(msg: BusMsg) -> None:
         try:
             finished = finished_choices(msg.data)
@@ -325,6 +360,7 @@ async def start(ctx: ServiceContext, settings: SchedulerSettings) -> None:
             await asyncio.sleep(interval_s)
             now = time.monotonic()
             await send_errors(dispatcher.expire(now))
+            await ask_snapshots(now)
             for rid, worker_id in acks.expired(now):
                 timeout_s = settings.worker_ack_timeout_s
                 why = f"worker {worker_id} did not acknowledge the request within {timeout_s:g} s"
@@ -334,6 +370,7 @@ async def start(ctx: ServiceContext, settings: SchedulerSettings) -> None:
     # Worker state first, so the first requests already see the workers.
     await bus.subscribe(subjects.heartbeat_all, on_heartbeat)
     await bus.subscribe(subjects.stats_all, on_stats)
+    await bus.subscribe(subjects.kv_events_all, on_kv_events)
     await bus.subscribe(subjects.detok, on_step_outputs)
     await bus.subscribe(subjects.gateway_errors_all, on_request_error)
     await bus.subscribe(subjects.scheduler_acks(scheduler_id), on_ack)

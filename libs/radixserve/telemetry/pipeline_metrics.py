@@ -71,9 +71,26 @@ class SchedulerMetrics:
         self.ready_workers = Gauge(
             PREFIX + "scheduler_ready_workers", "Workers ready to take requests", registry=r
         )
+        self.expected_cached = Counter(
+            PREFIX + "scheduler_expected_cached_tokens",
+            "Prompt tokens the routed requests' workers were expected to have cached (the "
+            "KV-event mirrors' longest prefix match), by worker",
+            ["worker"],
+            registry=r,
+        )
+        self.kv_snapshots = Counter(
+            PREFIX + "scheduler_kv_snapshot_requests",
+            "Snapshots asked of a worker whose cache mirror missed a KV event batch",
+            ["worker"],
+            registry=r,
+        )
 
-    def observe_routed(self, worker: str) -> None:
+    def observe_routed(self, worker: str, expected_cached_tokens: int = 0) -> None:
         self.routed.labels(worker=worker).inc()
+        self.expected_cached.labels(worker=worker).inc(expected_cached_tokens)
+
+    def observe_kv_snapshot(self, worker: str) -> None:
+        self.kv_snapshots.labels(worker=worker).inc()
 
     def observe_rejected(self, code: str) -> None:
         self.rejected.labels(code=code).inc()

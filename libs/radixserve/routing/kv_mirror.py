@@ -1,0 +1,182 @@
+"""`KvMirrors`: the scheduler's copy of each worker's radix (prefix) cache.
+
+Each mirror is the set of block hashes a worker holds, kept from the `KvEventBatch`es
+it publishes (see `protocol.kv_events`). A block hash names its whole prefix and
+blocks are evicted leaves first, so the set is prefix-closed: the longest cached
+prefix of a prompt is found by a binary search over the prompt's chained hashes.
+
+A mirror that may have missed a batch (a gap in `seq`, a heartbeat announcing a batch
+that never came, a restart first seen mid-stream) is *stale*: it matches nothing until
+a batch that starts with `AllBlocksCleared` (a snapshot, or a flush) resyncs it.
+`snapshots_due` says which workers to send a `KvSnapshotRequest`. No I/O here.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from radixserve.protocol import (
+    AllBlocksCleared,
+    Heartbeat,
+    KvEventBatch,
+    RemovedBlocks,
+    StoredBlocks,
+    block_hashes,
+)
+
+log = logging.getLogger(__name__)
+
+
+class PromptHashes:
+    """A prompt's chained block hashes, computed on first use once per block size
+    (workers of one model usually share a block size), not once per worker."""
+
+    def __init__(self, token_ids: Sequence[int] | np.ndarray) -> None:
+        self.token_ids = token_ids
+        self._by_block_size: dict[int, list[int]] = {}
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def hashes(self, block_size: int) -> list[int]:
+        hashes = self._by_block_size.get(block_size)
+        if hashes is None:
+            hashes = self._by_block_size[block_size] = block_hashes(self.token_ids, block_size)
+        return hashes
+
+
+def _resyncs(batch: KvEventBatch) -> bool:
+    """A batch that starts by emptying the cache states the whole cache on its own."""
+    return bool(batch.events) and isinstance(batch.events[0], AllBlocksCleared)
+
+
+@dataclass
+class WorkerMirror:
+    """One worker's cached blocks, as its event stream of `epoch` told them."""
+
+    epoch: int
+    seq: int = -1  # the last batch applied in this epoch; -1: none
+    block_size: int | None = None  # None until a heartbeat or a StoredBlocks says
+    blocks: set[int] = field(default_factory=set)
+    stale: bool = False  # may have missed a batch: matches nothing until resynced
+    snapshot_requested_at: float | None = None  # None: not asked since it went stale
+    announced_seq: int = -1  # kv_event_seq of the last heartbeat of this epoch
+
+    def apply(self, batch: KvEventBatch) -> None:
+        if _resyncs(batch):
+            self.stale = False
+            self.snapshot_requested_at = None
+        for event in batch.events:
+            if isinstance(event, StoredBlocks):
+                self.blocks.update(event.block_hashes)
+                self.block_size = event.block_size
+            elif isinstance(event, RemovedBlocks):
+                self.blocks.difference_update(event.block_hashes)
+            else:
+                self.blocks.clear()
+        self.seq = batch.seq
+
+    def matched_blocks(self, hashes: Sequence[int]) -> int:
+        """How many leading `hashes` are cached: the largest i with hashes[i-1] held
+        (binary search, valid because the set is prefix-closed)."""
+        low, high = 0, len(hashes)
+        while low < high:
+            mid = (low + high + 1) // 2
+            if hashes[mid - 1] in self.blocks:
+                low = mid
+            else:
+                high = mid - 1
+        return low
+
+
+class KvMirrors:
+    """Mirrors by worker id; a stale one is re-asked for a snapshot every
+    `snapshot_retry_s` until one arrives."""
+
+    def __init__(self, snapshot_retry_s: float = 5.0) -> None:
+        if snapshot_retry_s <= 0:
+            raise ValueError(f"snapshot_retry_s must be > 0, got {snapshot_retry_s}")
+        self.snapshot_retry_s = snapshot_retry_s
+        self._mirrors: dict[str, WorkerMirror] = {}
+
+    def on_events(self, batch: KvEventBatch) -> None:
+        """Apply `batch` if it is the next one; else ignore it (old) or go stale (a gap)."""
+        mirror = self._mirrors.get(batch.worker_id)
+        if mirror is None or batch.epoch > mirror.epoch:
+            # A new process (or one not seen before): its cache was empty before seq 0.
+            mirror = self._reset(batch.worker_id, batch.epoch)
+            if batch.seq == 0 or _resyncs(batch):
+                mirror.apply(batch)
+            else:
+                self._mark_stale(batch.worker_id, mirror, f"first seen at seq {batch.seq}")
+            return
+        if batch.epoch < mirror.epoch or batch.seq <= mirror.seq:
+            return  # the previous process's, or applied already (a snapshot seen twice)
+        if batch.seq == mirror.seq + 1 or _resyncs(batch):
+            mirror.apply(batch)
+        else:
+            self._mark_stale(batch.worker_id, mirror, f"seq {mirror.seq} -> {batch.seq}")
+
+    def on_heartbeat(self, beat: Heartbeat) -> None:
+        """Learn the block size; reset on a restart; go stale when the batch the previous
+        heartbeat announced has still not arrived (lost, not merely in flight: events and
+        heartbeats travel on different subjects and may overtake each other)."""
+        mirror = self._mirrors.get(beat.worker_id)
+        if mirror is None or beat.epoch > mirror.epoch:
+            mirror = self._reset(beat.worker_id, beat.epoch)
+            if beat.kv_event_seq != -1:
+                self._mark_stale(beat.worker_id, mirror, "batches published before it was seen")
+        elif beat.epoch < mirror.epoch:
+            return
+        elif mirror.seq < mirror.announced_seq:
+            self._mark_stale(beat.worker_id, mirror, f"batch {mirror.announced_seq} never came")
+        mirror.block_size = beat.capacity.kv_block_size
+        mirror.announced_seq = beat.kv_event_seq
+
+    def drop(self, worker_id: str) -> None:
+        """Forget a worker (it expired)."""
+        self._mirrors.pop(worker_id, None)
+
+    def snapshots_due(self, now: float) -> list[str]:
+        """Stale workers not asked for a snapshot within `snapshot_retry_s` (now asked)."""
+        due = []
+        for worker_id, mirror in sorted(self._mirrors.items()):
+            asked = mirror.snapshot_requested_at
+            if mirror.stale and (asked is None or now - asked >= self.snapshot_retry_s):
+                mirror.snapshot_requested_at = now
+                due.append(worker_id)
+        return due
+
+    def matched_tokens(self, worker_id: str, prompt: PromptHashes) -> int:
+        """The longest prefix of `prompt` cached on `worker_id`, in tokens (whole blocks);
+        0 for a stale or unknown worker."""
+        mirror = self._mirrors.get(worker_id)
+        if mirror is None or mirror.stale or not mirror.blocks or mirror.block_size is None:
+            return 0
+        return mirror.matched_blocks(prompt.hashes(mirror.block_size)) * mirror.block_size
+
+    def get(self, worker_id: str) -> WorkerMirror | None:
+        return self._mirrors.get(worker_id)
+
+    def __contains__(self, worker_id: object) -> bool:
+        return worker_id in self._mirrors
+
+    def __len__(self) -> int:
+        return len(self._mirrors)
+
+    def _reset(self, worker_id: str, epoch: int) -> WorkerMirror:
+        old = self._mirrors.get(worker_id)
+        mirror = WorkerMirror(epoch, block_size=None if old is None else old.block_size)
+        self._mirrors[worker_id] = mirror
+        return mirror
+
+    @staticmethod
+    def _mark_stale(worker_id: str, mirror: WorkerMirror, why: str) -> None:
+        if not mirror.stale:
+            log.info("KV mirror of worker %s is stale (%s); a snapshot is due", worker_id, why)
+        mirror.stale = True
