@@ -52,6 +52,9 @@ class EngineConfig:
     # JIT-compiled in the background at start-up (about 90 s of nvcc the first time, cached
     # under FlashInfer's workspace after); FA2 meanwhile.
     enable_sm90_prefill: bool = False
+    # Tensor parallelism: one process per rank (this one is rank 0), each with a shard of
+    # the projections and KV heads, on CUDA one GPU each (NCCL), gloo on the CPU.
+    tp_size: int = 1
     # Scheduling.
     schedule_policy: str = "lpm"
     chunked_prefill_size: int = 2048  # <= 0: no chunking
@@ -98,6 +101,7 @@ class EngineConfig:
             "max_prefill_tokens",
             "cpu_kv_tokens",
             "cuda_graph_max_bs",
+            "tp_size",
         ):
             value = getattr(self, name)
             if value is not None and value < 1:

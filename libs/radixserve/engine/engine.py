@@ -27,18 +27,17 @@ import torch
 
 from radixserve.engine.config import EngineConfig
 from radixserve.engine.constrained import GrammarBackend
+from radixserve.engine.distributed import SINGLE, destroy_tp_group, free_tcp_address, init_tp_group
 from radixserve.engine.groups import ChoiceOutput, RequestGroup
-from radixserve.engine.kvcache.base import PrefixCache
 from radixserve.engine.kvcache.block_events import BlockEventLog, event_block_size
-from radixserve.engine.kvcache.naive_cache import NaiveCache
 from radixserve.engine.kvcache.radix_cache import RadixCache
 from radixserve.engine.model.tokenizer import apply_chat_template, load_tokenizer
 from radixserve.engine.outputs import Tracked, final_output, stream_delta
 from radixserve.engine.request import FinishReason, Req, ReqStatus
-from radixserve.engine.runner import ModelRunner
+from radixserve.engine.runner import ModelRunner, resolve_device
 from radixserve.engine.sampling.params import SamplingParams, resolve_seed
 from radixserve.engine.sched.kv_manager import KVUsage
-from radixserve.engine.sched.scheduler import Scheduler
+from radixserve.engine.tensor_parallel import ReplicatedScheduler, build_scheduler, start_ranks
 from radixserve.engine.token_ids import checked_token_ids
 from radixserve.grammar import InvalidGrammar, grammar_source_of
 from radixserve.protocol.kv_events import AllBlocksCleared, KvEvent
@@ -60,23 +59,30 @@ class Engine:
     def __init__(self, model_path: str | None = None, **kwargs: Any) -> None:
         self.config = EngineConfig.from_kwargs(model_path=model_path, **kwargs)
         torch.manual_seed(self.config.random_seed)
-        self.runner = ModelRunner(self.config)
-        self.tokenizer = load_tokenizer(self.runner.model_path)
+        # Tensor parallel: the other ranks start first, then all join one group.
+        self.tp, ranks = SINGLE, []
+        try:
+            if self.config.tp_size > 1:
+                address = free_tcp_address()
+                ranks = start_ranks(self.config, address)
+                device = resolve_device(self.config.device)
+                self.tp = init_tp_group(0, self.config.tp_size, address, device)
+            self.runner = ModelRunner(self.config, self.tp)
+            self.tokenizer = load_tokenizer(self.runner.model_path)
+        except BaseException:
+            for rank in ranks:  # they would wait out the collective timeout for rank 0
+                rank.kill()
+            destroy_tp_group(self.tp)
+            raise
         self.context_len = self.runner.context_len
-        cache: PrefixCache = (
-            NaiveCache(self.runner.kv_pool)
-            if self.config.disable_radix_cache
-            else RadixCache(self.runner.kv_pool)
-        )
         self._kv_events: BlockEventLog | None = None
-        self.scheduler = Scheduler(
-            self.config,
-            self.runner,
-            self.runner.kv_pool,
-            self.runner.req_pool,
-            cache,
-            self.context_len,
-            detokenize=lambda ids: self._decode(ids, False),
+        detokenize = lambda ids: self._decode(ids, False)  # noqa: E731
+        self.scheduler = (
+            build_scheduler(
+                self.config, self.runner, detokenize, ReplicatedScheduler, tp=self.tp, ranks=ranks
+            )
+            if ranks
+            else build_scheduler(self.config, self.runner, detokenize)
         )
         self.eos_token_ids = frozenset(self.runner.model_config.eos_token_ids)
         # Structured outputs: grammars for this tokenizer and the model's logits width.
@@ -304,10 +310,13 @@ class Engine:
                 self.abort(rid)
                 self.forget(rid)
             self._closed = True
+            if isinstance(self.scheduler, ReplicatedScheduler):
+                self.scheduler.stop_ranks()
             # The scheduler holds the pools and, through its callbacks, the engine: drop it
             # so nothing keeps the tensors alive until a cycle collection.
             del self.scheduler
             self.runner.close()
+            destroy_tp_group(self.tp)
 
     def __enter__(self) -> Engine:
         return self

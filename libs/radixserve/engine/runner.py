@@ -14,6 +14,7 @@ import torch
 from radixserve.engine.attention.base import AttentionBackend
 from radixserve.engine.attention.sm90_prefill import is_sm90
 from radixserve.engine.config import EngineConfig
+from radixserve.engine.distributed import SINGLE, TPGroup
 from radixserve.engine.forward_batch import ForwardBatch, ForwardMode, SharedPrefix
 from radixserve.engine.graphs.cuda_graph_runner import CudaGraphRunner
 from radixserve.engine.kvcache.pool import KVPool, ReqToTokenPool
@@ -62,6 +63,15 @@ def resolve_device(name: str) -> torch.device:
         raise ValueError("device 'cuda' was asked for but CUDA is not available")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def tp_device(device: torch.device, tp: TPGroup) -> torch.device:
+    """Rank r of a tensor-parallel engine on CUDA runs on the r-th GPU after `device`."""
+    if tp.size == 1 or device.type != "cuda":
+        return device
+    device = torch.device("cuda", (device.index or 0) + tp.rank)
+    torch.cuda.set_device(device)
     return device
 
 
@@ -153,9 +163,12 @@ def prefer_cublaslt() -> None:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, tp: TPGroup = SINGLE) -> None:
+        """`tp`: this process's rank of a tensor-parallel engine (it holds that shard of
+        the model and of the KV heads, on the GPU of its rank)."""
         self.config = config
-        self.device = resolve_device(config.device)
+        self.tp = tp
+        self.device = tp_device(resolve_device(config.device), tp)
         self.max_running_requests, self.cuda_graph_max_bs = resolve_batch_limits(
             config, self.device
         )
@@ -182,12 +195,14 @@ class ModelRunner:
             max_positions=max(self.context_len, trained_len),
             config=model_config,
             load_format=config.load_format,
+            tp=tp,
         )
         self.vocab_size = self.model_config.vocab_size
+        self.local_kv_heads = tp.split(self.model_config.num_key_value_heads, "KV heads")
         self.kv_pool = KVPool(
             num_slots=self._kv_budget_tokens(),
             num_layers=self.model_config.num_hidden_layers,
-            num_kv_heads=self.model_config.num_key_value_heads,
+            num_kv_heads=self.local_kv_heads,
             head_dim=self.model_config.head_dim,
             dtype=self.dtype,
             device=self.device,
@@ -226,12 +241,15 @@ class ModelRunner:
             sampler.warm_up(self.vocab_size, self.dtype, self.device)
             c = self.model_config
             self.attn.start_kernel_builds(
-                c.num_attention_heads, c.num_key_value_heads, c.head_dim, self.dtype
+                c.num_attention_heads // tp.size, self.local_kv_heads, c.head_dim, self.dtype
             )
 
     def _capture_graphs(self) -> CudaGraphRunner | None:
         """Decode graphs, on CUDA with a backend that supports them, unless disabled."""
         if self.config.disable_cuda_graph or self.device.type != "cuda":
+            return None
+        if self.tp.size > 1:
+            log.info("tensor parallel: decode runs without CUDA graphs (not captured yet)")
             return None
         if not self.attn.supports_cuda_graph:
             log.info("the %s attention backend runs without CUDA graphs", self.attn.name)
@@ -299,12 +317,16 @@ class ModelRunner:
             return self.config.max_total_tokens
         if self.device.type != "cuda":
             return self.config.cpu_kv_tokens
+        # Every rank must hold the same pool (their schedulers decide alike): the least.
+        return self.tp.min_int(self._gpu_kv_budget_tokens())
+
+    def _gpu_kv_budget_tokens(self) -> int:
         free, total = torch.cuda.mem_get_info(self.device)
         # What the static fraction leaves after the weights; the rest is for activations.
         budget = free - total * (1.0 - self.config.mem_fraction_static)
         c = self.model_config
         per_token = KVPool.bytes_per_token_for(
-            c.num_hidden_layers, c.num_key_value_heads, c.head_dim, self.dtype
+            c.num_hidden_layers, self.local_kv_heads, c.head_dim, self.dtype
         )
         tokens = int(budget // per_token)
         if tokens < 16:

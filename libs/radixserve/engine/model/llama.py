@@ -8,6 +8,12 @@ elsewhere. Layers carry the residual stream apart from their output, so each
 RMSNorm fuses the residual add before it (the final norm included), and runs with the
 projection after it (kernels/linear.py): at one token on CUDA norm, SiLU x mul and
 projection are one GEMV kernel.
+
+Tensor parallelism (`tp`, engine/distributed.py) as in Megatron: each rank holds its
+share of the query and KV heads (qkv_proj's rows) and of the MLP's intermediate rows
+(gate_up_proj), and the matching columns of o_proj and down_proj, whose partial outputs
+are summed over the ranks; embeddings, norms and the head are whole on every rank, so
+every rank computes the same logits.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from radixserve.engine.distributed import SINGLE, TPGroup
 from radixserve.engine.kernels.linear import add_norm_linear, linear, silu_mul_linear
 from radixserve.engine.kernels.norm import rms_norm
 from radixserve.engine.kernels.rotary import Rotation, apply_rotary_and_store
@@ -52,11 +59,12 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.tp = tp
+        self.num_heads = tp.split(config.num_attention_heads, "attention heads")
+        self.num_kv_heads = tp.split(config.num_key_value_heads, "KV heads")
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
@@ -90,35 +98,37 @@ class LlamaAttention(nn.Module):
         write = batch.kv_pool.kv_write(self.layer_id, batch.out_cache_loc, v)
         q, k, stored = apply_rotary_and_store(q, k, rotation, write)
         out = attn.forward(q, k, v, self.layer_id, batch, self.scale, kv_stored=stored)
-        return linear(out.reshape(num_tokens, self.q_size), self.o_proj.weight, self.o_proj.bias)
+        out = linear(out.reshape(num_tokens, self.q_size), self.o_proj.weight, self.o_proj.bias)
+        return self.tp.all_reduce(out)
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.intermediate_size = config.intermediate_size
+        self.tp = tp
+        self.intermediate_size = tp.split(config.intermediate_size, "MLP rows")
         self.gate_up_proj = nn.Linear(
-            config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias
+            config.hidden_size, 2 * self.intermediate_size, bias=config.mlp_bias
         )
-        self.down_proj = nn.Linear(
-            config.intermediate_size, config.hidden_size, bias=config.mlp_bias
-        )
+        self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def shard_sizes(self) -> list[int]:
         return [self.intermediate_size, self.intermediate_size]
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         """down_proj(silu(gate) * up) over the gate_up projection's output."""
-        return silu_mul_linear(gate_up, self.down_proj.weight, self.down_proj.bias)
+        return self.tp.all_reduce(
+            silu_mul_linear(gate_up, self.down_proj.weight, self.down_proj.bias)
+        )
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int) -> None:
+    def __init__(self, config: ModelConfig, layer_id: int, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, layer_id)
+        self.self_attn = LlamaAttention(config, layer_id, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = LlamaMLP(config, tp)
 
     def forward(
         self,
@@ -145,11 +155,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, tp) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -157,10 +167,11 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Build on any device (meta included), then `init_rotary` and `load_weights` before use."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.tp = tp
+        self.model = LlamaModel(config, tp)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary: RotaryTable | None = None
         self.tie_weights()
@@ -250,9 +261,28 @@ class LlamaForCausalLM(nn.Module):
         start = sum(sizes[:shard])
         return start, sizes[shard]
 
+    def _rank_slice(self, target: str, shard: int, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of a checkpoint tensor: rows of q/k/v and gate/up (weights and
+        biases), columns of o_proj and down_proj; their biases on rank 0 only (added once
+        to the summed output); everything else whole."""
+        tp = self.tp
+        if tp.size == 1:
+            return tensor
+        leaf = target.rsplit(".", 2)[-2]
+        if shard >= 0:  # a fused projection's q, k, v, gate or up
+            rows = tensor.shape[0] // tp.size
+            return tensor.narrow(0, tp.rank * rows, rows)
+        if leaf in ("o_proj", "down_proj"):
+            if target.endswith(".bias"):
+                return tensor if tp.rank == 0 else torch.zeros_like(tensor)
+            cols = tensor.shape[1] // tp.size
+            return tensor.narrow(1, tp.rank * cols, cols)
+        return tensor
+
     def _copy_shard(
         self, param: torch.Tensor, target: str, shard: int, tensor: torch.Tensor, name: str
     ) -> None:
+        tensor = self._rank_slice(target, shard, tensor)
         dest = param
         if shard >= 0:
             start, rows = self._shard_rows(target, shard)

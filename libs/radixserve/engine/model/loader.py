@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from radixserve.engine.distributed import SINGLE, TPGroup
 from radixserve.engine.model.config import ModelConfig
 from radixserve.engine.model.gguf_convert import convert_gguf, embedded_gguf_path
 from radixserve.engine.model.llama import LlamaForCausalLM
@@ -61,13 +62,15 @@ def load_model(
     max_positions: int | None = None,
     config: ModelConfig | None = None,
     load_format: str = "auto",
+    tp: TPGroup = SINGLE,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Load a Hugging Face folder (see resolve_model_path) onto `device` in eval mode.
 
     `max_positions` sizes the rotary table (default: the model's max_position_embeddings);
     `config` saves parsing config.json again when the caller already has it.
     `load_format="dummy"` draws random weights on the device instead of reading any
-    (benchmarks of a model's shape: the folder needs only config.json).
+    (benchmarks of a model's shape: the folder needs only config.json). With `tp` of
+    more than one rank, this rank's shard (model/llama.py).
     """
     folder = Path(path)
     config = config or ModelConfig.from_pretrained(folder)
@@ -83,10 +86,12 @@ def load_model(
     # Built on the meta device and cast there, so weights are allocated once, in their
     # final dtype, on their final device.
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(config, tp)
     model = model.to(torch_dtype).to_empty(device=device)
     model.tie_weights()
     if load_format == "dummy":
+        # The same draws on every rank: the whole (replicated) weights must agree, or the
+        # ranks' logits, and so their schedules, would part.
         init_dummy_weights(model)
     else:
         model.load_weights(folder)

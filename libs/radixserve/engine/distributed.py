@@ -1,0 +1,96 @@
+"""Tensor parallelism's process group: which rank this process is, and its collectives.
+
+A tensor-parallel engine runs one process per rank (rank 0 is the engine the caller
+made; `engine/tp_follower.py` runs the others), each with a shard of every projection
+and of the KV heads (model/llama.py). The model's row-parallel projections sum their
+partial outputs with `all_reduce` (NCCL on CUDA, gloo on the CPU). Rank 0 sends the
+other ranks its scheduler's inputs once per step with `broadcast_object` over a gloo
+group (host objects, whatever the device), so every rank schedules the same batches.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# Longer than any one step: a collective that waits this long means a rank is gone.
+COLLECTIVE_TIMEOUT = timedelta(seconds=600)
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    rank: int
+    size: int
+    group: Any = None  # the device collectives' group (None: one rank, nothing to do)
+    cpu_group: Any = None  # gloo, for broadcast_object
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"tensor-parallel rank {self.rank} is not in [0, {self.size})")
+
+    def split(self, total: int, what: str) -> int:
+        """This rank's share of `total` (heads, rows): it must divide evenly."""
+        if total % self.size:
+            raise ValueError(
+                f"tp_size {self.size} does not divide the model's {total} {what}; "
+                "choose a tp_size that does"
+            )
+        return total // self.size
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` over the ranks, in place (every rank gets the same bits)."""
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def min_int(self, value: int) -> int:
+        """The least of every rank's `value` (host collective)."""
+        if self.size == 1:
+            return value
+        box = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(box, op=dist.ReduceOp.MIN, group=self.cpu_group)
+        return int(box.item())
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank (the others pass anything, e.g. None)."""
+        if self.size == 1:
+            return obj
+        box = [obj if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, group=self.cpu_group)
+        return box[0]
+
+
+SINGLE = TPGroup(rank=0, size=1)
+
+
+def free_tcp_address() -> str:
+    """A rendezvous address for the ranks of one engine (a free local port)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def init_tp_group(rank: int, size: int, init_method: str, device: torch.device) -> TPGroup:
+    """Join the engine's process group (every rank calls this with the same address)."""
+    if size == 1:
+        return SINGLE
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend,
+        init_method=init_method,
+        world_size=size,
+        rank=rank,
+        timeout=COLLECTIVE_TIMEOUT,
+    )
+    cpu_group = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
+    return TPGroup(rank, size, dist.group.WORLD, cpu_group if backend == "nccl" else None)
+
+
+def destroy_tp_group(tp: TPGroup) -> None:
+    if tp.size > 1 and dist.is_initialized():
+        dist.destroy_process_group()

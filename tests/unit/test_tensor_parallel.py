@@ -1,0 +1,90 @@
+"""Tensor parallelism on the CPU (gloo): an engine of two ranks generates what one rank
+does (greedy tokens, seeded samples, n > 1, stop strings, aborts, a flush), with each
+rank holding half the heads and MLP rows; bad sizes are refused clearly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from radixserve import Engine
+from radixserve.engine.distributed import TPGroup
+from radixserve.engine.model.config import ModelConfig
+from radixserve.engine.model.llama import LlamaForCausalLM
+from tests.unit.engine_helpers import make_prompts
+
+pytestmark = pytest.mark.timeout(300)
+
+ENGINE = {"device": "cpu", "dtype": "float32", "max_total_tokens": 4096}
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_llama_dir: Path):  # type: ignore[no-untyped-def]
+    one = Engine(str(tiny_llama_dir), **ENGINE)
+    two = Engine(str(tiny_llama_dir), tp_size=2, **ENGINE)
+    try:
+        yield one, two
+    finally:
+        two.shutdown()
+        one.shutdown()
+
+
+def test_two_ranks_generate_what_one_does(engines: tuple[Engine, Engine]) -> None:
+    one, two = engines
+    assert two.runner.kv_pool.k_buffers[0].shape[1] == 1  # 2 KV heads over 2 ranks
+    assert two.runner.model.model.layers[0].mlp.intermediate_size == 64
+    prompts = make_prompts(one.runner.vocab_size, [5, 33, 12, 70, 8], seed=3)
+    cases = [
+        {"max_new_tokens": 12, "temperature": 0},
+        {"max_new_tokens": 10, "temperature": 0.9, "top_p": 0.9, "seed": 7},
+        {"max_new_tokens": 6, "temperature": 0.7, "n": 3, "seed": 11},
+    ]
+    for params in cases:
+        expected = one.generate(input_ids=prompts, sampling_params=params)
+        got = two.generate(input_ids=prompts, sampling_params=params)
+        assert isinstance(expected, list) and isinstance(got, list)
+        for e, g in zip(expected, got, strict=True):
+            if "choices" in e:  # n > 1
+                assert [c["output_ids"] for c in g["choices"]] == [
+                    c["output_ids"] for c in e["choices"]
+                ]
+            else:
+                assert g["output_ids"] == e["output_ids"], params
+    # The second pass over the same prompts hit both radix caches alike.
+    again = two.generate(input_ids=prompts[1], sampling_params=cases[0])
+    assert isinstance(again, dict) and again["meta_info"]["cached_tokens"] > 0
+
+
+def test_aborts_and_a_flush_keep_the_ranks_in_step(engines: tuple[Engine, Engine]) -> None:
+    one, two = engines
+    prompts = make_prompts(one.runner.vocab_size, [40, 9], seed=5)
+    rid = two.submit(prompts[0], {"max_new_tokens": 500, "ignore_eos": True})
+    for _ in range(3):
+        two.step()
+    assert two.abort(rid)
+    while two.has_work():
+        two.step()
+    two.forget(rid)
+    assert two.flush_cache()
+    expected = one.generate(
+        input_ids=prompts[1], sampling_params={"max_new_tokens": 8, "temperature": 0}
+    )
+    got = two.generate(
+        input_ids=prompts[1], sampling_params={"max_new_tokens": 8, "temperature": 0}
+    )
+    assert isinstance(got, dict) and isinstance(expected, dict)
+    assert got["output_ids"] == expected["output_ids"]
+    assert got["meta_info"]["cached_tokens"] == 0  # flushed on every rank
+    assert two.num_tracked() == 0
+
+
+def test_shard_sizes_must_divide(tiny_llama_dir: Path) -> None:
+    config = ModelConfig.from_pretrained(tiny_llama_dir)  # 4 heads, 2 KV heads
+    with torch.device("meta"), pytest.raises(ValueError, match="tp_size 3 does not divide"):
+        LlamaForCausalLM(config, TPGroup(rank=0, size=3))
+    with pytest.raises(ValueError, match="rank 2 is not in"):
+        TPGroup(rank=2, size=2)
+    with pytest.raises(ValueError, match="tp_size must be >= 1"):
+        Engine(str(tiny_llama_dir), tp_size=0, **ENGINE)
