@@ -180,7 +180,7 @@ def _cmd_up(ns: argparse.Namespace) -> int:
     from radixserve.engine.model.loader import resolve_model_path
     from radixserve.engine.model.names import served_model_name
     from radixserve.infra import Infra
-    from radixserve.stack import Stack, StackSpec, default_log_dir
+    from radixserve.stack import Stack, StackSpec, default_log_dir, worker_gpus
 
     if ns.workers < 1:
         raise ValueError("--workers must be >= 1")
@@ -191,6 +191,8 @@ def _cmd_up(ns: argparse.Namespace) -> int:
     tokenizer_args = (
         ["--context-length", str(kwargs["context_length"])] if "context_length" in kwargs else []
     )
+    # On CUDA each worker gets GPUs of its own (tp_size of them), in order.
+    gpus_per_worker, gpus = worker_gpus(kwargs.get("device", "auto"), kwargs.get("tp_size", 1))
     # SIGTERM (docker stop, kill) stops everything as Ctrl-C does.
     signal.signal(signal.SIGTERM, _interrupt)
     with Infra(settings_from_args(ns)) as infra:
@@ -207,6 +209,8 @@ def _cmd_up(ns: argparse.Namespace) -> int:
             tokenizer_args=tokenizer_args,
             log_dir=Path(ns.log_dir) if ns.log_dir else default_log_dir(),
             metrics_port_base=ns.metrics_port_base,
+            gpus_per_worker=gpus_per_worker,
+            gpus=gpus,
         )
         stack = Stack(spec, say=lambda text: print(text, file=sys.stderr, flush=True))
         print(f"NATS  {infra.nats_url}\nRedis {infra.redis_url}\nLogs  {spec.log_dir}", flush=True)

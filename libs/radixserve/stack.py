@@ -49,6 +49,26 @@ class StackSpec:
     # Prometheus /metrics ports: every instance but the gateway (its API port serves
     # /metrics) gets base, base+1, ... in start order; 0: none.
     metrics_port_base: int = 0
+    # GPUs each worker gets (its tp_size) out of `gpus`, the visible ones in order:
+    # worker k sees gpus[k * n : (k + 1) * n] as its CUDA_VISIBLE_DEVICES; 0: no pinning.
+    gpus_per_worker: int = 0
+    gpus: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        needed = self.workers * self.gpus_per_worker
+        if needed > len(self.gpus):
+            raise ValueError(
+                f"{self.workers} worker(s) of {self.gpus_per_worker} GPU(s) each need {needed} "
+                f"GPUs; {len(self.gpus)} are visible"
+            )
+
+    def instance_env(self, instance: str) -> dict[str, str]:
+        """Variables for one instance: a worker's GPUs (none for other services)."""
+        name, _, index = instance.rpartition("-")
+        if name != "worker" or not self.gpus_per_worker:
+            return {}
+        k, n = int(index), self.gpus_per_worker
+        return {"CUDA_VISIBLE_DEVICES": ",".join(self.gpus[k * n : (k + 1) * n])}
 
     def instances(self) -> list[tuple[str, str]]:
         """(service, instance id) in start order."""
@@ -102,6 +122,24 @@ class StackSpec:
         return f"http://{self.host}:{self.port}"
 
 
+def worker_gpus(device: str, tp_size: int) -> tuple[int, tuple[str, ...]]:
+    """(GPUs per worker, the visible GPUs) for workers of engine `device` ("auto",
+    "cuda": pinned, each worker to its own `tp_size` GPUs; "cpu" or an explicit "cuda:N":
+    not pinned, (0, ()))."""
+    if device not in ("auto", "cuda"):
+        return 0, ()
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0, ()
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        gpus = tuple(g.strip() for g in listed.split(",") if g.strip())
+    else:
+        gpus = tuple(str(i) for i in range(torch.cuda.device_count()))
+    return tp_size, gpus
+
+
 @dataclass
 class Supervised:
     """One service process and its restart bookkeeping."""
@@ -150,7 +188,8 @@ class Stack:
                 *self.spec.service_args(name),
             ]
             log_path = self.spec.log_dir / f"{instance}.log"
-            item = Supervised(instance, ManagedProcess(instance, argv, log_path))
+            env = self.spec.instance_env(instance)
+            item = Supervised(instance, ManagedProcess(instance, argv, log_path, env))
             item.start()
             self.services.append(item)
 

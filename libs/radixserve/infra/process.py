@@ -29,7 +29,7 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
@@ -57,12 +57,20 @@ class InfraError(RuntimeError):
 class ManagedProcess:
     """One child process in its own process group; see the module docstring."""
 
-    def __init__(self, name: str, argv: Sequence[str], log_path: Path) -> None:
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        log_path: Path,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        """`env`: variables set for the child on top of this process's environment."""
         if not argv:
             raise ValueError("argv must name a binary")
         self.name = name
         self.argv = list(argv)
         self.log_path = log_path
+        self.env = dict(env or {})
         self._popen: subprocess.Popen[bytes] | None = None
 
     @property
@@ -86,6 +94,7 @@ class ManagedProcess:
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     close_fds=True,
+                    env={**os.environ, **self.env} if self.env else None,
                     preexec_fn=lambda: _in_child(libc, parent_pid),
                 )
             except OSError as exc:
