@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: run test lint format unit integration gpu check-packaging bench-engine-cpu bench-overhead bench-gpu clean venv
+.PHONY: run test lint format unit integration gpu check-packaging bench-engine-cpu bench-overhead bench-routing bench-gpu clean venv
 
 venv: $(STAMP)
 
@@ -56,6 +56,10 @@ bench-engine-cpu: $(STAMP)
 
 bench-overhead: $(STAMP)
 	$(PY) bench/overhead.py $(ARGS)
+
+# Cache-aware against least-load routing over 2 workers (shared-prefix load, the CPU).
+bench-routing: $(STAMP)
+	$(PY) bench/routing.py $(ARGS)
 
 # Needs a CUDA GPU: throughput, latency against the roofline, and HF parity per backend.
 bench-gpu: $(STAMP)

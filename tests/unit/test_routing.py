@@ -65,8 +65,13 @@ def _request(rid: str, n: int = 1, gateway_id: str = "gw-1") -> TokenizedRequest
 
 
 def _dispatcher(max_pending: int = 100, *workers: str) -> Dispatcher:
+    # Least-load decisions: the requests here repeat one prompt, which cache-aware routing
+    # (tests/unit/test_routing_cache_aware.py) would keep on one worker.
     dispatcher = Dispatcher(
-        max_pending_requests=max_pending, worker_timeout_s=TIMEOUT_S, retry_after_s=2.0
+        max_pending_requests=max_pending,
+        worker_timeout_s=TIMEOUT_S,
+        retry_after_s=2.0,
+        routing="least_load",
     )
     for worker_id in workers:
         dispatcher.on_heartbeat(_beat(worker_id), now=0.0)

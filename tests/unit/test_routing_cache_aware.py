@@ -372,8 +372,9 @@ def test_binary_search_agrees_with_brute_force_over_random_stores_and_evictions(
 
 
 def _mirrors_holding(**held: Sequence[int]) -> KvMirrors:
-    """Fresh mirrors (block size BS) of workers each holding one prompt prefix."""
-    mirrors = KvMirrors()
+    """Fresh mirrors (block size BS) of workers each holding one prompt prefix (from
+    events only: a routed prompt is not expected anywhere, so each pick stands alone)."""
+    mirrors = KvMirrors(expected_ttl_s=0)
     for worker_id, tokens in held.items():
         mirrors.on_heartbeat(_beat(worker_id))
         if tokens:
@@ -513,3 +514,75 @@ def test_a_given_cache_aware_router_gets_the_events_and_bad_routing_is_refused()
     assert _route(d, PROMPT[:12], "r2") == ("w1", 12)
     with pytest.raises(ValueError, match="routing must be one of"):
         _dispatcher("round_robin")
+
+
+# -- prompts expected where they were routed, before their events come ---------------
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _fresh(clock: _Clock, *workers: str, ttl_s: float = 30.0) -> KvMirrors:
+    mirrors = KvMirrors(expected_ttl_s=ttl_s, clock=clock)
+    for worker_id in workers:
+        mirrors.on_heartbeat(_beat(worker_id))
+    return mirrors
+
+
+def test_a_burst_sharing_a_new_prefix_follows_its_first_request() -> None:
+    """No worker has cached the prompt yet (no events): the first request goes by load,
+    and the ones right behind it follow it, while loads stay balanced."""
+    clock = _Clock()
+    router = CacheAwareRouter(_fresh(clock, "w0", "w1"))
+    assert _pick(router, PROMPT, WorkerLoad("w0", 0, 0), WorkerLoad("w1", 0, 0)) == ("w0", 0)
+    for load in range(1, 4):  # w0 busier each time, by less than the balance threshold
+        question = [*PROMPT, load, load, load, load]  # the same prefix, its own question
+        assert _pick(router, question, WorkerLoad("w0", load, 0), WorkerLoad("w1", 0, 0)) == (
+            "w0",
+            len(PROMPT),
+        )
+    # Another prompt still goes by load.
+    assert _pick(router, OTHER, WorkerLoad("w0", 3, 0), WorkerLoad("w1", 0, 0)) == ("w1", 0)
+
+
+def test_an_expectation_lapses_after_its_ttl_and_events_replace_it() -> None:
+    clock = _Clock()
+    mirrors = _fresh(clock, "w0", "w1", ttl_s=10.0)
+    router = CacheAwareRouter(mirrors)
+    busy = (WorkerLoad("w0", 2, 0), WorkerLoad("w1", 0, 0))
+    mirrors.note_routed("w0", PromptHashes(PROMPT))
+    assert _pick(router, PROMPT, *busy)[0] == "w0"
+    clock.now += 10.5  # no event came: the request may have failed
+    mirrors.snapshots_due(clock.now)  # the scheduler's periodic pass drops lapsed ones
+    w0 = mirrors.get("w0")
+    assert w0 is not None and not w0.expected
+    assert _pick(router, PROMPT, *busy)[0] == "w1"
+    # w1 now expects it; its events confirm it, and outlast the TTL.
+    mirrors.on_events(_batch(0, _store(PROMPT), worker_id="w1"))
+    w1 = mirrors.get("w1")
+    assert w1 is not None and not w1.expected
+    clock.now += 100
+    assert mirrors.matched_tokens("w1", PromptHashes(PROMPT)) == len(PROMPT)
+    # An eviction removes a block whether stored or expected; a clear removes all.
+    mirrors.note_routed("w0", PromptHashes(OTHER))
+    mirrors.on_events(_batch(0, RemovedBlocks(block_hashes(OTHER, BS)[-1:]), worker_id="w0"))
+    assert mirrors.matched_tokens("w0", PromptHashes(OTHER)) == len(OTHER) - BS
+    mirrors.on_events(_batch(1, AllBlocksCleared(), worker_id="w0"))
+    assert mirrors.matched_tokens("w0", PromptHashes(OTHER)) == 0
+
+
+def test_nothing_is_expected_of_a_stale_mirror() -> None:
+    clock = _Clock()
+    mirrors = KvMirrors(clock=clock)
+    mirrors.on_heartbeat(_beat("w0", kv_event_seq=3))  # batches this scheduler never saw
+    mirrors.note_routed("w0", PromptHashes(PROMPT))
+    w0 = mirrors.get("w0")
+    assert w0 is not None and w0.stale and not w0.expected
+    assert mirrors.matched_tokens("w0", PromptHashes(PROMPT)) == 0
+    with pytest.raises(ValueError, match="expected_ttl_s"):
+        KvMirrors(expected_ttl_s=-1)

@@ -9,12 +9,19 @@ A mirror that may have missed a batch (a gap in `seq`, a heartbeat announcing a 
 that never came, a restart first seen mid-stream) is *stale*: it matches nothing until
 a batch that starts with `AllBlocksCleared` (a snapshot, or a flush) resyncs it.
 `snapshots_due` says which workers to send a `KvSnapshotRequest`. No I/O here.
+
+A prompt routed to a worker is *expected* there (`note_routed`) for `expected_ttl_s`,
+until its blocks' events arrive: as in SGLang's router, which inserts a prompt into its
+tree of the chosen worker when it routes it, a burst of requests sharing a new system
+prompt then follows the first one to its worker instead of spreading over the workers
+before any of them has cached it.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -66,6 +73,9 @@ class WorkerMirror:
     stale: bool = False  # may have missed a batch: matches nothing until resynced
     snapshot_requested_at: float | None = None  # None: not asked since it went stale
     announced_seq: int = -1  # kv_event_seq of the last heartbeat of this epoch
+    # Blocks of prompts routed here whose events have not come yet -> when to stop
+    # expecting them (a chain's deeper blocks never outlive its shallower ones).
+    expected: dict[int, float] = field(default_factory=dict)
 
     def apply(self, batch: KvEventBatch) -> None:
         if _resyncs(batch):
@@ -75,33 +85,60 @@ class WorkerMirror:
             if isinstance(event, StoredBlocks):
                 self.blocks.update(event.block_hashes)
                 self.block_size = event.block_size
+                for block in event.block_hashes:
+                    self.expected.pop(block, None)
             elif isinstance(event, RemovedBlocks):
                 self.blocks.difference_update(event.block_hashes)
+                for block in event.block_hashes:
+                    self.expected.pop(block, None)
             else:
                 self.blocks.clear()
+                self.expected.clear()
         self.seq = batch.seq
 
-    def matched_blocks(self, hashes: Sequence[int]) -> int:
-        """How many leading `hashes` are cached: the largest i with hashes[i-1] held
-        (binary search, valid because the set is prefix-closed)."""
+    def holds(self, block: int, now: float) -> bool:
+        return block in self.blocks or self.expected.get(block, 0.0) > now
+
+    def matched_blocks(self, hashes: Sequence[int], now: float = 0.0) -> int:
+        """How many leading `hashes` are cached (or expected before `now` runs out): the
+        largest i with hashes[i-1] held (binary search, valid because the set is
+        prefix-closed)."""
         low, high = 0, len(hashes)
         while low < high:
             mid = (low + high + 1) // 2
-            if hashes[mid - 1] in self.blocks:
+            if self.holds(hashes[mid - 1], now):
                 low = mid
             else:
                 high = mid - 1
         return low
+
+    def expect(self, hashes: Sequence[int], until: float) -> None:
+        for block in hashes:
+            if block not in self.blocks:
+                self.expected[block] = until
+
+    def forget_expired(self, now: float) -> None:
+        if self.expected:
+            self.expected = {b: t for b, t in self.expected.items() if t > now}
 
 
 class KvMirrors:
     """Mirrors by worker id; a stale one is re-asked for a snapshot every
     `snapshot_retry_s` until one arrives."""
 
-    def __init__(self, snapshot_retry_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        snapshot_retry_s: float = 5.0,
+        expected_ttl_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if snapshot_retry_s <= 0:
             raise ValueError(f"snapshot_retry_s must be > 0, got {snapshot_retry_s}")
+        if expected_ttl_s < 0:
+            raise ValueError(f"expected_ttl_s must be >= 0, got {expected_ttl_s}")
         self.snapshot_retry_s = snapshot_retry_s
+        self.expected_ttl_s = expected_ttl_s
+        self.clock = clock
         self._mirrors: dict[str, WorkerMirror] = {}
 
     def on_events(self, batch: KvEventBatch) -> None:
@@ -146,6 +183,7 @@ class KvMirrors:
         """Stale workers not asked for a snapshot within `snapshot_retry_s` (now asked)."""
         due = []
         for worker_id, mirror in sorted(self._mirrors.items()):
+            mirror.forget_expired(self.clock())
             asked = mirror.snapshot_requested_at
             if mirror.stale and (asked is None or now - asked >= self.snapshot_retry_s):
                 mirror.snapshot_requested_at = now
@@ -156,9 +194,20 @@ class KvMirrors:
         """The longest prefix of `prompt` cached on `worker_id`, in tokens (whole blocks);
         0 for a stale or unknown worker."""
         mirror = self._mirrors.get(worker_id)
-        if mirror is None or mirror.stale or not mirror.blocks or mirror.block_size is None:
+        if mirror is None or mirror.stale or mirror.block_size is None:
             return 0
-        return mirror.matched_blocks(prompt.hashes(mirror.block_size)) * mirror.block_size
+        if not mirror.blocks and not mirror.expected:
+            return 0
+        hashes = prompt.hashes(mirror.block_size)
+        return mirror.matched_blocks(hashes, self.clock()) * mirror.block_size
+
+    def note_routed(self, worker_id: str, prompt: PromptHashes) -> None:
+        """`prompt` went to `worker_id`: expect its whole blocks there until their events
+        come (or `expected_ttl_s` passes: the request may fail or be evicted first)."""
+        mirror = self._mirrors.get(worker_id)
+        if mirror is None or mirror.stale or mirror.block_size is None or not self.expected_ttl_s:
+            return
+        mirror.expect(prompt.hashes(mirror.block_size), self.clock() + self.expected_ttl_s)
 
     def get(self, worker_id: str) -> WorkerMirror | None:
         return self._mirrors.get(worker_id)

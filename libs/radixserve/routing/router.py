@@ -86,6 +86,11 @@ class CacheAwareRouter:
         if least is None:
             return None
         prompt = PromptHashes(unpack_tokens_array(request.input_ids))
+        route = self._choose(prompt, workers, least)
+        self.mirrors.note_routed(route.worker_id, prompt)
+        return route
+
+    def _choose(self, prompt: PromptHashes, workers: Sequence[WorkerLoad], least: Route) -> Route:
         if self._imbalanced(workers):
             return Route(least.worker_id, self.mirrors.matched_tokens(least.worker_id, prompt))
         matched = {w.worker_id: self.mirrors.matched_tokens(w.worker_id, prompt) for w in workers}
