@@ -91,6 +91,12 @@ def init_tp_group(rank: int, size: int, init_method: str, device: torch.device) 
     return TPGroup(rank, size, dist.group.WORLD, cpu_group if backend == "nccl" else None)
 
 
+def tp_group_active() -> bool:
+    """Whether this process is in a tensor-parallel group already (one per process: the
+    group is torch.distributed's default one)."""
+    return dist.is_available() and dist.is_initialized()
+
+
 def destroy_tp_group(tp: TPGroup) -> None:
     if tp.size > 1 and dist.is_initialized():
         dist.destroy_process_group()

@@ -27,7 +27,13 @@ import torch
 
 from radixserve.engine.config import EngineConfig
 from radixserve.engine.constrained import GrammarBackend
-from radixserve.engine.distributed import SINGLE, destroy_tp_group, free_tcp_address, init_tp_group
+from radixserve.engine.distributed import (
+    SINGLE,
+    destroy_tp_group,
+    free_tcp_address,
+    init_tp_group,
+    tp_group_active,
+)
 from radixserve.engine.groups import ChoiceOutput, RequestGroup
 from radixserve.engine.kvcache.block_events import BlockEventLog, event_block_size
 from radixserve.engine.kvcache.radix_cache import RadixCache
@@ -61,6 +67,11 @@ class Engine:
         torch.manual_seed(self.config.random_seed)
         # Tensor parallel: the other ranks start first, then all join one group.
         self.tp, ranks = SINGLE, []
+        if self.config.tp_size > 1 and tp_group_active():
+            raise ValueError(
+                "a tensor-parallel engine is already running in this process: shut it down "
+                "before starting another (one per process)"
+            )
         try:
             if self.config.tp_size > 1:
                 address = free_tcp_address()
