@@ -115,6 +115,8 @@ def test_default_values_deploy_the_whole_stack(rendered: dict[str, list[Manifest
     for singleton in ("scheduler", "detokenizer"):
         assert deployments[singleton]["spec"]["replicas"] == 1
         assert deployments[singleton]["spec"]["strategy"]["type"] == "Recreate"
+    scheduler_args = deployments["scheduler"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert scheduler_args[scheduler_args.index("--routing") + 1] == "cache_aware"
     assert {component_of(p) for p in by_kind(manifests, "PodDisruptionBudget").values()} == {
         *SERVICES,
         "nats",
@@ -231,6 +233,7 @@ COMPOSE_TO_VALUES = {
     "RADIXSERVE_MAX_PENDING_REQUESTS": "scheduler.maxPendingRequests",
     "RADIXSERVE_WORKER_TIMEOUT_S": "scheduler.workerTimeoutS",
     "RADIXSERVE_RETRY_AFTER_S": "scheduler.retryAfterS",
+    "RADIXSERVE_ROUTING": "scheduler.routing",
     "RADIXSERVE_GRAMMAR_REPLICAS": "grammar.replicas",
     "RADIXSERVE_COMPILE_TIMEOUT_S": "grammar.compileTimeoutS",
     "RADIXSERVE_COMPILE_LIMIT_S": "grammar.compileLimitS",
@@ -316,9 +319,10 @@ def _engine_fields() -> list[str]:
         {"gatway": {"replicas": 2}},  # a typo
         {"scheduler": {"replicas": 2}},  # a second scheduler would split the in-flight table
         {"worker": {"engine": {"schedulePolicy": "random"}}},  # not a policy
+        {"scheduler": {"routing": "round_robin"}},  # not a routing policy
         {"config": {"model": ""}},  # no model
     ],
-    ids=["type", "typo", "scheduler-replicas", "enum", "empty-model"],
+    ids=["type", "typo", "scheduler-replicas", "enum", "routing-enum", "empty-model"],
 )
 def test_broken_values_fail_lint_and_render(values: dict[str, Any]) -> None:
     assert lint_errors(CHART_DIR, values) != []

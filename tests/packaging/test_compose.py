@@ -76,6 +76,7 @@ def test_every_variable_has_a_documented_default() -> None:
 def test_variables_reach_the_services() -> None:
     env = {
         "RADIXSERVE_MAX_PENDING_REQUESTS": "77",
+        "RADIXSERVE_ROUTING": "least_load",
         "RADIXSERVE_CHUNKED_PREFILL_SIZE": "512",
         "RADIXSERVE_TOKENIZER_REPLICAS": "3",
         "RADIXSERVE_MODEL_DIR": "/srv/models",
@@ -83,6 +84,7 @@ def test_variables_reach_the_services() -> None:
     services = load_compose(TEXT, env)["services"]
     scheduler = services["scheduler"]["command"]
     assert scheduler[scheduler.index("--max-pending-requests") + 1] == "77"
+    assert scheduler[scheduler.index("--routing") + 1] == "least_load"
     assert environment(services["worker"])["RADIXSERVE_CHUNKED_PREFILL_SIZE"] == "512"
     assert services["tokenizer"]["deploy"]["replicas"] == 3
     assert "/srv/models:/models:ro" in services["tokenizer"]["volumes"]
