@@ -89,6 +89,19 @@ def test_requests_sharing_a_cached_prefix_go_to_its_worker(
         assert cached >= prompt_tokens - 16, (cached, prompt_tokens)
 
 
+SNAPSHOTS = "radixserve:scheduler_kv_snapshot_requests_total"
+
+
+def _totals(metrics_port: int) -> dict[str, float]:
+    """Every sample of the scheduler's /metrics, summed over labels, by name."""
+    text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return totals
+
+
 def test_a_new_scheduler_learns_the_caches_from_snapshots(stack: RunningStack) -> None:
     """A scheduler started after the workers cached prompts (a restart, a failover) sees
     their heartbeats announce KV event batches it never got, asks each worker for a
@@ -119,7 +132,11 @@ def test_a_new_scheduler_learns_the_caches_from_snapshots(stack: RunningStack) -
             time.sleep(0.3)
         (old,) = [s for s in stack.stack.services if s.name.startswith("scheduler")]
         old.process.stop(timeout_s=15)
-        time.sleep(1.5)  # snapshots asked for and received (about a second's checks)
+        deadline = time.monotonic() + 30
+        while _totals(metrics_port).get(SNAPSHOTS, 0.0) < 1:
+            assert time.monotonic() < deadline, "the new scheduler asked for no snapshot"
+            time.sleep(0.2)
+        time.sleep(1.0)  # the snapshot's answer: one engine loop and a NATS hop away
         client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0)
         for i in range(4):
             reply = client.completions.create(
@@ -133,12 +150,8 @@ def test_a_new_scheduler_learns_the_caches_from_snapshots(stack: RunningStack) -
             assert cached >= 64, f"request {i} found {cached} tokens cached"
         # The new scheduler expected those hits (least-load routing expects none), from
         # mirrors it could only have built from snapshots.
-        metrics = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
-        totals: dict[str, float] = {}
-        for family in text_string_to_metric_families(metrics):
-            for sample in family.samples:
-                totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
-        assert totals["radixserve:scheduler_kv_snapshot_requests_total"] >= 1
+        totals = _totals(metrics_port)
+        assert totals[SNAPSHOTS] >= 1
         assert totals["radixserve:scheduler_expected_cached_tokens_total"] >= 4 * 64
     finally:
         replacement.terminate()
