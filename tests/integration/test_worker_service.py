@@ -30,31 +30,37 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("worker_model"), seed=0)
 
 
+def worker_argv(
+    nats_url: str, prefix: str, worker_id: str, model_dir: Path, *extra: str
+) -> list[str]:
+    """`radixserve serve worker` on the CPU with a 4096-token pool, plus `extra` flags."""
+    return [
+        sys.executable,
+        "-m",
+        "radixserve.cli",
+        "serve",
+        "worker",
+        "--nats-url",
+        nats_url,
+        "--subject-prefix",
+        prefix,
+        "--instance-id",
+        worker_id,
+        "--model",
+        str(model_dir),
+        "--device",
+        "cpu",
+        "--max-total-tokens",
+        "4096",
+        *extra,
+    ]
+
+
 @pytest.fixture(scope="module")
 def worker(nats_url: str, model_dir: Path) -> Iterator[tuple[str, str]]:
     prefix = f"t{uuid.uuid4().hex[:8]}"
     worker_id = "w-test"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "radixserve.cli",
-            "serve",
-            "worker",
-            "--nats-url",
-            nats_url,
-            "--subject-prefix",
-            prefix,
-            "--instance-id",
-            worker_id,
-            "--model",
-            str(model_dir),
-            "--device",
-            "cpu",
-            "--max-total-tokens",
-            "4096",
-        ],
-    )
+    proc = subprocess.Popen(worker_argv(nats_url, prefix, worker_id, model_dir))
     try:
         yield prefix, worker_id
     finally:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
-import sys
 import time
 import uuid
 from collections import defaultdict
@@ -16,7 +15,7 @@ import pytest
 from radixserve import Engine, protocol
 from radixserve.bus import BusMsg
 from tests.helpers.tiny_models import make_tiny_llama
-from tests.integration.test_worker_service import _bus, _routed, _wait_ready
+from tests.integration.test_worker_service import _bus, _routed, _wait_ready, worker_argv
 from tests.unit.engine_helpers import make_prompts
 
 pytestmark = pytest.mark.timeout(240)
@@ -50,29 +49,7 @@ async def test_a_two_rank_worker_answers_as_one_rank_does(
     model_dir: Path = make_tiny_llama(tmp_path_factory.mktemp("tp_worker_model"), seed=0)
     prefix, worker_id = f"t{uuid.uuid4().hex[:8]}", "w-tp"
     subjects = protocol.Subjects(prefix)
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "radixserve.cli",
-            "serve",
-            "worker",
-            "--nats-url",
-            nats_url,
-            "--subject-prefix",
-            prefix,
-            "--instance-id",
-            worker_id,
-            "--model",
-            str(model_dir),
-            "--device",
-            "cpu",
-            "--max-total-tokens",
-            "4096",
-            "--tp-size",
-            "2",
-        ]
-    )
+    proc = subprocess.Popen(worker_argv(nats_url, prefix, worker_id, model_dir, "--tp-size", "2"))
     ranks: list[int] = []
     try:
         engine = Engine(model_path=str(model_dir), device="cpu")

@@ -4,6 +4,7 @@ rank holding half the heads and MLP rows; bad sizes are refused clearly."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -88,3 +89,15 @@ def test_shard_sizes_must_divide(tiny_llama_dir: Path) -> None:
         TPGroup(rank=2, size=2)
     with pytest.raises(ValueError, match="tp_size must be >= 1"):
         Engine(str(tiny_llama_dir), tp_size=0, **ENGINE)
+
+
+def test_constrained_requests_compile_their_grammar_on_every_rank(
+    engines: tuple[Engine, Engine],
+) -> None:
+    one, two = engines
+    params = {"max_new_tokens": 8, "temperature": 0, "regex": "(yes|no)[0-9]{1,4}"}
+    expected = one.generate("Answer:", params)
+    got = two.generate("Answer:", params)
+    assert isinstance(got, dict) and isinstance(expected, dict)
+    assert got["output_ids"] == expected["output_ids"] and got["text"] == expected["text"]
+    assert re.fullmatch("(yes|no)[0-9]{1,4}", got["text"]), got["text"]

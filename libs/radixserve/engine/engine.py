@@ -45,7 +45,6 @@ from radixserve.engine.sampling.params import SamplingParams, resolve_seed
 from radixserve.engine.sched.kv_manager import KVUsage
 from radixserve.engine.tensor_parallel import ReplicatedScheduler, build_scheduler, start_ranks
 from radixserve.engine.token_ids import checked_token_ids
-from radixserve.grammar import InvalidGrammar, grammar_source_of
 from radixserve.protocol.kv_events import AllBlocksCleared, KvEvent
 
 if TYPE_CHECKING:
@@ -393,18 +392,6 @@ class Engine:
             out.append(params)
         return out
 
-    def _compile_grammar(self, params: SamplingParams) -> xgr.CompiledGrammar | None:
-        """The request's grammar compiled in-process (cached), None when unconstrained."""
-        source = grammar_source_of(lambda name: getattr(params, name, None))
-        if source is None:
-            return None
-        try:
-            return self.grammars.compile(source)
-        except InvalidGrammar as exc:
-            raise ValueError(
-                f"sampling parameter {source.param!r} is not a valid grammar: {exc.message}"
-            ) from exc
-
     def _make_req(
         self,
         rid: str,
@@ -445,7 +432,7 @@ class Engine:
     ) -> RequestGroup:
         """Queue one prompt; n > 1 runs the prompt's prefill once, then n samples share it."""
         if grammar is None:
-            grammar = self._compile_grammar(params)  # outside the lock: steps go on meanwhile
+            grammar = self.grammars.compile_request(params)  # outside the lock: steps go on
         with self._lock:
             self._check_open()
             rid = rid or uuid.uuid4().hex

@@ -37,7 +37,6 @@ from radixserve.engine.runner import ModelRunner, resolve_device
 from radixserve.engine.sampling.params import SamplingParams
 from radixserve.engine.sched.finish import Detokenize
 from radixserve.engine.sched.scheduler import Runner, Scheduler, StepOutput
-from radixserve.grammar import grammar_source_of
 
 log = logging.getLogger(__name__)
 
@@ -210,9 +209,9 @@ def _req_of(spec: ReqSpec, grammars: GrammarBackend) -> Req:
         stop_token_ids=spec.stop_token_ids,
     )
     if spec.constrained:
-        source = grammar_source_of(lambda name: getattr(spec.params, name, None))
-        assert source is not None, "a constrained request without a grammar"
-        req.grammar = grammars.new_state(grammars.compile(source), req.stop_token_ids, req.params)
+        compiled = grammars.compile_request(spec.params)
+        assert compiled is not None, "a constrained request without a grammar"
+        req.grammar = grammars.new_state(compiled, req.stop_token_ids, req.params)
     return req
 
 

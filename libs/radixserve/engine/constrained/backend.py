@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from radixserve.engine.constrained.state import GrammarState
 from radixserve.grammar.lru import BoundedLru
-from radixserve.grammar.source import GrammarSource
+from radixserve.grammar.source import GrammarSource, InvalidGrammar, grammar_source_of
 from radixserve.protocol.grammar import grammar_key
 
 if TYPE_CHECKING:
@@ -80,6 +80,19 @@ class GrammarBackend:
         return self.compile_keyed(
             grammar_key(source.kind, source.source, LOCAL_TOKENIZER_ID), source
         )
+
+    def compile_request(self, params: SamplingParams) -> xgr.CompiledGrammar | None:
+        """A request's grammar (its regex / json_schema / ebnf / structural_tag) compiled
+        here, None when unconstrained; ValueError naming the parameter when invalid."""
+        source = grammar_source_of(lambda name: getattr(params, name, None))
+        if source is None:
+            return None
+        try:
+            return self.compile(source)
+        except InvalidGrammar as exc:
+            raise ValueError(
+                f"sampling parameter {source.param!r} is not a valid grammar: {exc.message}"
+            ) from exc
 
     def compile_keyed(self, key: str, source: GrammarSource) -> xgr.CompiledGrammar:
         compiled = self.cached(key)
