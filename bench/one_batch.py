@@ -22,6 +22,9 @@ writes the device kernels of a few decode steps at batch size N (torch.profiler)
 `--profile-dir`. Against a tree without CUDA graphs (an older commit on PYTHONPATH)
 the decode rows say graphs "n/a".
 
+Under tensor parallelism (`--engine-args '{"tp_size": 2}'`) the figures are rank 0's:
+its shard of the weights, KV and heads against one device's roofline.
+
     python bench/one_batch.py --tokenizer DIR [--batch-sizes 1 8 32 64 --backends triton flashinfer]
 """
 
@@ -262,7 +265,10 @@ def run_backend(
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     params = param_count(model)
     c = engine.runner.model_config
-    kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2
+    # Per rank under tensor parallelism: its shard of the weights, KV heads and query
+    # heads, against one device's bandwidth and matmul rate.
+    tp_size = engine.runner.tp.size
+    kv_per_token = 2 * c.num_hidden_layers * engine.runner.local_kv_heads * c.head_dim * 2
     gen = torch.Generator().manual_seed(0)
     rows = []
     for bs in args.batch_sizes:
@@ -304,7 +310,7 @@ def run_backend(
         attn_flops = (
             4
             * c.num_hidden_layers
-            * c.num_attention_heads
+            * (c.num_attention_heads // tp_size)
             * c.head_dim
             * bs
             * (args.input_len**2 / 2)

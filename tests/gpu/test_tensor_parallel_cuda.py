@@ -1,5 +1,6 @@
 """Tensor parallelism on two GPUs (NCCL): greedy tokens of an engine of two ranks equal
-one GPU's on the same float32 weights, on each attention backend. Skips below 2 GPUs."""
+one GPU's on the same float32 weights, on each attention backend, with decode CUDA graphs
+(their all-reduces captured) and without. Skips below 2 GPUs."""
 
 from __future__ import annotations
 
@@ -23,13 +24,17 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return Path(make_tiny_llama(tmp_path_factory.mktemp("tiny_llama_tp"), seed=0))
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_two_gpus_generate_what_one_does(model_dir: Path, backend: str) -> None:
+@pytest.mark.parametrize(
+    ("backend", "graphs"), [("triton", True), ("triton", False), ("torch", False)]
+)
+def test_two_gpus_generate_what_one_does(model_dir: Path, backend: str, graphs: bool) -> None:
     options = {
         "device": "cuda",
         "dtype": "float32",
         "max_total_tokens": 8192,
         "attention_backend": backend,
+        "disable_cuda_graph": not graphs,
+        "cuda_graph_max_bs": 8,
     }
     params = {"max_new_tokens": 16, "temperature": 0}
     one = Engine(str(model_dir), **options)
@@ -41,6 +46,7 @@ def test_two_gpus_generate_what_one_does(model_dir: Path, backend: str) -> None:
     two = Engine(str(model_dir), tp_size=2, **options)
     try:
         assert two.runner.kv_pool.k_buffers[0].shape[1] == 1  # 2 KV heads over 2 ranks
+        assert (two.runner.graphs is not None) == graphs
         got = two.generate(input_ids=prompts, sampling_params=params)
     finally:
         two.shutdown()

@@ -248,9 +248,6 @@ class ModelRunner:
         """Decode graphs, on CUDA with a backend that supports them, unless disabled."""
         if self.config.disable_cuda_graph or self.device.type != "cuda":
             return None
-        if self.tp.size > 1:
-            log.info("tensor parallel: decode runs without CUDA graphs (not captured yet)")
-            return None
         if not self.attn.supports_cuda_graph:
             log.info("the %s attention backend runs without CUDA graphs", self.attn.name)
             return None
