@@ -31,6 +31,7 @@ its shard of the weights, KV and heads against one device's roofline.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -193,6 +194,23 @@ class PhaseTimer:
             restore()
 
 
+def prefill_profiler() -> Any:
+    from torch.profiler import ProfilerActivity, profile
+
+    return profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+
+
+def write_profile(prof: Any, label: str, out_dir: Path) -> None:
+    """The host ops by their own CPU time, then the device kernels by theirs."""
+    averages = prof.key_averages()
+    table = averages.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60)
+    table += averages.table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"profile_{label}.txt"
+    path.write_text(table)
+    print(f"profile written to {path}\n{table[:6000]}", flush=True)
+
+
 def profile_decode(engine: Any, bs: int, input_len: int, label: str, out_dir: Path) -> None:
     """Device kernels of a few decode steps at batch size `bs`, by total time."""
     from torch.profiler import ProfilerActivity, profile
@@ -282,10 +300,15 @@ def run_backend(
             sync()
             if timer is not None:
                 timer.reset()
-            t0 = time.perf_counter()
-            engine.step()  # the whole batch's prefill (one chunk: no chunking here)
-            sync()
-            prefill_s = time.perf_counter() - t0
+            profiling = not warm and bs in args.profile_prefill_bs
+            prof = prefill_profiler() if profiling else contextlib.nullcontext()
+            with prof:
+                t0 = time.perf_counter()
+                engine.step()  # the whole batch's prefill (one chunk: no chunking here)
+                sync()
+                prefill_s = time.perf_counter() - t0
+            if profiling:
+                write_profile(prof, f"prefill_{backend}_bs{bs}", args.profile_dir)
             if timer is not None:
                 timer.reset()  # decode steps only
             # Back to back, one sync at the end: what a client sees between tokens, and
@@ -367,6 +390,13 @@ def main() -> int:
     ap.add_argument("--breakdown", action="store_true", help="host/device time per phase")
     ap.add_argument(
         "--profile-bs", type=int, nargs="*", default=[], help="profile decode at these sizes"
+    )
+    ap.add_argument(
+        "--profile-prefill-bs",
+        type=int,
+        nargs="*",
+        default=[],
+        help="profile the timed prefill at these sizes (host ops and device kernels)",
     )
     ap.add_argument("--profile-dir", type=Path, default=Path("."))
     args = ap.parse_args()
