@@ -14,7 +14,7 @@ import torch
 from radixserve.engine.attention.base import AttentionBackend
 from radixserve.engine.attention.sm90_prefill import is_sm90
 from radixserve.engine.config import EngineConfig
-from radixserve.engine.distributed import SINGLE, TPGroup
+from radixserve.engine.distributed import SINGLE, TPGroup, with_direct_nccl
 from radixserve.engine.forward_batch import ForwardBatch, ForwardMode, SharedPrefix
 from radixserve.engine.graphs.cuda_graph_runner import CudaGraphRunner
 from radixserve.engine.kvcache.pool import KVPool, ReqToTokenPool
@@ -167,8 +167,8 @@ class ModelRunner:
         """`tp`: this process's rank of a tensor-parallel engine (it holds that shard of
         the model and of the KV heads, on the GPU of its rank)."""
         self.config = config
-        self.tp = tp
         self.device = tp_device(resolve_device(config.device), tp)
+        self.tp = tp = with_direct_nccl(tp, self.device)
         self.max_running_requests, self.cuda_graph_max_bs = resolve_batch_limits(
             config, self.device
         )
@@ -339,6 +339,8 @@ class ModelRunner:
         """Drop the weights, the KV memory and the backend; free cached CUDA memory."""
         for name in ("graphs", "model", "kv_pool", "req_pool", "attn"):
             self.__dict__.pop(name, None)
+        if self.tp.nccl is not None:  # after the graphs that captured its all-reduces
+            self.tp.nccl.close()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
