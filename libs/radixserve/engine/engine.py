@@ -216,8 +216,11 @@ class Engine:
         try:
             for ids, params in zip(prompts, params_list, strict=True):
                 groups.append(self._submit(ids, params))
-            while not all(g.finished for g in groups):
+            while True:
+                # Checked under the lock: another thread's step may finish these groups.
                 with self._lock:
+                    if all(g.finished for g in groups):
+                        break
                     if not self.has_work():
                         raise RuntimeError("the engine went idle with requests unfinished")
                     self.step()
