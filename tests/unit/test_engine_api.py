@@ -153,3 +153,25 @@ def test_submit_takes_a_numpy_array_as_the_same_prompt(engine: Engine) -> None:
             assert out.rid == rid  # the refused prompt left nothing queued
             got += out.new_token_ids
     assert got == expected
+
+
+def test_generate_from_several_threads_at_once(engine: Engine) -> None:
+    """Callers on their own threads share the steps: each gets what it gets alone, even
+    when another thread's step finishes its request (which once read as an idle engine)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = make_prompts(engine.runner.vocab_size, [9, 30, 4, 17, 22, 6, 40, 11], seed=33)
+    lengths = [3, 12, 1, 7, 5, 2, 9, 4]  # short ones finish inside longer ones' steps
+    alone = [
+        engine.generate(input_ids=p, sampling_params=greedy_params(n))
+        for p, n in zip(prompts, lengths, strict=True)
+    ]
+    for _ in range(3):
+        with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+            futures = [
+                pool.submit(engine.generate, input_ids=p, sampling_params=greedy_params(n))
+                for p, n in zip(prompts, lengths, strict=True)
+            ]
+            together = [f.result(timeout=120) for f in futures]
+        assert [t["output_ids"] for t in together] == [a["output_ids"] for a in alone]  # type: ignore[index]
+    assert engine.num_tracked() == 0
