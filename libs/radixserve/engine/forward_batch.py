@@ -68,6 +68,13 @@ class ForwardBatch:
     # are among the `cascade_rows` leading one-token requests (a mixed batch puts its
     # decoding requests first).
     shared_prefixes: tuple[SharedPrefix, ...] = ()
+    # Prompt logprobs (sched/input_logprobs.py): flat token rows whose next-token logprobs
+    # the model computes besides the logits, the tokens they score and the top logprobs a
+    # row wants; the model leaves (chosen, top ids, top values) in `input_logprobs`.
+    logprob_rows: torch.Tensor | None = None
+    logprob_targets: torch.Tensor | None = None
+    logprob_top: int = 0
+    input_logprobs: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None = None
 
     @property
     def batch_size(self) -> int:

@@ -68,6 +68,11 @@ class Req:
     num_pending: int = 0
     future_row: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    # Prompt logprobs (return_logprob with logprob_start_len >= 0): entry i is prompt token
+    # `input_logprob_start + i` given the tokens before it, filled as the prefill's chunks
+    # run; `input_logprob_next` is the next prompt position due (-1: none or all done).
+    input_logprobs: list[TokenLogprob] = field(default_factory=list)
+    input_logprob_next: int = -1
     # Stop strings: the output text, checked after every new token (only if params.stop).
     stop_text_tail: str = ""
     num_retractions: int = 0
@@ -75,6 +80,18 @@ class Req:
     # Structured outputs: this request's own grammar matcher (engine/constrained); None
     # when unconstrained. Never shared, not even between the n choices of one prompt.
     grammar: GrammarState | None = None
+
+    def __post_init__(self) -> None:
+        start = self.params.logprob_start_len
+        if self.params.return_logprob and 0 <= start:
+            # Token 0 has nothing before it: its entry is reported without a logprob.
+            first = max(start, 1)
+            self.input_logprob_next = first if first < len(self.origin_input_ids) else -1
+
+    @property
+    def input_logprob_start(self) -> int:
+        """The first prompt position whose logprob is reported (1 for start 0)."""
+        return max(self.params.logprob_start_len, 1)
 
     @property
     def fill_ids(self) -> list[int]:

@@ -348,7 +348,7 @@ class ModelRunner:
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Logits [batch_size, vocab] in the model's dtype; a decode batch that fits a
         captured graph replays it (the logits are then valid until the next forward)."""
-        if self.graphs is not None and self.graphs.can_run(batch):
+        if self.graphs is not None and batch.logprob_rows is None and self.graphs.can_run(batch):
             return self.graphs.replay(batch)
         self.attn.init_forward_metadata(batch)
         return self.model(batch, self.attn)

@@ -38,6 +38,7 @@ class SamplingParams(Message, frozen=True):
     no_stop_trim: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    logprob_start_len: int = -1  # with return_logprob: prompt logprobs from here (-1: none)
     regex: str | None = None
     json_schema: str | None = None
     ebnf: str | None = None

@@ -36,6 +36,8 @@ if TYPE_CHECKING:
     from radixserve.engine.attention.base import AttentionBackend
     from radixserve.engine.forward_batch import ForwardBatch
 
+# Prompt logprobs: rows scored per head pass (bounds the float32 logits held at once).
+SCORE_ROWS_PER_PASS = 512
 # Checkpoint projection -> (our fused parameter, shard index within it).
 _FUSED = {
     "q_proj": ("qkv_proj", 0),
@@ -205,6 +207,8 @@ class LlamaForCausalLM(nn.Module):
         residual: torch.Tensor | None = None
         for layer in self.model.layers:
             hidden, residual = layer(hidden, residual, rotation, batch, attn)
+        if batch.logprob_rows is not None:
+            batch.input_logprobs = self._score_rows(hidden, residual, batch)
         # The last add, norm and head only where logits are needed: per-token ops, so
         # this is exact.
         last = batch.last_token_indices
@@ -219,6 +223,37 @@ class LlamaForCausalLM(nn.Module):
             out=logits_out,
         )
         return logits
+
+    def _score_rows(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """Prompt logprobs: at each of `batch.logprob_rows`, the float32 log-softmax of the
+        head's logits at the token it scores (and the top `logprob_top`), a few hundred
+        rows at a time (a whole chunk's logits at once would be chunk x vocab floats)."""
+        rows, targets, k = batch.logprob_rows, batch.logprob_targets, batch.logprob_top
+        assert rows is not None and targets is not None
+        norm = self.model.norm
+        chosen, top_ids, top_values = [], [], []
+        for start in range(0, rows.numel(), SCORE_ROWS_PER_PASS):
+            part = rows[start : start + SCORE_ROWS_PER_PASS]
+            logits, _ = add_norm_linear(
+                hidden[part],
+                None if residual is None else residual[part],
+                norm.weight,
+                norm.eps,
+                self.lm_head.weight,
+                None,
+            )
+            logprobs = torch.log_softmax(logits.float(), dim=-1)
+            wanted = targets[start : start + SCORE_ROWS_PER_PASS].unsqueeze(1)
+            chosen.append(logprobs.gather(1, wanted).squeeze(1))
+            if k > 0:
+                values, ids = logprobs.topk(k, dim=-1)
+                top_ids.append(ids)
+                top_values.append(values)
+        if k == 0:
+            return torch.cat(chosen), None, None
+        return torch.cat(chosen), torch.cat(top_ids), torch.cat(top_values)
 
     @torch.no_grad()
     def load_weights(self, path: str | Path) -> None:

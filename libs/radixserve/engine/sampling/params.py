@@ -42,6 +42,9 @@ class SamplingParams:
     no_stop_trim: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = 0
+    # With return_logprob: the prompt tokens' logprobs too, from this position on (SGLang's
+    # field; -1: none). Those tokens are computed, not read from the radix cache.
+    logprob_start_len: int = -1
     # Structured outputs (at most one): compiled by the grammar service or, in-process,
     # by the engine itself. `structural_tag` is SGLang's (a JSON object as text).
     regex: str | None = None
@@ -122,6 +125,12 @@ class SamplingParams:
             f"must be in [0, {MAX_TOP_LOGPROBS}]",
             self.top_logprobs_num,
         )
+        _check(
+            self.logprob_start_len >= -1,
+            "logprob_start_len",
+            "must be -1 (no prompt logprobs) or >= 0",
+            self.logprob_start_len,
+        )
         grammars = [name for name in _GRAMMAR_FIELDS if getattr(self, name) is not None]
         _check(
             len(grammars) <= 1,
@@ -187,6 +196,7 @@ _EXPECTED_TYPES: dict[str, str] = {
     "no_stop_trim": "bool",
     "return_logprob": "bool",
     "top_logprobs_num": "int",
+    "logprob_start_len": "int",
     "regex": "str?",
     "json_schema": "str?",
     "ebnf": "str?",

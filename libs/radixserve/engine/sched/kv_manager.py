@@ -106,7 +106,10 @@ class KVManager:
         """Look up the cached prefix of the request's tokens (not locked yet). Returns its length
         (whole pages: the cache matches nothing shorter)."""
         # NOTE: at least one token is always computed, so the match stops before the last.
-        result = self.cache.match_prefix(req.fill_ids[:-1])
+        ids = req.fill_ids[:-1]
+        if req.input_logprob_next > 0:  # prompt logprobs due: their queries are computed
+            ids = ids[: req.input_logprob_next - 1]
+        result = self.cache.match_prefix(ids)
         req.prefix_indices = result.indices
         req.last_node = result.node
         return result.length

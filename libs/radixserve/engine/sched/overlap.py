@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from radixserve.engine.request import Req
+from radixserve.engine.sched.input_logprobs import InputLogprobPlan
 from radixserve.engine.transfer import HostCopy
 
 
@@ -38,6 +39,8 @@ class Launched:
     takes_token: list[bool]  # per ready row: False for a prefill-only request (n > 1)
     next_ids: torch.Tensor | None  # [len(ready)] int64 on the device; None if none sampled
     host: HostCopy | None  # next ids, chosen logprobs, top-logprob ids and values
+    # Prompt logprobs scored in this step: the plan and the host copies of its results.
+    scored: tuple[InputLogprobPlan, HostCopy] | None = None
 
 
 def needs_exact_state(req: Req) -> bool:

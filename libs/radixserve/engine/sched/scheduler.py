@@ -29,6 +29,7 @@ from radixserve.engine.sampling.penalty_state import PenaltyState
 from radixserve.engine.sched.batch_builder import build_forward_batch
 from radixserve.engine.sched.decode import ensure_decode_memory, retract
 from radixserve.engine.sched.finish import Detokenize, check_finished
+from radixserve.engine.sched.input_logprobs import assign_input_logprobs, plan_input_logprobs
 from radixserve.engine.sched.kv_manager import KVManager, KVUsage
 from radixserve.engine.sched.overlap import Launched, needs_exact_state, resolve_future_inputs
 from radixserve.engine.sched.policy import order_waiting
@@ -293,7 +294,16 @@ class Scheduler:
         if any(r.num_pending for r in reqs):
             assert self._inflight is not None and self._inflight.next_ids is not None
             resolve_future_inputs(batch.input_ids, self._inflight.next_ids)
+        plan = plan_input_logprobs(reqs)
+        if plan is not None:
+            batch.logprob_rows = upload_int64(plan.rows, device)
+            batch.logprob_targets = upload_int64(plan.targets, device)
+            batch.logprob_top = plan.top
         logits = self.runner.forward(batch)
+        scored = None
+        if plan is not None:
+            assert batch.input_logprobs is not None
+            scored = (plan, HostCopy(list(batch.input_logprobs)))
         for req in reqs:
             req.kv_len += req.extend_len
             req.extend_len = 0
@@ -305,7 +315,7 @@ class Scheduler:
             if req.kv_len < req.seq_len or not req.prefill_done:
                 self.kv.cache_unfinished(req)
         if not ready:
-            return Launched([], [], None, None)
+            return Launched([], [], None, None, scored)
         ready_reqs = [reqs[i] for i in ready]
         sampling = SamplingBatch.build(
             ready_reqs, self.runner.vocab_size, logits.device, self.penalty_state
@@ -334,7 +344,7 @@ class Scheduler:
                 result.top_logprob_values,
             ]
         )
-        return Launched(ready_reqs, takes_token, result.next_token_ids, host)
+        return Launched(ready_reqs, takes_token, result.next_token_ids, host, scored)
 
     def _shared_prefixes(self, reqs: list[Req]) -> tuple[SharedPrefix, ...]:
         """Groups for cascade attention among the step's leading decoding requests (all
@@ -365,6 +375,11 @@ class Scheduler:
         """Read a launched step's tokens (waiting for them alone) and finish or continue
         each request that sampled."""
         outputs: list[StepOutput] = []
+        if launched.scored is not None:
+            plan, copies = launched.scored
+            chosen, top_ids, top_values = copies.wait()
+            assert chosen is not None
+            assign_input_logprobs(plan, chosen, top_ids, top_values)
         if launched.host is None:
             return outputs
         ids, logprobs, top_ids, top_values = launched.host.wait()
