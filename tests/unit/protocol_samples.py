@@ -21,6 +21,8 @@ from radixserve.protocol import (
     KvSnapshotRequest,
     LogprobEntry,
     Message,
+    PromptLogprobEntries,
+    PromptLogprobs,
     RemovedBlocks,
     RequestError,
     RoutedRequest,
@@ -100,6 +102,15 @@ STEP_FULL = StepOutput(
         TopLogprobs(token_ids=b"", logprobs=[]),
     ],
     detok=DetokParams(stop=["x"]),
+    prompt_logprobs=PromptLogprobs(
+        token_ids=pack_tokens([5, 6]),
+        logprobs=[-1.5, float("-inf")],
+        top=[
+            TopLogprobs(token_ids=pack_tokens([5]), logprobs=[-1.5]),
+            TopLogprobs(token_ids=pack_tokens([7]), logprobs=[-0.25]),
+        ],
+        head_token_id=4,
+    ),
 )
 CAPACITY = WorkerCapacity(
     max_running_requests=64,
@@ -177,7 +188,13 @@ SAMPLES: list[Message] = [
         cached_tokens=1,
         logprobs=[LogprobEntry(token_id=1, token="x", logprob=-0.2)],
         worker_id="w-0",
+        prompt_logprobs=PromptLogprobEntries(
+            entries=[LogprobEntry(token_id=6, token=UNICODE, logprob=-2.0)],
+            head=LogprobEntry(token_id=4, token="<s>", logprob=0.0),
+        ),
     ),
+    PromptLogprobs(token_ids=b"", logprobs=[]),
+    PromptLogprobEntries(),
     TextDeltaBatch(gateway_id="g"),
     TextDeltaBatch(gateway_id="g", deltas=[TextDelta(rid="a", text="x"), TextDelta(rid="b")]),
     AbortRequest(rid="r-10"),

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from radixserve.api.mapping import GenerationPlan
-from radixserve.protocol import FinishReason, LogprobEntry, TextDelta
+from radixserve.protocol import FinishReason, LogprobEntry, PromptLogprobEntries, TextDelta
 
 
 @dataclass
@@ -27,6 +27,7 @@ class ChoiceState:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[LogprobEntry] = field(default_factory=list)
+    prompt_logprobs: PromptLogprobEntries | None = None
     finish: FinishReason | None = None
     completion_tokens: int = 0
 
@@ -95,6 +96,8 @@ class Assembly:
             choice.token_ids.extend(delta.token_ids_list)
         if delta.logprobs:
             choice.logprobs.extend(delta.logprobs)
+        if delta.prompt_logprobs is not None:  # once (again after a re-route: the same)
+            choice.prompt_logprobs = delta.prompt_logprobs
         if delta.finish_reason is not None:
             choice.finish = delta.finish_reason
             self._unfinished -= 1

@@ -44,6 +44,7 @@ Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]
 # Token ids travel as packed int32; the tokenizer checks them against the vocabulary.
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 TopLogprobsNum = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
+LogprobStartLen = Annotated[int, Field(ge=-1)]  # -1: no prompt logprobs
 CompletionLogprobs = Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)]
 # A bare string or a list of them; normalised to a list by `mapping`.
 Stop = str | list[str]

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Literal
 
+import msgspec
+
 from radixserve.api.errors import ApiError
 from radixserve.api.native_models import GenerateRequest
 from radixserve.api.openai_models import (
@@ -164,6 +166,8 @@ def plan_completion(
         top_logprobs_num=req.logprobs or 0,
         response_format=req.response_format,
     )
+    if echo_texts and req.logprobs is not None:  # OpenAI: the echoed prompt's logprobs too
+        sampling = msgspec.structs.replace(sampling, logprob_start_len=0)
     submits = _prompt_submits(
         prompts, response_id, gateway_id, sampling, bool(req.stream), served_model, arrival_time
     )
@@ -212,6 +216,8 @@ def plan_generate(
     _check_one_grammar(values, "sampling_params.")
     values["return_logprob"] = bool(req.return_logprob)
     values["top_logprobs_num"] = req.top_logprobs_num or 0
+    if req.logprob_start_len is not None:
+        values["logprob_start_len"] = req.logprob_start_len
     sampling = SamplingParams(**values)
     submits = _prompt_submits(
         prompts, response_id, gateway_id, sampling, bool(req.stream), served_model, arrival_time

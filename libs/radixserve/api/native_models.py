@@ -10,6 +10,7 @@ from pydantic import ConfigDict
 
 from radixserve.api.fields import (
     Body,
+    LogprobStartLen,
     MaxTokens,
     MinP,
     NumChoices,
@@ -60,3 +61,5 @@ class GenerateRequest(Body):
     stream: bool | None = None
     return_logprob: bool | None = None
     top_logprobs_num: TopLogprobsNum | None = None
+    # With return_logprob: the prompt tokens' logprobs from this position on (-1: none).
+    logprob_start_len: LogprobStartLen | None = None

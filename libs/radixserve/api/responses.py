@@ -15,7 +15,14 @@ import msgspec
 
 from radixserve.api.assembly import Assembly, ChoiceState, Usage
 from radixserve.api.errors import SERVER_ERROR, ApiError
-from radixserve.api.logprobs import chat_logprobs, completion_logprobs, generate_logprobs
+from radixserve.api.logprobs import (
+    chat_logprobs,
+    completion_logprobs,
+    echo_logprobs,
+    generate_logprobs,
+    input_logprobs,
+    prepend_logprobs,
+)
 from radixserve.api.mapping import GenerationPlan
 from radixserve.protocol import FinishReason
 
@@ -78,6 +85,8 @@ def completion(plan: GenerationPlan, assembly: Assembly, created: int) -> dict[s
     for c in assembly.choices:
         prefix = plan.echo_texts[c.prompt_index] if plan.echo_texts else ""
         logprobs = completion_logprobs(c.logprobs, len(prefix))[0] if plan.logprobs else None
+        if logprobs is not None and plan.echo_texts and c.prompt_logprobs is not None:
+            logprobs = prepend_logprobs(echo_logprobs(c.prompt_logprobs), logprobs)
         choices.append(
             {
                 "index": c.index,
@@ -124,6 +133,8 @@ def generate_output(
     if plan.logprobs:
         with_top = any(s.sampling.top_logprobs_num > 0 for s in plan.submits)
         meta.update(generate_logprobs(choice.logprobs, with_top))
+        if choice.prompt_logprobs is not None:
+            meta.update(input_logprobs(choice.prompt_logprobs, with_top))
     output: dict[str, Any] = {
         "text": choice.text,
         "output_ids": list(choice.token_ids),

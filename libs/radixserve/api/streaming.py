@@ -21,7 +21,12 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from radixserve.api.assembly import Assembly, ChoiceUpdate
-from radixserve.api.logprobs import chat_logprobs, completion_logprobs
+from radixserve.api.logprobs import (
+    chat_logprobs,
+    completion_logprobs,
+    echo_logprobs,
+    prepend_logprobs,
+)
 from radixserve.api.mapping import GenerationPlan
 from radixserve.api.responses import generate_output, openai_finish_reason, usage_body
 
@@ -108,6 +113,8 @@ class CompletionStreamer(_OpenAIStreamer):
         if self.plan.logprobs:
             start = self._offsets.get(choice.index, 0)
             logprobs, self._offsets[choice.index] = completion_logprobs(delta.logprobs or [], start)
+            if self.plan.echo_texts and delta.prompt_logprobs is not None:
+                logprobs = prepend_logprobs(echo_logprobs(delta.prompt_logprobs), logprobs)
         if not text and not delta.logprobs and delta.finish_reason is None:
             return []
         return [

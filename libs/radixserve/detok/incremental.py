@@ -25,6 +25,8 @@ from radixserve.detok.stop import FinishLike, stop_prefix_len, trim_stop_string,
 from radixserve.protocol import (
     DetokParams,
     LogprobEntry,
+    PromptLogprobEntries,
+    PromptLogprobs,
     StepOutput,
     StepOutputBatch,
     TextDelta,
@@ -407,18 +409,36 @@ class IncrementalDetokenizer:
             completion_tokens=out.completion_tokens,
             cached_tokens=out.cached_tokens,
             logprobs=self._logprobs(out),
+            prompt_logprobs=self._prompt_logprobs(out.prompt_logprobs),
         )
+
+    def _prompt_logprobs(self, prompt: PromptLogprobs | None) -> PromptLogprobEntries | None:
+        if prompt is None:
+            return None
+        entries = self._entries(
+            prompt.token_ids_list,
+            prompt.logprobs,
+            list(prompt.top) if prompt.top else [None] * len(prompt.logprobs),
+        )
+        head = None
+        if prompt.head_token_id >= 0:
+            t = prompt.head_token_id
+            head = LogprobEntry(token_id=t, token=self.token_texts.text(t), logprob=0.0)
+        return PromptLogprobEntries(entries=entries, head=head)
 
     def _logprobs(self, out: StepOutput) -> list[LogprobEntry] | None:
         if out.token_logprobs is None:
             return None
-        entries = []
         tops: list[TopLogprobs | None] = (
             list(out.top_logprobs) if out.top_logprobs else [None] * len(out.token_logprobs)
         )
-        for token_id, logprob, top in zip(
-            out.new_token_ids_list, out.token_logprobs, tops, strict=True
-        ):
+        return self._entries(out.new_token_ids_list, out.token_logprobs, tops)
+
+    def _entries(
+        self, token_ids: list[int], logprobs: list[float], tops: list[TopLogprobs | None]
+    ) -> list[LogprobEntry]:
+        entries = []
+        for token_id, logprob, top in zip(token_ids, logprobs, tops, strict=True):
             candidates = []
             if top is not None:
                 candidates = [
@@ -440,6 +460,11 @@ def _logprob_ids(out: StepOutput) -> Iterator[int]:
     yield from out.new_token_ids_list
     for top in out.top_logprobs or ():
         yield from top.token_ids_list
+    prompt = out.prompt_logprobs
+    if prompt is not None:
+        yield from prompt.token_ids_list
+        for top in prompt.top or ():
+            yield from top.token_ids_list
 
 
 def _rounds(outputs: list[StepOutput]) -> Iterator[list[StepOutput]]:

@@ -45,6 +45,27 @@ class TopLogprobs(Message, frozen=True):
         return unpack_tokens(self.token_ids)
 
 
+class PromptLogprobs(Message, frozen=True):
+    """The prompt's token logprobs (`return_logprob` with `logprob_start_len` >= 0), worker
+    side: sent once, with a choice's first output. `token_ids` are the scored prompt
+    tokens; `head_token_id` is the prompt's first token when the start is 0 (it has no
+    logprob), else -1."""
+
+    token_ids: bytes  # packed int32, same order as `logprobs`
+    logprobs: list[float]
+    top: list[TopLogprobs] | None = None
+    head_token_id: int = -1
+
+    def __post_init__(self) -> None:
+        count = num_tokens(self.token_ids)
+        if len(self.logprobs) != count or (self.top is not None and len(self.top) != count):
+            raise ValueError("prompt logprobs: token_ids, logprobs and top differ in length")
+
+    @property
+    def token_ids_list(self) -> list[int]:
+        return unpack_tokens(self.token_ids)
+
+
 class DetokParams(Message, frozen=True):
     """What the detokenizer needs to know about a request to turn ids into text.
 
@@ -78,6 +99,7 @@ class StepOutput(Message, frozen=True):
     token_logprobs: list[float] | None = None
     top_logprobs: list[TopLogprobs] | None = None
     detok: DetokParams | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
     def __post_init__(self) -> None:
         count = num_tokens(self.new_token_ids)
@@ -118,6 +140,14 @@ class LogprobEntry(Message, frozen=True):
     top: list[TopLogprobEntry] = msgspec.field(default_factory=list)
 
 
+class PromptLogprobEntries(Message, frozen=True):
+    """The prompt's token logprobs with their texts (gateway side). `head`: the prompt's
+    first token when the start is 0, reported without a logprob (its `logprob` unused)."""
+
+    entries: list[LogprobEntry] = msgspec.field(default_factory=list)
+    head: LogprobEntry | None = None
+
+
 class TextDelta(Message, frozen=True):
     """One request's new text since the last delta.
 
@@ -136,6 +166,7 @@ class TextDelta(Message, frozen=True):
     cached_tokens: int = 0
     logprobs: list[LogprobEntry] | None = None
     worker_id: str = ""  # on a choice's first delta: the worker that runs it
+    prompt_logprobs: PromptLogprobEntries | None = None  # once, on a choice's first delta
 
     def __post_init__(self) -> None:
         num_tokens(self.token_ids)

@@ -9,6 +9,7 @@ import msgspec
 from radixserve import protocol
 from radixserve.engine.groups import ChoiceOutput
 from radixserve.engine.outputs import detok_params
+from radixserve.engine.request import Req
 from radixserve.engine.sampling.params import SamplingParams
 
 
@@ -39,10 +40,11 @@ class OutputBuilder:
             return None
         req = out.req
         key = (out.rid, out.index)
-        detok = None
+        detok = prompt = None
         if key not in self.announced:
             self.announced.add(key)
             detok = detok_params(req.params)
+            prompt = prompt_logprobs(req)
         reason = req.finish_reason
         token_logprobs = top_logprobs = None
         if req.params.return_logprob:
@@ -81,4 +83,30 @@ class OutputBuilder:
             token_logprobs=token_logprobs,
             top_logprobs=top_logprobs,
             detok=detok,
+            prompt_logprobs=prompt,
         )
+
+
+def prompt_logprobs(req: Req) -> protocol.PromptLogprobs | None:
+    """The prompt's scored tokens, for a request that asked and whose prefill scored them
+    all (not one aborted before)."""
+    params = req.params
+    if not params.return_logprob or params.logprob_start_len < 0 or req.input_logprob_next != -1:
+        return None
+    entries = req.input_logprobs
+    top = None
+    if params.top_logprobs_num > 0:
+        top = [
+            protocol.TopLogprobs(
+                token_ids=protocol.pack_tokens([t for t, _ in lp.top]),
+                logprobs=[v for _, v in lp.top],
+            )
+            for lp in entries
+        ]
+    head = params.logprob_start_len == 0 and bool(req.origin_input_ids)
+    return protocol.PromptLogprobs(
+        token_ids=protocol.pack_tokens([lp.token_id for lp in entries]),
+        logprobs=[lp.logprob for lp in entries],
+        top=top,
+        head_token_id=req.origin_input_ids[0] if head else -1,
+    )
