@@ -8,10 +8,12 @@ A tiny random-weight Llama with the embedded model's tokenizer (and chat templat
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import radixserve.lang as rl
 from radixserve import Engine
@@ -86,27 +88,62 @@ def test_chat_turns_render_through_the_chat_template(
 @pytest.mark.parametrize(
     "choices", [["red", "green", "blue sky"], ["a.b", "(x)", "c|d", "[e]+"]], ids=["plain", "regex"]
 )
-def test_select_picks_a_choice_as_the_constrained_engine_does(
+def test_greedy_select_picks_a_choice_as_the_constrained_engine_does(
     engine: Engine, backend: rl.EngineBackend, choices: list[str]
 ) -> None:
     @rl.function
     def pick(s: rl.ProgramState) -> None:
         s += "Pick one: "
-        s += rl.select("choice", choices)
+        s += rl.select("choice", choices, method="greedy")
 
     state = pick.run(backend=backend)
     assert state["choice"] in choices
-    pattern = (
-        "("
-        + "|".join("".join("\\" + c if c in "\\^$.|?*+()[]{}" else c for c in x) for x in choices)
-        + ")"
-    )
+    pattern = "(" + "|".join(re.escape(c) for c in choices) + ")"
     assert state["choice"] == _greedy(engine, "Pick one: ", 256, regex=pattern)
     assert state.text() == "Pick one: " + state["choice"]
-    # gen(choices=...) is the same select
+
+
+@pytest.fixture(scope="module")
+def hf_log_softmax(tiny_llama_dir: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+
+    def log_softmax(ids: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+    return log_softmax
+
+
+def _hf_mean_logprob(engine: Engine, hf: Any, prefix: str, choice: str) -> float:
+    """The choice's tokens past the prefix's, their mean logprob by Hugging Face."""
+    base, full = engine.tokenizer.encode(prefix), engine.tokenizer.encode(prefix + choice)
+    common = next(
+        (i for i, (a, b) in enumerate(zip(base, full, strict=False)) if a != b),
+        min(len(base), len(full)),
+    )
+    ref = hf(full)
+    values = [float(ref[j - 1, full[j]]) for j in range(max(common, 1), len(full))]
+    return sum(values) / len(values)
+
+
+def test_select_takes_the_likeliest_choice_by_hugging_faces_logprobs(
+    engine: Engine, backend: rl.EngineBackend, hf_log_softmax: Any
+) -> None:
+    choices = ["red", "green", "blue sky", "a much longer answer than the others"]
+    prefix = "The colour of the sea is "
+    scores = [_hf_mean_logprob(engine, hf_log_softmax, prefix, c) for c in choices]
+    assert backend.score(prefix, choices) == pytest.approx(scores, abs=1e-4)
+    state = rl.ProgramState(backend)
+    state += prefix + rl.select("colour", choices)
+    assert state["colour"] == choices[max(range(len(choices)), key=scores.__getitem__)]
+    assert state.text() == prefix + state["colour"]
     again = rl.ProgramState(backend)
-    again += "Pick one: " + rl.gen("choice", choices=choices)
-    assert again["choice"] == state["choice"]
+    again += prefix + rl.gen("colour", choices=choices)  # gen(choices=...) is select
+    assert again["colour"] == state["colour"]
+    with pytest.raises(ValueError, match="method"):
+        rl.select("x", ["a"], method="best")
 
 
 def test_forks_go_on_independently_from_the_shared_prefix(

@@ -42,12 +42,18 @@ class Gen(Expr):
     params: dict[str, Any] = field(default_factory=dict)
 
 
+SELECT_METHODS = ("likelihood", "greedy")
+
+
 @dataclass(frozen=True)
 class Select(Expr):
-    """Choose one of `choices`, by greedy decoding constrained to exactly those texts."""
+    """Choose one of `choices`: `likelihood` (SGLang's default) scores each choice's
+    tokens after the program so far by their mean logprob and takes the best;
+    `greedy` decodes greedily under a grammar that admits exactly those texts."""
 
     name: str | None
     choices: tuple[str, ...]
+    method: str = "likelihood"
 
 
 @dataclass(frozen=True)
@@ -98,13 +104,18 @@ def gen(
     return Gen(name, params)
 
 
-def select(name: str | None, choices: list[str] | tuple[str, ...]) -> Select:
-    """One of `choices`, the one greedy decoding reaches under a grammar that admits
-    those texts and nothing else."""
+def select(
+    name: str | None, choices: list[str] | tuple[str, ...], method: str = "likelihood"
+) -> Select:
+    """One of `choices`: by default the one whose tokens have the highest mean logprob
+    after the program so far (SGLang's token-length-normalised choice); `method="greedy"`:
+    the one greedy decoding reaches under a grammar that admits only those texts."""
     options = tuple(choices)
     if not options or not all(isinstance(c, str) and c for c in options):
         raise ValueError("select needs one or more non-empty strings")
-    return Select(name, options)
+    if method not in SELECT_METHODS:
+        raise ValueError(f"select's method must be one of {SELECT_METHODS}, got {method!r}")
+    return Select(name, options, method)
 
 
 def choices_regex(choices: tuple[str, ...]) -> str:

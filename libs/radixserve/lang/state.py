@@ -90,8 +90,7 @@ class ProgramState:
         elif isinstance(item, Gen):
             self._generate(item.name, item.params)
         elif isinstance(item, Select):
-            params = {"max_new_tokens": 256, "temperature": 0, "regex": choices_regex(item.choices)}
-            self._generate(item.name, params, item.choices)
+            self._select(item)
         elif isinstance(item, Expr):
             raise LangError(f"cannot append {type(item).__name__}")
         else:
@@ -119,22 +118,36 @@ class ProgramState:
             self._messages.append({"role": turn.role, "content": self._content})
             self._role, self._content = None, ""
 
+    def _prompt(self) -> str:
+        """What the model reads before the next generated token."""
+        if not self.is_chat:
+            return self._text
+        if self._role != "assistant":
+            raise LangError("gen and select run inside an assistant turn: assistant(gen(...))")
+        return self._chat_template().render(self._messages, generation=True) + self._content
+
     def _generate(
         self, name: str | None, params: dict[str, Any], choices: tuple[str, ...] | None = None
     ) -> None:
-        if self.is_chat:
-            if self._role != "assistant":
-                raise LangError("gen and select run inside an assistant turn: assistant(gen(...))")
-            prompt = self._chat_template().render(self._messages, generation=True)
-            prompt += self._content
-        else:
-            prompt = self._text
-        out = self.backend.generate(prompt, params)
+        out = self.backend.generate(self._prompt(), params)
         if choices is not None and out not in choices:
             raise LangError(f"select got {out!r}, none of {list(choices)}")
+        self._keep(name, out)
+
+    def _select(self, item: Select) -> None:
+        if item.method == "greedy":
+            regex = choices_regex(item.choices)
+            params = {"max_new_tokens": 256, "temperature": 0, "regex": regex}
+            self._generate(item.name, params, item.choices)
+            return
+        scores = self.backend.score(self._prompt(), list(item.choices))
+        best = max(range(len(scores)), key=scores.__getitem__)  # the first of equals
+        self._keep(item.name, item.choices[best])
+
+    def _keep(self, name: str | None, text: str) -> None:
         if name is not None:
-            self.variables[name] = out
-        self._append_text(out)
+            self.variables[name] = text
+        self._append_text(text)
 
     def _chat_template(self) -> Any:
         return self.backend.chat_template()
