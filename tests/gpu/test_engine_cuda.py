@@ -78,3 +78,43 @@ def test_cuda_bfloat16_embedded_model_runs() -> None:
         {"max_new_tokens": 16, "temperature": 0},
     )
     assert "Paris" in out["text"]
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_cuda_prompt_logprobs_match_hf(tiny_dir: Path, backend: str) -> None:
+    """Prompt logprobs on CUDA (over prefill chunks, beside decoding requests with overlap
+    and graphs on) equal Hugging Face's log-softmax on the same float32 weights."""
+    from transformers import AutoModelForCausalLM
+
+    engine = Engine(
+        model_path=str(tiny_dir),
+        device="cuda",
+        dtype="float32",
+        attention_backend=backend,
+        chunked_prefill_size=32,
+        max_total_tokens=8192,
+    )
+    try:
+        prompts = make_prompts(engine.runner.vocab_size, [90, 12, 40], seed=4)
+        params = {
+            "max_new_tokens": 4,
+            "temperature": 0,
+            "return_logprob": True,
+            "logprob_start_len": 0,
+            "top_logprobs_num": 2,
+        }
+        outs = engine.generate(input_ids=prompts, sampling_params=[params] * len(prompts))
+        assert isinstance(outs, list)
+        model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).to("cuda")
+        for ids, out in zip(prompts, outs, strict=True):
+            with torch.inference_mode():
+                ref = torch.log_softmax(model(torch.tensor([ids], device="cuda")).logits[0], -1)
+            entries = out["meta_info"]["input_token_logprobs"]
+            assert [t for _, t in entries] == ids and entries[0][0] is None
+            for j in range(1, len(ids)):
+                assert entries[j][0] == pytest.approx(float(ref[j - 1, ids[j]]), abs=1e-3)
+            tops = out["meta_info"]["input_top_logprobs"]
+            for j in range(1, len(ids)):
+                assert [t for t, _ in tops[j]] == torch.topk(ref[j - 1], 2).indices.tolist()
+    finally:
+        engine.shutdown()
