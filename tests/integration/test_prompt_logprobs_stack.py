@@ -121,3 +121,19 @@ def test_completions_echo_scores_the_prompt(
     assert token_logprobs[0] is None
     assert token_logprobs[1 : len(ids)] == pytest.approx(expected[1:], abs=1e-4)
     assert all(isinstance(lp, float) for lp in token_logprobs[1:])
+
+
+def test_scoring_alone_with_max_tokens_zero(stack: RunningStack, engine: Engine) -> None:
+    """What evaluation harnesses send for a log-likelihood: echo, logprobs, no new token."""
+    ids = engine.tokenizer.encode(PROMPT)
+    expected = [lp for lp, _ in _engine_scores(engine, ids, 0)["input_token_logprobs"]]
+    client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="x", max_retries=0, timeout=120)
+    out = client.completions.create(
+        model=stack.model, prompt=PROMPT, max_tokens=0, echo=True, logprobs=1, temperature=0
+    )
+    choice = out.choices[0]
+    assert choice.text == PROMPT
+    assert choice.logprobs is not None and choice.logprobs.token_logprobs is not None
+    assert choice.logprobs.token_logprobs[0] is None
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(expected[1:], abs=1e-4)
+    assert out.usage is not None and out.usage.completion_tokens == 0
