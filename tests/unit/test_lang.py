@@ -138,6 +138,7 @@ def test_select_takes_the_likeliest_choice_by_hugging_faces_logprobs(
     state = rl.ProgramState(backend)
     state += prefix + rl.select("colour", choices)
     assert state["colour"] == choices[max(range(len(choices)), key=scores.__getitem__)]
+    assert list(state.meta["colour"]["scores"].values()) == pytest.approx(scores, abs=1e-4)
     assert state.text() == prefix + state["colour"]
     again = rl.ProgramState(backend)
     again += prefix + rl.gen("colour", choices=choices)  # gen(choices=...) is select

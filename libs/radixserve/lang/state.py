@@ -13,7 +13,7 @@ import copy
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from radixserve.lang.backends import Backend
+from radixserve.lang.backends import Backend, ChatTemplate
 from radixserve.lang.primitives import (
     ROLES,
     Expr,
@@ -31,6 +31,9 @@ class ProgramState:
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
         self.variables: dict[str, str] = {}
+        # Per select variable: its choices' mean logprobs ("scores"), as SGLang's
+        # get_meta_info gives its normalized prompt logprobs.
+        self.meta: dict[str, dict[str, Any]] = {}
         self._text = ""  # plain text mode
         self._messages: list[dict[str, str]] = []  # chat mode: closed turns
         self._role: str | None = None  # the open turn
@@ -74,6 +77,7 @@ class ProgramState:
     def _copy(self) -> ProgramState:
         clone = copy.copy(self)  # the backend is shared
         clone.variables = dict(self.variables)
+        clone.meta = dict(self.meta)
         clone._messages = [dict(m) for m in self._messages]
         return clone
 
@@ -142,6 +146,8 @@ class ProgramState:
             return
         scores = self.backend.score(self._prompt(), list(item.choices))
         best = max(range(len(scores)), key=scores.__getitem__)  # the first of equals
+        if item.name is not None:
+            self.meta[item.name] = {"scores": dict(zip(item.choices, scores, strict=True))}
         self._keep(item.name, item.choices[best])
 
     def _keep(self, name: str | None, text: str) -> None:
@@ -149,7 +155,7 @@ class ProgramState:
             self.variables[name] = text
         self._append_text(text)
 
-    def _chat_template(self) -> Any:
+    def _chat_template(self) -> ChatTemplate:
         return self.backend.chat_template()
 
 
