@@ -109,7 +109,7 @@ def test_chat_maps_every_sampling_field() -> None:
         "ignore_eos": True,
         "skip_special_tokens": False,
         "regex": "[a-z]+",
-        "tools": [{"anything": "ignored"}],  # unknown fields are ignored
+        "metadata": {"anything": "ignored"},  # unknown fields are ignored
     }
     plan = _plan("chat", body)
     s = plan.submits[0].sampling
@@ -305,7 +305,21 @@ _CHAT_ERRORS: list[tuple[dict[str, Any], str]] = [
     ({"messages": USER, "response_format": {"type": "json_schema"}}, "response_format.json_schema"),
     ({"messages": USER, "regex": "a", "ebnf": "b"}, "ebnf"),
     ({"messages": USER, "json_schema": "{}", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}, "tools"),
+    ({"messages": USER, "tool_choice": "required"}, "tool_choice"),
 ]  # fmt: skip
+
+
+def test_tools_the_model_may_not_call_run_as_plain_chat() -> None:
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    for body in (
+        {"messages": USER, "tools": tools, "tool_choice": "none"},
+        {"messages": USER, "tools": []},
+        {"messages": USER, "tool_choice": "auto"},
+    ):
+        plan = _plan("chat", body)
+        assert plan.submits[0].messages is not None
 
 
 @pytest.mark.parametrize(("body", "param"), _CHAT_ERRORS)

@@ -104,6 +104,7 @@ def plan_chat(
     arrival_time: float,
 ) -> GenerationPlan:
     check_model(req.model, served_model)
+    _check_no_tools(req)
     messages = chat_messages(req.messages)
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError.invalid("top_logprobs requires logprobs to be true", "top_logprobs")
@@ -235,6 +236,18 @@ def plan_generate(
 
 
 # -- the pieces ---------------------------------------------------------------------------
+
+
+def _check_no_tools(req: ChatCompletionRequest) -> None:
+    """Tool calling is not built yet: tools the model may call are refused (400), as an
+    OpenAI-compatible server without a tool-call parser does; `tool_choice: "none"` (or
+    no tools) runs as plain chat."""
+    if req.tools and req.tool_choice != "none":
+        raise ApiError.invalid(
+            'tool calling is not supported yet: send no tools, or tool_choice "none"', "tools"
+        )
+    if req.tool_choice not in (None, "none", "auto") and not req.tools:
+        raise ApiError.invalid("tool_choice needs tools", "tool_choice")
 
 
 def check_model(requested: str | None, served: str) -> None:

@@ -86,6 +86,10 @@ class ChatCompletionRequest(OpenAISamplingFields):
     logprobs: bool | None = None
     top_logprobs: TopLogprobsNum | None = None
     response_format: ResponseFormat | None = None
+    # Tool calling is not built: `mapping` refuses tools the model could call rather than
+    # ignore them (an agent would wait for a call that never comes).
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
 
 
 # Token-id prompts are listed before string ones so `[1, 2]` is read as ids: pydantic's
