@@ -194,7 +194,7 @@ class PhaseTimer:
             restore()
 
 
-def prefill_profiler() -> Any:
+def host_and_device_profiler() -> Any:
     from torch.profiler import ProfilerActivity, profile
 
     return profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
@@ -213,8 +213,6 @@ def write_profile(prof: Any, label: str, out_dir: Path) -> None:
 
 def profile_decode(engine: Any, bs: int, input_len: int, label: str, out_dir: Path) -> None:
     """Device kernels of a few decode steps at batch size `bs`, by total time."""
-    from torch.profiler import ProfilerActivity, profile
-
     prompts = [[11 + i] * input_len for i in range(bs)]
     params = {"max_new_tokens": 12, "ignore_eos": True, "temperature": 0}
     for p in prompts:
@@ -223,7 +221,7 @@ def profile_decode(engine: Any, bs: int, input_len: int, label: str, out_dir: Pa
     for _ in range(3):
         engine.step()
     sync()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with host_and_device_profiler() as prof:
         for _ in range(3):
             engine.step()
         sync()
@@ -301,7 +299,7 @@ def run_backend(
             if timer is not None:
                 timer.reset()
             profiling = not warm and bs in args.profile_prefill_bs
-            prof = prefill_profiler() if profiling else contextlib.nullcontext()
+            prof = host_and_device_profiler() if profiling else contextlib.nullcontext()
             with prof:
                 t0 = time.perf_counter()
                 engine.step()  # the whole batch's prefill (one chunk: no chunking here)

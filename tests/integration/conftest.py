@@ -3,5 +3,18 @@
 
 from tests.fixtures.front import bus, front, model_dir, tokenizer
 from tests.fixtures.gateway import client, gateway, http, pipeline
+from tests.integration.stack_fixture import tiny_engine, tiny_model_dir, tiny_stack
 
-__all__ = ["bus", "client", "front", "gateway", "http", "model_dir", "pipeline", "tokenizer"]
+__all__ = [
+    "bus",
+    "client",
+    "front",
+    "gateway",
+    "http",
+    "model_dir",
+    "pipeline",
+    "tiny_engine",
+    "tiny_model_dir",
+    "tiny_stack",
+    "tokenizer",
+]

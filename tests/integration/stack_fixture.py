@@ -10,7 +10,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
+from radixserve import Engine
 from radixserve.stack import Stack, StackSpec
+from tests.helpers.tiny_models import make_tiny_llama
 
 
 @dataclass(frozen=True)
@@ -63,3 +67,37 @@ def running_stack(
         yield RunningStack(stack, spec.url, "test-model", prefix, nats_url)
     finally:
         stack.stop()
+
+
+# A tiny random-weight Llama served on the CPU, for modules that compare the stack with
+# the in-process engine on the same weights (each module starts its own).
+TINY_WORKER_ARGS = ["--device", "cpu", "--max-total-tokens", "16384"]
+TINY_CONTEXT = 1024
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny_model"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def tiny_stack(
+    nats_url: str, redis_url: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningStack]:
+    with running_stack(
+        nats_url,
+        redis_url,
+        tiny_model_dir,
+        tmp_path_factory.mktemp("tiny_stack_logs"),
+        TINY_WORKER_ARGS,
+        context_length=TINY_CONTEXT,
+    ) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_model_dir: Path) -> Iterator[Engine]:
+    """The in-process engine on the tiny stack's weights."""
+    engine = Engine(model_path=str(tiny_model_dir), device="cpu", context_length=TINY_CONTEXT)
+    yield engine
+    engine.shutdown()

@@ -13,47 +13,21 @@ import pytest
 
 import radixserve.lang as rl
 from radixserve import Engine
-from tests.helpers.tiny_models import make_tiny_llama
-from tests.integration.stack_fixture import RunningStack, running_stack
+from tests.integration.stack_fixture import RunningStack
 
 pytestmark = pytest.mark.timeout(300)
 
-WORKER_ARGS = ["--device", "cpu", "--max-total-tokens", "16384"]
-CONTEXT = 1024
-
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("lang_model"), seed=0)
-
-
-@pytest.fixture(scope="module")
-def stack(
-    nats_url: str, redis_url: str, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[RunningStack]:
-    with running_stack(
-        nats_url,
-        redis_url,
-        model_dir,
-        tmp_path_factory.mktemp("lang_logs"),
-        WORKER_ARGS,
-        context_length=CONTEXT,
-    ) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def endpoint(stack: RunningStack, model_dir: Path) -> Iterator[rl.RuntimeEndpoint]:
-    backend = rl.RuntimeEndpoint(stack.url, model_path=str(model_dir), timeout_s=120)
+def endpoint(tiny_stack: RunningStack, tiny_model_dir: Path) -> Iterator[rl.RuntimeEndpoint]:
+    backend = rl.RuntimeEndpoint(tiny_stack.url, model_path=str(tiny_model_dir), timeout_s=120)
     yield backend
     backend.close()
 
 
 @pytest.fixture(scope="module")
-def local(model_dir: Path) -> Iterator[rl.EngineBackend]:
-    engine = Engine(model_path=str(model_dir), device="cpu", context_length=CONTEXT)
-    yield rl.EngineBackend(engine)
-    engine.shutdown()
+def local(tiny_engine: Engine) -> rl.EngineBackend:
+    return rl.EngineBackend(tiny_engine)
 
 
 @rl.function

@@ -5,8 +5,6 @@ prompt logprobs on the same weights, streamed or not."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -14,41 +12,11 @@ import openai
 import pytest
 
 from radixserve import Engine
-from tests.helpers.tiny_models import make_tiny_llama
-from tests.integration.stack_fixture import RunningStack, running_stack
+from tests.integration.stack_fixture import RunningStack
 
 pytestmark = pytest.mark.timeout(300)
 
-WORKER_ARGS = ["--device", "cpu", "--max-total-tokens", "16384"]
-CONTEXT = 1024
 PROMPT = "The quick brown fox jumps over the lazy dog, then naps."
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_llama(tmp_path_factory.mktemp("prompt_logprobs_model"), seed=0)
-
-
-@pytest.fixture(scope="module")
-def stack(
-    nats_url: str, redis_url: str, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[RunningStack]:
-    with running_stack(
-        nats_url,
-        redis_url,
-        model_dir,
-        tmp_path_factory.mktemp("prompt_logprobs_logs"),
-        WORKER_ARGS,
-        context_length=CONTEXT,
-    ) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def engine(model_dir: Path) -> Iterator[Engine]:
-    engine = Engine(model_path=str(model_dir), device="cpu", context_length=CONTEXT)
-    yield engine
-    engine.shutdown()
 
 
 def _engine_scores(engine: Engine, ids: list[int], start: int, top: int = 0) -> dict[str, Any]:
@@ -64,9 +32,11 @@ def _engine_scores(engine: Engine, ids: list[int], start: int, top: int = 0) -> 
     return dict(out["meta_info"])
 
 
-def test_generate_reports_the_engines_prompt_logprobs(stack: RunningStack, engine: Engine) -> None:
-    ids = engine.tokenizer.encode(PROMPT)
-    expected = _engine_scores(engine, ids, 0, top=2)
+def test_generate_reports_the_engines_prompt_logprobs(
+    tiny_stack: RunningStack, tiny_engine: Engine
+) -> None:
+    ids = tiny_engine.tokenizer.encode(PROMPT)
+    expected = _engine_scores(tiny_engine, ids, 0, top=2)
     body = {
         "input_ids": ids,
         "sampling_params": {"max_new_tokens": 1, "temperature": 0},
@@ -74,7 +44,7 @@ def test_generate_reports_the_engines_prompt_logprobs(stack: RunningStack, engin
         "top_logprobs_num": 2,
         "logprob_start_len": 0,
     }
-    response = httpx.post(f"{stack.url}/generate", json=body, timeout=120)
+    response = httpx.post(f"{tiny_stack.url}/generate", json=body, timeout=120)
     assert response.status_code == 200, response.text
     meta = response.json()["meta_info"]
     got = meta["input_token_logprobs"]
@@ -84,22 +54,24 @@ def test_generate_reports_the_engines_prompt_logprobs(stack: RunningStack, engin
         got[1:], expected["input_token_logprobs"][1:], strict=True
     ):
         assert lp == pytest.approx(want, abs=1e-4)
-        assert text == engine.tokenizer.decode([tok])
+        assert text == tiny_engine.tokenizer.decode([tok])
     tops = [[t for _, t, _ in row] for row in meta["input_top_logprobs"][1:]]
     assert tops == [[t for t, _ in row] for row in expected["input_top_logprobs"][1:]]
-    bad = httpx.post(f"{stack.url}/generate", json={**body, "logprob_start_len": -2}, timeout=30)
+    bad = httpx.post(
+        f"{tiny_stack.url}/generate", json={**body, "logprob_start_len": -2}, timeout=30
+    )
     assert bad.status_code == 400
 
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_completions_echo_scores_the_prompt(
-    stack: RunningStack, engine: Engine, stream: bool
+    tiny_stack: RunningStack, tiny_engine: Engine, stream: bool
 ) -> None:
-    ids = engine.tokenizer.encode(PROMPT)
-    expected = [lp for lp, _ in _engine_scores(engine, ids, 0)["input_token_logprobs"]]
-    client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="x", max_retries=0, timeout=120)
+    ids = tiny_engine.tokenizer.encode(PROMPT)
+    expected = [lp for lp, _ in _engine_scores(tiny_engine, ids, 0)["input_token_logprobs"]]
+    client = openai.OpenAI(base_url=f"{tiny_stack.url}/v1", api_key="x", max_retries=0, timeout=120)
     kwargs: dict[str, Any] = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0}
-    kwargs.update(echo=True, logprobs=1, model=stack.model)
+    kwargs.update(echo=True, logprobs=1, model=tiny_stack.model)
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
     text = ""
@@ -123,13 +95,13 @@ def test_completions_echo_scores_the_prompt(
     assert all(isinstance(lp, float) for lp in token_logprobs[1:])
 
 
-def test_scoring_alone_with_max_tokens_zero(stack: RunningStack, engine: Engine) -> None:
+def test_scoring_alone_with_max_tokens_zero(tiny_stack: RunningStack, tiny_engine: Engine) -> None:
     """What evaluation harnesses send for a log-likelihood: echo, logprobs, no new token."""
-    ids = engine.tokenizer.encode(PROMPT)
-    expected = [lp for lp, _ in _engine_scores(engine, ids, 0)["input_token_logprobs"]]
-    client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="x", max_retries=0, timeout=120)
+    ids = tiny_engine.tokenizer.encode(PROMPT)
+    expected = [lp for lp, _ in _engine_scores(tiny_engine, ids, 0)["input_token_logprobs"]]
+    client = openai.OpenAI(base_url=f"{tiny_stack.url}/v1", api_key="x", max_retries=0, timeout=120)
     out = client.completions.create(
-        model=stack.model, prompt=PROMPT, max_tokens=0, echo=True, logprobs=1, temperature=0
+        model=tiny_stack.model, prompt=PROMPT, max_tokens=0, echo=True, logprobs=1, temperature=0
     )
     choice = out.choices[0]
     assert choice.text == PROMPT

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,3 +87,17 @@ def engine_outputs(
     outs = engine.generate(input_ids=prompts, sampling_params=greedy_params(max_new_tokens))
     assert isinstance(outs, list)
     return [o["output_ids"] for o in outs]
+
+
+def hf_log_softmax(model_dir: str | Path) -> Callable[[list[int]], torch.Tensor]:
+    """Hugging Face's float32 log-softmax over a prompt's logits, [len, vocab] (row i
+    scores the token after position i), on the CPU: the reference for logprobs."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+
+    def log_softmax(ids: list[int]) -> torch.Tensor:
+        with torch.inference_mode():
+            return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+    return log_softmax

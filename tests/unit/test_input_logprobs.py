@@ -13,22 +13,14 @@ import pytest
 import torch
 
 from radixserve import Engine
-from tests.unit.engine_helpers import make_prompts
+from tests.unit.engine_helpers import hf_log_softmax, make_prompts
 
 pytestmark = pytest.mark.timeout(180)
 
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama_dir: Path) -> Any:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
-
-    def log_softmax(ids: list[int]) -> torch.Tensor:
-        with torch.inference_mode():
-            return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
-
-    return log_softmax
+    return hf_log_softmax(tiny_llama_dir)
 
 
 def _engine(model_dir: Path, **options: Any) -> Engine:

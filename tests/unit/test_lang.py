@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 import radixserve.lang as rl
 from radixserve import Engine
+from tests.unit.engine_helpers import hf_log_softmax
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -104,16 +104,8 @@ def test_greedy_select_picks_a_choice_as_the_constrained_engine_does(
 
 
 @pytest.fixture(scope="module")
-def hf_log_softmax(tiny_llama_dir: Path) -> Any:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
-
-    def log_softmax(ids: list[int]) -> torch.Tensor:
-        with torch.inference_mode():
-            return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
-
-    return log_softmax
+def hf_scores(tiny_llama_dir: Path) -> Any:
+    return hf_log_softmax(tiny_llama_dir)
 
 
 def _hf_mean_logprob(engine: Engine, hf: Any, prefix: str, choice: str) -> float:
@@ -129,11 +121,11 @@ def _hf_mean_logprob(engine: Engine, hf: Any, prefix: str, choice: str) -> float
 
 
 def test_select_takes_the_likeliest_choice_by_hugging_faces_logprobs(
-    engine: Engine, backend: rl.EngineBackend, hf_log_softmax: Any
+    engine: Engine, backend: rl.EngineBackend, hf_scores: Any
 ) -> None:
     choices = ["red", "green", "blue sky", "a much longer answer than the others"]
     prefix = "The colour of the sea is "
-    scores = [_hf_mean_logprob(engine, hf_log_softmax, prefix, c) for c in choices]
+    scores = [_hf_mean_logprob(engine, hf_scores, prefix, c) for c in choices]
     assert backend.score(prefix, choices) == pytest.approx(scores, abs=1e-4)
     state = rl.ProgramState(backend)
     state += prefix + rl.select("colour", choices)

@@ -68,12 +68,13 @@ def input_logprobs_meta(req: Req) -> dict[str, Any]:
     """SGLang's `input_token_logprobs` ([logprob, token id] per prompt token from
     logprob_start_len on; the prompt's first token has no logprob: None) and, with
     top_logprobs_num, `input_top_logprobs` (None for that first token too)."""
-    head = req.params.logprob_start_len == 0 and bool(req.origin_input_ids)
-    tokens: list[tuple[float | None, int]] = [(None, req.origin_input_ids[0])] if head else []
+    head = req.input_logprob_head
+    tokens: list[tuple[float | None, int]] = [] if head is None else [(None, head)]
     tokens += [(lp.logprob, lp.token_id) for lp in req.input_logprobs]
     meta: dict[str, Any] = {"input_token_logprobs": tokens}
     if req.params.top_logprobs_num > 0:
-        meta["input_top_logprobs"] = [None] * head + [lp.top for lp in req.input_logprobs]
+        tops: list[Any] = [] if head is None else [None]
+        meta["input_top_logprobs"] = tops + [lp.top for lp in req.input_logprobs]
     return meta
 
 

@@ -69,8 +69,8 @@ class Req:
     future_row: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
     # Prompt logprobs (return_logprob with logprob_start_len >= 0): entry i is prompt token
-    # `input_logprob_start + i` given the tokens before it, filled as the prefill's chunks
-    # run; `input_logprob_next` is the next prompt position due (-1: none or all done).
+    # max(logprob_start_len, 1) + i given the tokens before it, filled as the prefill's
+    # chunks run; `input_logprob_next` is the next prompt position due (-1: none or done).
     input_logprobs: list[TokenLogprob] = field(default_factory=list)
     input_logprob_next: int = -1
     # Stop strings: the output text, checked after every new token (only if params.stop).
@@ -89,9 +89,11 @@ class Req:
             self.input_logprob_next = first if first < len(self.origin_input_ids) else -1
 
     @property
-    def input_logprob_start(self) -> int:
-        """The first prompt position whose logprob is reported (1 for start 0)."""
-        return max(self.params.logprob_start_len, 1)
+    def input_logprob_head(self) -> int | None:
+        """The prompt's first token when its logprobs start at 0: reported, without a
+        logprob (nothing comes before it); else None."""
+        head = self.params.logprob_start_len == 0 and bool(self.origin_input_ids)
+        return self.origin_input_ids[0] if head else None
 
     @property
     def fill_ids(self) -> list[int]:

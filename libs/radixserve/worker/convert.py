@@ -9,7 +9,7 @@ import msgspec
 from radixserve import protocol
 from radixserve.engine.groups import ChoiceOutput
 from radixserve.engine.outputs import detok_params
-from radixserve.engine.request import Req
+from radixserve.engine.request import Req, TokenLogprob
 from radixserve.engine.sampling.params import SamplingParams
 
 
@@ -50,13 +50,7 @@ class OutputBuilder:
         if req.params.return_logprob:
             token_logprobs = [lp.logprob for lp in out.new_logprobs]
             if req.params.top_logprobs_num > 0:
-                top_logprobs = [
-                    protocol.TopLogprobs(
-                        token_ids=protocol.pack_tokens([t for t, _ in lp.top]),
-                        logprobs=[v for _, v in lp.top],
-                    )
-                    for lp in out.new_logprobs
-                ]
+                top_logprobs = wire_top(out.new_logprobs)
             if len(token_logprobs) != len(out.new_token_ids):  # an abort carries no tokens
                 token_logprobs = top_logprobs = None
         if reason is not None:
@@ -94,19 +88,21 @@ def prompt_logprobs(req: Req) -> protocol.PromptLogprobs | None:
     if not params.return_logprob or params.logprob_start_len < 0 or req.input_logprob_next != -1:
         return None
     entries = req.input_logprobs
-    top = None
-    if params.top_logprobs_num > 0:
-        top = [
-            protocol.TopLogprobs(
-                token_ids=protocol.pack_tokens([t for t, _ in lp.top]),
-                logprobs=[v for _, v in lp.top],
-            )
-            for lp in entries
-        ]
-    head = params.logprob_start_len == 0 and bool(req.origin_input_ids)
+    head = req.input_logprob_head
     return protocol.PromptLogprobs(
         token_ids=protocol.pack_tokens([lp.token_id for lp in entries]),
         logprobs=[lp.logprob for lp in entries],
-        top=top,
-        head_token_id=req.origin_input_ids[0] if head else -1,
+        top=wire_top(entries) if params.top_logprobs_num > 0 else None,
+        head_token_id=-1 if head is None else head,
     )
+
+
+def wire_top(entries: list[TokenLogprob]) -> list[protocol.TopLogprobs]:
+    """Each entry's top-k candidates, packed for the wire."""
+    return [
+        protocol.TopLogprobs(
+            token_ids=protocol.pack_tokens([t for t, _ in lp.top]),
+            logprobs=[v for _, v in lp.top],
+        )
+        for lp in entries
+    ]

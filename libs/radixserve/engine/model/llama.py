@@ -211,16 +211,25 @@ class LlamaForCausalLM(nn.Module):
             batch.input_logprobs = self._score_rows(hidden, residual, batch)
         # The last add, norm and head only where logits are needed: per-token ops, so
         # this is exact.
-        last = batch.last_token_indices
+        return self._head(hidden, residual, batch.last_token_indices, logits_out)
+
+    def _head(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        rows: torch.Tensor,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The last residual add, the final norm and the head at `rows` of the tokens."""
         norm = self.model.norm
         logits, _ = add_norm_linear(
-            hidden[last],
-            None if residual is None else residual[last],
+            hidden[rows],
+            None if residual is None else residual[rows],
             norm.weight,
             norm.eps,
             self.lm_head.weight,
             None,
-            out=logits_out,
+            out=out,
         )
         return logits
 
@@ -232,18 +241,9 @@ class LlamaForCausalLM(nn.Module):
         rows at a time (a whole chunk's logits at once would be chunk x vocab floats)."""
         rows, targets, k = batch.logprob_rows, batch.logprob_targets, batch.logprob_top
         assert rows is not None and targets is not None
-        norm = self.model.norm
         chosen, top_ids, top_values = [], [], []
         for start in range(0, rows.numel(), SCORE_ROWS_PER_PASS):
-            part = rows[start : start + SCORE_ROWS_PER_PASS]
-            logits, _ = add_norm_linear(
-                hidden[part],
-                None if residual is None else residual[part],
-                norm.weight,
-                norm.eps,
-                self.lm_head.weight,
-                None,
-            )
+            logits = self._head(hidden, residual, rows[start : start + SCORE_ROWS_PER_PASS])
             logprobs = torch.log_softmax(logits.float(), dim=-1)
             wanted = targets[start : start + SCORE_ROWS_PER_PASS].unsqueeze(1)
             chosen.append(logprobs.gather(1, wanted).squeeze(1))
