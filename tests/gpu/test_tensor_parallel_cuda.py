@@ -1,7 +1,7 @@
 """Tensor parallelism on two GPUs (NCCL): greedy tokens of an engine of two ranks equal
 one GPU's on the same float32 weights, on each attention backend, with decode CUDA graphs
-(their all-reduces captured) and without; the all-reduces call NCCL directly
-(engine/nccl.py). Skips below 2 GPUs."""
+(their all-reduces and the vocabulary-parallel head's all-gather captured) and without;
+the collectives call NCCL directly (engine/nccl.py). Skips below 2 GPUs."""
 
 from __future__ import annotations
 
@@ -49,6 +49,8 @@ def test_two_gpus_generate_what_one_does(model_dir: Path, backend: str, graphs: 
         assert two.runner.kv_pool.k_buffers[0].shape[1] == 1  # 2 KV heads over 2 ranks
         assert (two.runner.graphs is not None) == graphs
         assert two.runner.tp.nccl is not None  # the probe against torch.distributed passed
+        # The vocabulary-parallel head: each rank its half, the logits all-gathered.
+        assert two.runner.model.lm_head.weight.shape[0] == two.runner.vocab_size // 2
         got = two.generate(input_ids=prompts, sampling_params=params)
     finally:
         two.shutdown()

@@ -1,6 +1,7 @@
 """Tensor parallelism on the CPU (gloo): an engine of two ranks generates what one rank
 does (greedy tokens, seeded samples, n > 1, stop strings, aborts, a flush), with each
-rank holding half the heads and MLP rows; bad sizes are refused clearly."""
+rank holding half the heads, MLP rows and head rows (a vocabulary-parallel head, tied or
+not); bad sizes are refused clearly."""
 
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ def test_two_ranks_generate_what_one_does(engines: tuple[Engine, Engine]) -> Non
     one, two = engines
     assert two.runner.kv_pool.k_buffers[0].shape[1] == 1  # 2 KV heads over 2 ranks
     assert two.runner.model.model.layers[0].mlp.intermediate_size == 64
+    vocab = one.runner.vocab_size
+    assert two.runner.model.lm_head.weight.shape[0] == vocab // 2  # untied: its rows only
     prompts = make_prompts(one.runner.vocab_size, [5, 33, 12, 70, 8], seed=3)
     cases = [
         {"max_new_tokens": 12, "temperature": 0},

@@ -3,11 +3,13 @@
 A tensor-parallel engine runs one process per rank (rank 0 is the engine the caller
 made; `engine/tp_follower.py` runs the others), each with a shard of every projection
 and of the KV heads (model/llama.py). The model's row-parallel projections sum their
-partial outputs with `all_reduce` (NCCL on CUDA, gloo on the CPU). Rank 0 sends the
+partial outputs with `all_reduce` (NCCL on CUDA, gloo on the CPU); the head's vocabulary
+shards meet with `all_gather`. Rank 0 sends the
 other ranks its scheduler's inputs once per step with `broadcast_object` over a gloo
 group (host objects, whatever the device), so every rank schedules the same batches.
-On CUDA the model's all-reduces call NCCL directly on the compute stream
-(`engine/nccl.py`: torch.distributed's costs ~140 us of host time each).
+On CUDA the model's eager collectives call NCCL directly on the compute stream
+(`engine/nccl.py`: torch.distributed's costs ~140 us of host time each); those captured in
+CUDA graphs go through torch.distributed, whose graphs replay faster.
 """
 
 from __future__ import annotations
@@ -54,10 +56,34 @@ class TPGroup:
         """Sum `x` over the ranks, in place (every rank gets the same bits)."""
         if self.size == 1:
             return x
-        if self.nccl is not None and self.nccl.supports(x):
-            return self.nccl.all_reduce(x)
+        comm = self._direct(x)
+        if comm is not None:
+            return comm.all_reduce(x)
         dist.all_reduce(x, group=self.group)
         return x
+
+    def _direct(self, x: torch.Tensor) -> NcclComm | None:
+        """The communicator a collective on `x` calls NCCL through directly: eagerly,
+        where it saves torch.distributed's host time; None (torch.distributed) while a
+        CUDA graph is captured, whose replays measured ~0.1 ms a decode step faster at
+        TP 2 so (docs/performance.md)."""
+        if self.nccl is None or not self.nccl.supports(x):
+            return None
+        return None if torch.cuda.is_current_stream_capturing() else self.nccl
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's `x` (same shape on each), stacked: [size, *x.shape]."""
+        if self.size == 1:
+            return x.unsqueeze(0)
+        x = x.contiguous()
+        out = torch.empty((self.size, *x.shape), dtype=x.dtype, device=x.device)
+        comm = self._direct(x)
+        if comm is not None:
+            return comm.all_gather(x, out)
+        # One flat output (torch >= 2.13 renames the call; 2.11 has the old name only).
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(out.view(-1, *x.shape[1:]), x, group=self.group)
+        return out
 
     def min_int(self, value: int) -> int:
         """The least of every rank's `value` (host collective)."""

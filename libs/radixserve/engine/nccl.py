@@ -1,11 +1,12 @@
-"""NCCL's all-reduce called directly (ctypes), on the caller's CUDA stream.
+"""NCCL's all-reduce and all-gather called directly (ctypes), on the caller's CUDA stream.
 
 torch.distributed's `all_reduce` spends ~140 us of host time a call on an H100 host
 (its work object, events, and stream waits around NCCL's own stream), which a short
 prompt's eager prefill pays 64 times over an 8B model: it made that prefill host-bound
 (docs/performance.md). Called directly, as SGLang's and vLLM's PyNccl wrappers do, an
 all-reduce costs one `ncclAllReduce` launch on the current stream; CUDA graphs capture
-it as they capture torch.distributed's. The library is the one torch loaded.
+it as they capture torch.distributed's. The library is the one torch loaded. The
+vocabulary-parallel head gathers its logits the same way.
 """
 
 from __future__ import annotations
@@ -45,6 +46,14 @@ def _load() -> ctypes.CDLL:
         ctypes.c_void_p,
         ctypes.c_size_t,
         ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+    ]
+    lib.ncclAllGather.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_void_p,
+        ctypes.c_size_t,
         ctypes.c_int,
         ctypes.c_void_p,
         ctypes.c_void_p,
@@ -95,6 +104,24 @@ class NcclComm:
             )
         )
         return x
+
+    def all_gather(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """Every rank's `x` into `out` (rank r's at `out`'s r-th x.numel() elements), on
+        the current stream; `x` and `out` contiguous, of one dtype."""
+        if out.numel() % x.numel() or out.dtype != x.dtype or not out.is_contiguous():
+            raise NcclError("all_gather needs a contiguous out of the ranks' x, same dtype")
+        stream = torch.cuda.current_stream(x.device).cuda_stream
+        self._check(
+            self._lib.ncclAllGather(
+                x.data_ptr(),
+                out.data_ptr(),
+                x.numel(),
+                NCCL_TYPES[x.dtype],
+                self._comm,
+                stream,
+            )
+        )
+        return out
 
     def close(self) -> None:
         if self._comm:

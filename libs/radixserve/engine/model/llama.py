@@ -12,8 +12,10 @@ projection are one GEMV kernel.
 Tensor parallelism (`tp`, engine/distributed.py) as in Megatron: each rank holds its
 share of the query and KV heads (qkv_proj's rows) and of the MLP's intermediate rows
 (gate_up_proj), and the matching columns of o_proj and down_proj, whose partial outputs
-are summed over the ranks; embeddings, norms and the head are whole on every rank, so
-every rank computes the same logits.
+are summed over the ranks. The head is vocabulary-parallel where the ranks divide the
+vocabulary: each rank computes the logits of its rows of the head (a tied head: its rows
+of the embeddings) and an all-gather puts them side by side, so every rank holds the same
+logits and reads 1/tp of the head a step. Embeddings and norms are whole on every rank.
 """
 
 from __future__ import annotations
@@ -174,7 +176,14 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.tp = tp
         self.model = LlamaModel(config, tp)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # Each rank's rows of the head (None: the whole head on every rank).
+        self.head_rows: int | None = None
+        if tp.size > 1 and config.vocab_size % tp.size == 0:
+            self.head_rows = config.vocab_size // tp.size
+        own_rows = config.vocab_size
+        if self.head_rows is not None and not config.tie_word_embeddings:
+            own_rows = self.head_rows
+        self.lm_head = nn.Linear(config.hidden_size, own_rows, bias=False)
         self.rotary: RotaryTable | None = None
         self.tie_weights()
 
@@ -222,16 +231,31 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """The last residual add, the final norm and the head at `rows` of the tokens."""
         norm = self.model.norm
+        shards = self.head_rows
         logits, _ = add_norm_linear(
             hidden[rows],
             None if residual is None else residual[rows],
             norm.weight,
             norm.eps,
-            self.lm_head.weight,
+            self._head_weight(),
             None,
-            out=out,
+            out=out if shards is None else None,
         )
-        return logits
+        if shards is None:
+            return logits
+        # [tp, rows, vocab / tp] -> [rows, vocab]: rank r's logits are columns r * shards..
+        gathered = self.tp.all_gather(logits).permute(1, 0, 2)
+        if out is None:
+            return gathered.reshape(logits.shape[0], self.config.vocab_size)
+        out.view(logits.shape[0], self.tp.size, shards).copy_(gathered)
+        return out
+
+    def _head_weight(self) -> torch.Tensor:
+        """This rank's rows of the head (a tied head's are a view of the embeddings)."""
+        weight = self.lm_head.weight
+        if self.head_rows is None or weight.shape[0] == self.head_rows:
+            return weight
+        return weight.narrow(0, self.tp.rank * self.head_rows, self.head_rows)
 
     def _score_rows(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
@@ -299,10 +323,13 @@ class LlamaForCausalLM(nn.Module):
     def _rank_slice(self, target: str, shard: int, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of a checkpoint tensor: rows of q/k/v and gate/up (weights and
         biases), columns of o_proj and down_proj; their biases on rank 0 only (added once
-        to the summed output); everything else whole."""
+        to the summed output); rows of an untied vocabulary-parallel head; everything
+        else whole."""
         tp = self.tp
         if tp.size == 1:
             return tensor
+        if target == "lm_head.weight" and self.head_rows is not None:
+            return tensor.narrow(0, tp.rank * self.head_rows, self.head_rows)
         leaf = target.rsplit(".", 2)[-2]
         if shard >= 0:  # a fused projection's q, k, v, gate or up
             rows = tensor.shape[0] // tp.size
