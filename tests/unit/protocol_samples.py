@@ -6,6 +6,7 @@ from radixserve.protocol import (
     AbortRequest,
     AllBlocksCleared,
     ChatMessage,
+    ChatToolCall,
     DetokParams,
     FinishReason,
     FlushCacheReply,
@@ -128,6 +129,7 @@ SAMPLES: list[Message] = [
     FULL_SAMPLING,
     ChatMessage(role="user", content=UNICODE),
     ChatMessage(role="tool", content="", name="calc"),
+    ChatToolCall(id="call_9", name="calc", arguments="{}"),
     SubmitRequest(rid="r-1", gateway_id="gw-0", text=UNICODE),
     SubmitRequest(rid="r-2", gateway_id="gw-0", input_ids=b""),
     SubmitRequest(
@@ -147,6 +149,20 @@ SAMPLES: list[Message] = [
             ChatMessage(role="system", content="be brief"),
             ChatMessage(role="user", content="hi"),
         ],
+    ),
+    SubmitRequest(
+        rid="r-6",
+        gateway_id="gw-1",
+        messages=[
+            ChatMessage(role="user", content="weather?"),
+            ChatMessage(
+                role="assistant",
+                content="",
+                tool_calls=[ChatToolCall(id="call_1", name="get", arguments='{"city": "Oslo"}')],
+            ),
+            ChatMessage(role="tool", content="12 C", tool_call_id="call_1"),
+        ],
+        tools='[{"type": "function", "function": {"name": "get"}}]',
     ),
     TOKENIZED,
     TokenizedRequest(rid="r-5", gateway_id="g", input_ids=b""),

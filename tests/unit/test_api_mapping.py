@@ -28,11 +28,18 @@ from radixserve.api.mapping import (
     normalize_stop,
 )
 from radixserve.engine.sampling import SamplingParams as EngineSamplingParams
-from radixserve.protocol import SamplingParams
+from radixserve.protocol import ChatToolCall, SamplingParams
 
 SERVED = "served-model"
 GATEWAY = "gw-1"
 USER = [{"role": "user", "content": "hi"}]
+
+
+def _tool(name: str, parameters: dict[str, Any] | None = None) -> dict[str, Any]:
+    function: dict[str, Any] = {"name": name}
+    if parameters is not None:
+        function["parameters"] = parameters
+    return {"type": "function", "function": function}
 
 
 def _plan(endpoint: str, body: dict[str, Any], response_id: str = "rid-1") -> GenerationPlan:
@@ -305,9 +312,16 @@ _CHAT_ERRORS: list[tuple[dict[str, Any], str]] = [
     ({"messages": USER, "response_format": {"type": "json_schema"}}, "response_format.json_schema"),
     ({"messages": USER, "regex": "a", "ebnf": "b"}, "ebnf"),
     ({"messages": USER, "json_schema": "{}", "response_format": {"type": "json_object"}}, "response_format"),
-    ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}, "tools"),
     ({"messages": USER, "tool_choice": "required"}, "tool_choice"),
+    ({"messages": USER, "tool_choice": "sometimes", "tools": [_tool("f")]}, "tool_choice"),
+    ({"messages": USER, "tools": [_tool("f"), _tool("f")]}, "tools[1].function.name"),
+    ({"messages": USER, "tools": [_tool("get weather")]}, "tools[0].function.name"),
+    ({"messages": USER, "tools": [_tool("f", {"type": "array"})]}, "tools[0].function.parameters"),
+    ({"messages": USER, "tools": [{"type": "retrieval"}]}, "tools[0].type"),
+    ({"messages": USER, "tools": [_tool("f")], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    ({"messages": USER, "tools": [_tool("f")], "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": USER, "tools": [_tool("f")], "tool_choice": "required", "regex": "a"}, "regex"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f"}}]}]}, "messages[0].tool_calls[0].function.arguments"),
 ]  # fmt: skip
 
 
@@ -319,7 +333,83 @@ def test_tools_the_model_may_not_call_run_as_plain_chat() -> None:
         {"messages": USER, "tool_choice": "auto"},
     ):
         plan = _plan("chat", body)
-        assert plan.submits[0].messages is not None
+        assert plan.tools is None and plan.submits[0].tools is None
+        assert plan.submits[0].sampling.json_schema is None
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+
+
+def test_tools_the_model_may_call_reach_the_template_unconstrained() -> None:
+    tools = [_tool("get_weather", WEATHER), _tool("now")]
+    for choice in (None, "auto"):
+        plan = _plan("chat", {"messages": USER, "tools": tools, "tool_choice": choice})
+        assert plan.tools is not None and plan.tools.mode == "auto"
+        assert plan.tools.names == ("get_weather", "now")
+        submit = plan.submits[0]
+        assert submit.tools is not None and json.loads(submit.tools) == tools
+        assert submit.sampling.json_schema is None
+
+
+def test_a_named_tool_choice_constrains_the_answer_to_its_arguments() -> None:
+    tools = [_tool("get_weather", WEATHER), _tool("now")]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    plan = _plan("chat", {"messages": USER, "tools": tools, "tool_choice": named})
+    assert plan.tools is not None and plan.tools.mode == "named"
+    assert json.loads(plan.submits[0].sampling.json_schema or "") == WEATHER
+    bare = {"type": "function", "function": {"name": "now"}}
+    plan = _plan("chat", {"messages": USER, "tools": tools, "tool_choice": bare})
+    assert json.loads(plan.submits[0].sampling.json_schema or "") == {"type": "object"}
+
+
+@pytest.mark.parametrize("parallel", [None, True, False])
+def test_a_required_tool_choice_constrains_the_answer_to_a_list_of_calls(
+    parallel: bool | None,
+) -> None:
+    tools = [_tool("get_weather", WEATHER), _tool("now")]
+    body = {"messages": USER, "tools": tools, "tool_choice": "required"}
+    if parallel is not None:
+        body["parallel_tool_calls"] = parallel
+    plan = _plan("chat", body)
+    assert plan.tools is not None and plan.tools.mode == "required"
+    schema = json.loads(plan.submits[0].sampling.json_schema or "")
+    expected: dict[str, Any] = {
+        "type": "array",
+        "minItems": 1,
+        "items": {
+            "anyOf": [
+                {
+                    "type": "object",
+                    "properties": {
+                        "name": {"type": "string", "enum": [name]},
+                        "arguments": params,
+                    },
+                    "required": ["name", "arguments"],
+                }
+                for name, params in (("get_weather", WEATHER), ("now", {"type": "object"}))
+            ]
+        },
+    }
+    if parallel is False:
+        expected["maxItems"] = 1
+    assert schema == expected
+
+
+def test_earlier_calls_and_their_results_reach_the_tokenizer() -> None:
+    call = {"id": "call_7", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "done", "tool_call_id": "call_7"},
+    ]
+    submitted = _plan("chat", {"messages": messages}).submits[0].messages
+    assert submitted is not None
+    assert submitted[1].tool_calls == [ChatToolCall(id="call_7", name="f", arguments="{}")]
+    assert (submitted[2].role, submitted[2].content, submitted[2].tool_call_id) == (
+        "tool",
+        "done",
+        "call_7",
+    )
 
 
 @pytest.mark.parametrize(("body", "param"), _CHAT_ERRORS)

@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from radixserve.api.chat_tools import ToolPlan, plan_tools
 from radixserve.api.errors import ApiError
 from radixserve.api.native_models import GenerateRequest
 from radixserve.api.openai_models import (
@@ -35,7 +36,13 @@ from radixserve.api.openai_models import (
     OpenAISamplingFields,
     ResponseFormat,
 )
-from radixserve.protocol import ChatMessage, SamplingParams, SubmitRequest, pack_tokens
+from radixserve.protocol import (
+    ChatMessage,
+    ChatToolCall,
+    SamplingParams,
+    SubmitRequest,
+    pack_tokens,
+)
 
 Endpoint = Literal["chat", "completion", "generate"]
 PromptInput = str | list[int]
@@ -71,6 +78,8 @@ class GenerationPlan:
     echo_texts: tuple[str, ...] = ()
     # `/generate` answers a list when the input was a batch or n > 1.
     batch: bool = False
+    # chat: the functions the model may call, and how its answer is read back.
+    tools: ToolPlan | None = None
 
     @cached_property
     def _prompt_indexes(self) -> dict[str, int]:
@@ -104,7 +113,7 @@ def plan_chat(
     arrival_time: float,
 ) -> GenerationPlan:
     check_model(req.model, served_model)
-    _check_no_tools(req)
+    tools = plan_tools(req)
     messages = chat_messages(req.messages)
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError.invalid("top_logprobs requires logprobs to be true", "top_logprobs")
@@ -119,6 +128,8 @@ def plan_chat(
         top_logprobs_num=req.top_logprobs or 0,
         response_format=req.response_format,
     )
+    if tools is not None and tools.schema is not None:  # a required or named call
+        sampling = msgspec.structs.replace(sampling, json_schema=tools.schema)
     submit = SubmitRequest(
         rid=response_id,
         gateway_id=gateway_id,
@@ -127,6 +138,7 @@ def plan_chat(
         stream=bool(req.stream),
         arrival_time=arrival_time,
         model=served_model,
+        tools=None if tools is None else tools.tools_json,
     )
     return GenerationPlan(
         endpoint="chat",
@@ -137,6 +149,7 @@ def plan_chat(
         stream=bool(req.stream),
         include_usage=_include_usage(req),
         logprobs=bool(req.logprobs),
+        tools=tools,
     )
 
 
@@ -238,18 +251,6 @@ def plan_generate(
 # -- the pieces ---------------------------------------------------------------------------
 
 
-def _check_no_tools(req: ChatCompletionRequest) -> None:
-    """Tool calling is not built yet: tools the model may call are refused (400), as an
-    OpenAI-compatible server without a tool-call parser does; `tool_choice: "none"` (or
-    no tools) runs as plain chat."""
-    if req.tools and req.tool_choice != "none":
-        raise ApiError.invalid(
-            'tool calling is not supported yet: send no tools, or tool_choice "none"', "tools"
-        )
-    if req.tool_choice not in (None, "none", "auto") and not req.tools:
-        raise ApiError.invalid("tool_choice needs tools", "tool_choice")
-
-
 def check_model(requested: str | None, served: str) -> None:
     """A request names the served model or none at all; anything else is a 404."""
     if requested and requested != served:
@@ -289,7 +290,19 @@ def chat_messages(messages: Sequence[ChatMessageIn]) -> list[ChatMessage]:
                     )
                 texts.append(part.text)
             text = "\n".join(texts)
-        out.append(ChatMessage(role=message.role, content=text, name=message.name))
+        calls = [
+            ChatToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
+            for c in message.tool_calls or ()
+        ]
+        out.append(
+            ChatMessage(
+                role=message.role,
+                content=text,
+                name=message.name,
+                tool_calls=calls or None,
+                tool_call_id=message.tool_call_id,
+            )
+        )
     return out
 
 

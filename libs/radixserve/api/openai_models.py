@@ -39,12 +39,53 @@ class ContentPart(Body):
     text: str | None = None
 
 
+class FunctionCallIn(Body):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCallIn(Body):
+    """A call an earlier assistant message made (sent back with the conversation)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessageIn(Body):
-    """A chat message as the client sends it; `tool_calls` and the like are ignored."""
+    """A chat message as the client sends it: text content, an assistant's `tool_calls`,
+    a `tool` message's `tool_call_id`."""
 
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDef(Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class ToolDef(Body):
+    """One tool the model may call (OpenAI's only kind: a function)."""
+
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(Body):
+    name: str
+
+
+class NamedToolChoice(Body):
+    """`tool_choice` naming the function the model must call."""
+
+    type: Literal["function"]
+    function: FunctionName
 
 
 class JsonSchemaFormat(Body):
@@ -86,10 +127,9 @@ class ChatCompletionRequest(OpenAISamplingFields):
     logprobs: bool | None = None
     top_logprobs: TopLogprobsNum | None = None
     response_format: ResponseFormat | None = None
-    # Tool calling is not built: `mapping` refuses tools the model could call rather than
-    # ignore them (an agent would wait for a call that never comes).
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 # Token-id prompts are listed before string ones so `[1, 2]` is read as ids: pydantic's

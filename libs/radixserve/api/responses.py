@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 
 from radixserve.api.assembly import Assembly, ChoiceState, Usage
+from radixserve.api.chat_tools import tool_call_body
 from radixserve.api.errors import SERVER_ERROR, ApiError
 from radixserve.api.logprobs import (
     chat_logprobs,
@@ -61,21 +62,46 @@ def usage_body(usage: Usage) -> dict[str, Any]:
     }
 
 
+def chat_finish_reason(finish: FinishReason | None, called: bool) -> str | None:
+    """OpenAI's reason, "tool_calls" for an answer that called functions and was not
+    cut short."""
+    reason = openai_finish_reason(finish)
+    return "tool_calls" if called and reason == "stop" else reason
+
+
+def chat_choice_message(plan: GenerationPlan, choice: ChoiceState) -> dict[str, Any]:
+    """The assistant message of a finished choice: its text, or the calls it made (and
+    any text beside them) when the request had tools."""
+    if plan.tools is None:
+        return {"role": "assistant", "content": choice.text}
+    content, calls = plan.tools.read(choice.text)
+    if not calls:
+        return {"role": "assistant", "content": choice.text}
+    return {
+        "role": "assistant",
+        "content": content,
+        "tool_calls": [tool_call_body(call) for call in calls],
+    }
+
+
 def chat_completion(plan: GenerationPlan, assembly: Assembly, created: int) -> dict[str, Any]:
+    choices = []
+    for c in assembly.choices:
+        message = chat_choice_message(plan, c)
+        choices.append(
+            {
+                "index": c.index,
+                "message": message,
+                "logprobs": chat_logprobs(c.logprobs) if plan.logprobs else None,
+                "finish_reason": chat_finish_reason(c.finish, "tool_calls" in message),
+            }
+        )
     return {
         "id": plan.response_id,
         "object": "chat.completion",
         "created": created,
         "model": plan.model,
-        "choices": [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": chat_logprobs(c.logprobs) if plan.logprobs else None,
-                "finish_reason": openai_finish_reason(c.finish),
-            }
-            for c in assembly.choices
-        ],
+        "choices": choices,
         "usage": usage_body(assembly.usage()),
     }
 

@@ -6,8 +6,9 @@
     for payload in streamer.final(assembly): ...          # e.g. the usage chunk
     yield SSE_DONE
 
-- chat: a first chunk with `role`, then `delta.content` chunks, then a chunk with
-  the finish reason and an empty delta (OpenAI's order);
+- chat: a first chunk with `role`, then `delta.content` chunks (and with tools a
+  `delta.tool_calls` chunk per call), then a chunk with the finish reason and an
+  empty delta (OpenAI's order);
 - completions: `text` chunks (the echoed prompt ahead of the first), legacy
   logprobs with running `text_offset`, the finish reason on the last chunk;
 - `/generate`: SGLang's events with the cumulative `text` and `output_ids` so far.
@@ -21,6 +22,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from radixserve.api.assembly import Assembly, ChoiceUpdate
+from radixserve.api.chat_tools import ToolStream, tool_call_body
 from radixserve.api.logprobs import (
     chat_logprobs,
     completion_logprobs,
@@ -28,7 +30,13 @@ from radixserve.api.logprobs import (
     prepend_logprobs,
 )
 from radixserve.api.mapping import GenerationPlan
-from radixserve.api.responses import generate_output, openai_finish_reason, usage_body
+from radixserve.api.responses import (
+    chat_finish_reason,
+    generate_output,
+    openai_finish_reason,
+    usage_body,
+)
+from radixserve.api.tool_calls import ToolCall
 
 
 class Streamer(Protocol):
@@ -66,7 +74,15 @@ class _OpenAIStreamer:
 
 
 class ChatStreamer(_OpenAIStreamer):
+    """With tools, each choice's text goes through a `ToolStream`: content as soon as it
+    cannot be part of a call, each call as one `tool_calls` delta once complete."""
+
     object_name = "chat.completion.chunk"
+
+    def __init__(self, plan: GenerationPlan, created: int) -> None:
+        super().__init__(plan, created)
+        self._tools: dict[int, ToolStream] = {}
+        self._calls: dict[int, int] = {}  # per choice: calls streamed so far
 
     def chunks(self, update: ChoiceUpdate, elapsed_s: float) -> list[dict[str, Any]]:
         index = update.choice.index
@@ -75,12 +91,31 @@ class ChatStreamer(_OpenAIStreamer):
         if index not in self._started:
             self._started.add(index)
             out.append(self._choice(index, {"role": "assistant", "content": ""}, None, None))
-        if delta.text or delta.logprobs:
+        text, calls = self._read(index, delta.text, delta.finish_reason is not None)
+        if text or delta.logprobs:
             logprobs = chat_logprobs(delta.logprobs or []) if self.plan.logprobs else None
-            out.append(self._choice(index, {"content": delta.text}, logprobs, None))
+            out.append(self._choice(index, {"content": text}, logprobs, None))
+        for call in calls:
+            n = self._calls.get(index, 0)
+            self._calls[index] = n + 1
+            out.append(self._choice(index, {"tool_calls": [tool_call_body(call, n)]}, None, None))
         if delta.finish_reason is not None:
-            out.append(self._choice(index, {}, None, openai_finish_reason(delta.finish_reason)))
+            reason = chat_finish_reason(delta.finish_reason, index in self._calls)
+            out.append(self._choice(index, {}, None, reason))
         return out
+
+    def _read(self, index: int, text: str, last: bool) -> tuple[str, list[ToolCall]]:
+        """(content to send, calls completed) of a choice's next text."""
+        if self.plan.tools is None:
+            return text, []
+        stream = self._tools.get(index)
+        if stream is None:
+            stream = self._tools[index] = self.plan.tools.stream()
+        content, calls = stream.feed(text)
+        if last:
+            rest, more = stream.finish()
+            content, calls = content + rest, calls + more
+        return content, calls
 
     def _choice(
         self,

@@ -14,11 +14,12 @@ import hashlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from radixserve.engine.model.config import ModelConfig
 from radixserve.engine.model.tokenizer import apply_chat_template, load_tokenizer
 from radixserve.prep.errors import CONTEXT_LENGTH_EXCEEDED, PrepError
+from radixserve.prep.tool_prompt import template_inputs
 from radixserve.protocol import SubmitRequest
 
 if TYPE_CHECKING:
@@ -137,14 +138,11 @@ class PromptTokenizer:
         assert req.messages is not None
         if not req.messages:
             raise PrepError("messages must hold at least one message", param="messages")
-        messages: list[dict[str, Any]] = []
-        for message in req.messages:
-            entry: dict[str, Any] = {"role": message.role, "content": message.content}
-            if message.name is not None:
-                entry["name"] = message.name
-            messages.append(entry)
         try:
-            return apply_chat_template(self.tokenizer, messages)
+            messages, tools = template_inputs(
+                getattr(self.tokenizer, "chat_template", None), req.messages, req.tools
+            )
+            return apply_chat_template(self.tokenizer, messages, tools)
         except Exception as exc:
             # A template may reject a conversation on purpose (`raise_exception` in
             # Jinja: roles that do not alternate, ...): that is the client's 400.

@@ -35,6 +35,7 @@ from radixserve.protocol.grammar import (
 )
 from radixserve.protocol.inputs import (
     ChatMessage,
+    ChatToolCall,
     RoutedRequest,
     SamplingParams,
     SubmitRequest,
@@ -93,6 +94,7 @@ __all__ = [
     "AbortRequest",
     "AllBlocksCleared",
     "ChatMessage",
+    "ChatToolCall",
     "DetokParams",
     "FinishKind",
     "FinishReason",

@@ -45,12 +45,25 @@ class SamplingParams(Message, frozen=True):
     structural_tag: str | None = None  # SGLang's structural tag (JSON text); a grammar too
 
 
+class ChatToolCall(Message, frozen=True):
+    """A function call an assistant message made earlier in the conversation."""
+
+    id: str
+    name: str
+    arguments: str  # JSON text of an object, as OpenAI's `function.arguments`
+
+
 class ChatMessage(Message, frozen=True):
-    """One message of a chat conversation (text content; the gateway flattens parts)."""
+    """One message of a chat conversation (text content; the gateway flattens parts).
+
+    `tool_calls`: the calls an assistant message made; `tool_call_id`: which call a
+    `tool` message answers."""
 
     role: str
     content: str
     name: str | None = None
+    tool_calls: list[ChatToolCall] | None = None
+    tool_call_id: str | None = None
 
 
 class SubmitRequest(Message, frozen=True):
@@ -59,7 +72,9 @@ class SubmitRequest(Message, frozen=True):
     `gateway_id` names the gateway instance that owns the request: its text deltas
     and errors go to that gateway's own subjects. `arrival_time` is wall-clock
     seconds (`time.time()`), the only clock that compares across hosts.
-    `priority`: a higher value is admitted first.
+    `priority`: a higher value is admitted first. `tools`: the functions a chat model may
+    call, JSON text of OpenAI's `tools` list, rendered into the prompt by the chat
+    template.
     """
 
     rid: str
@@ -72,6 +87,7 @@ class SubmitRequest(Message, frozen=True):
     priority: int = 0
     arrival_time: float = 0.0
     model: str = ""
+    tools: str | None = None
 
     def __post_init__(self) -> None:
         # Runs on decode too, where the ValueError surfaces as a ProtocolError.

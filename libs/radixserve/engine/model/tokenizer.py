@@ -20,9 +20,12 @@ def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
 
 
 def apply_chat_template(
-    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]]
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """Token ids of `messages` rendered with the model's template, ending with the assistant prompt."""
+    """Token ids of `messages` rendered with the model's template, ending with the assistant
+    prompt; `tools` (OpenAI's tool list) for a template that reads them."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             "this model has no chat template; use a completion endpoint with a plain prompt"
@@ -30,7 +33,10 @@ def apply_chat_template(
     # Render to text, then encode without extra special tokens: the same ids transformers
     # produces with tokenize=True, without depending on its return type (list vs dict
     # changed between major versions).
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    tool_list: list[Any] | None = None if tools is None else list(tools)
+    text = tokenizer.apply_chat_template(
+        messages, tools=tool_list, tokenize=False, add_generation_prompt=True
+    )
     if not isinstance(text, str):
         raise TypeError(f"chat template rendered {type(text).__name__}, expected str")
     ids: list[int] = tokenizer.encode(text, add_special_tokens=False)

@@ -1,0 +1,187 @@
+"""Chat requests with `tools`: what the model is asked for, and its answer read back.
+
+    tools = plan_tools(req)            # ApiError (400) for tools or a tool_choice that cannot run
+    submit = SubmitRequest(..., tools=tools.tools_json, sampling=... json_schema=tools.schema)
+    content, calls = tools.read(text)  # a finished choice -> message content, OpenAI tool_calls
+    stream = tools.stream()            # the same, a delta at a time (`feed`, `finish`)
+
+`tool_choice` (OpenAI's; default "auto" when there are tools):
+- "auto": the model sees the tools (`SubmitRequest.tools`, rendered by the chat
+  template) and may answer in text or call them in its own format, which
+  `api.tool_calls` recognises (Hermes / Qwen `<tool_call>`, Mistral `[TOOL_CALLS]`,
+  Llama 3 JSON);
+- "required": the answer is constrained (a JSON schema, the grammar hop) to a JSON array
+  of `{"name", "arguments"}` calls of the given tools (one with `parallel_tool_calls`
+  false);
+- a named function: the answer is constrained to that function's arguments object;
+- "none": plain chat, the tools not shown.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from radixserve.api.errors import ApiError
+from radixserve.api.openai_models import ChatCompletionRequest, NamedToolChoice, ToolDef
+from radixserve.api.tool_calls import ToolCall, ToolCallStream, arguments_json, parse_tool_calls
+
+ToolMode = Literal["auto", "required", "named"]
+# OpenAI's rule for a function name.
+_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+_ANY_OBJECT: dict[str, Any] = {"type": "object"}
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """The tools of one chat request, and how its answer is read."""
+
+    mode: ToolMode
+    names: tuple[str, ...]
+    tools_json: str  # SubmitRequest.tools: OpenAI's list, for the chat template
+    schema: str | None = None  # the answer's JSON schema ("required" and named)
+
+    def read(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """A finished choice's text -> (message content, calls)."""
+        if self.mode == "auto":
+            return parse_tool_calls(text, self.names)
+        return _read_forced(self, text)
+
+    def stream(self) -> ToolStream:
+        return ToolStream(self)
+
+
+class ToolStream:
+    """One streamed choice: content as soon as it is known not to be a call, each call
+    when it is complete. A forced answer is all calls: it is read at the end."""
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.plan = plan
+        self._auto = ToolCallStream(plan.names) if plan.mode == "auto" else None
+        self._held: list[str] = []
+
+    def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
+        if self._auto is not None:
+            return self._auto.feed(delta)
+        self._held.append(delta)
+        return "", []
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        if self._auto is not None:
+            return self._auto.finish()
+        content, calls = _read_forced(self.plan, "".join(self._held))
+        return content or "", calls
+
+
+def plan_tools(req: ChatCompletionRequest) -> ToolPlan | None:
+    """The request's tools, checked; None when the model is not to call any."""
+    choice = req.tool_choice
+    if not req.tools:
+        if choice not in (None, "none", "auto"):
+            raise ApiError.invalid("tool_choice needs tools", "tool_choice")
+        return None
+    if choice == "none":
+        return None
+    names = _check_tools(req.tools)
+    tools_json = json.dumps([t.model_dump(exclude_none=True) for t in req.tools])
+    if choice is None or choice == "auto":
+        return ToolPlan("auto", names, tools_json)
+    _check_no_other_grammar(req)
+    if isinstance(choice, NamedToolChoice):
+        tool = next((t for t in req.tools if t.function.name == choice.function.name), None)
+        if tool is None:
+            raise ApiError.invalid(
+                f"tool_choice names {choice.function.name!r}, which is not among the tools",
+                "tool_choice",
+            )
+        schema = tool.function.parameters or _ANY_OBJECT
+        return ToolPlan("named", (tool.function.name,), tools_json, json.dumps(schema))
+    calls: dict[str, Any] = {
+        "type": "array",
+        "minItems": 1,
+        "items": {"anyOf": [_call_schema(t) for t in req.tools]},
+    }
+    if req.parallel_tool_calls is False:
+        calls["maxItems"] = 1
+    return ToolPlan("required", names, tools_json, json.dumps(calls))
+
+
+def tool_call_body(call: ToolCall, index: int | None = None) -> dict[str, Any]:
+    """OpenAI's `tool_calls` entry (with `index` in a streamed delta), a fresh id."""
+    body: dict[str, Any] = {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
+    return body if index is None else {"index": index, **body}
+
+
+def _check_tools(tools: list[ToolDef]) -> tuple[str, ...]:
+    names: list[str] = []
+    for i, tool in enumerate(tools):
+        name = tool.function.name
+        if not _NAME.fullmatch(name):
+            raise ApiError.invalid(
+                f"a function name is 1 to 64 of a-z, A-Z, 0-9, _ and -, got {name!r}",
+                f"tools[{i}].function.name",
+            )
+        if name in names:
+            raise ApiError.invalid(f"two tools are named {name!r}", f"tools[{i}].function.name")
+        params = tool.function.parameters
+        if params is not None and params.get("type", "object") != "object":
+            raise ApiError.invalid(
+                "a function's parameters are a JSON schema of an object",
+                f"tools[{i}].function.parameters",
+            )
+        names.append(name)
+    return tuple(names)
+
+
+def _check_no_other_grammar(req: ChatCompletionRequest) -> None:
+    """A forced call is a grammar of its own: a second one cannot apply too."""
+    fmt = req.response_format
+    if fmt is not None and fmt.type != "text":
+        raise ApiError.invalid(
+            "response_format cannot be combined with a required or named tool_choice",
+            "response_format",
+        )
+    for field in ("regex", "json_schema", "ebnf", "structural_tag"):
+        if getattr(req, field) is not None:
+            raise ApiError.invalid(
+                f"{field} cannot be combined with a required or named tool_choice", field
+            )
+
+
+def _call_schema(tool: ToolDef) -> dict[str, Any]:
+    return {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "enum": [tool.function.name]},
+            "arguments": tool.function.parameters or _ANY_OBJECT,
+        },
+        "required": ["name", "arguments"],
+    }
+
+
+def _read_forced(plan: ToolPlan, text: str) -> tuple[str | None, list[ToolCall]]:
+    """A constrained answer -> its calls. One cut short (max_tokens) does not parse: a
+    named call keeps the partial arguments (OpenAI does too, with finish_reason length);
+    a required list is returned as content."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        if plan.mode == "named":
+            return None, [ToolCall(plan.names[0], text)]
+        return text or None, []
+    if plan.mode == "named":
+        return None, [ToolCall(plan.names[0], arguments_json(value))]
+    items = value if isinstance(value, list) else []
+    calls = [
+        ToolCall(item["name"], arguments_json(item.get("arguments", {})))
+        for item in items
+        if isinstance(item, dict) and item.get("name") in plan.names
+    ]
+    return (None, calls) if calls else (text or None, [])

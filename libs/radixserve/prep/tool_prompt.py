@@ -1,0 +1,109 @@
+"""A chat with tools as the chat template's inputs: the messages and the tool list.
+
+    messages, tools = template_inputs(tokenizer.chat_template, submit.messages, submit.tools)
+    ids = apply_chat_template(tokenizer, messages, tools)
+
+A template that knows tools (Qwen2.5/3, Llama 3.1+, Hermes, Mistral: it reads `tools`)
+gets them as transformers passes them: the tool list, assistant messages with
+`tool_calls` (arguments as objects, as those templates print them) and `tool` messages
+with their `tool_call_id`. A template that does not (the embedded SmolLM2's) would drop
+them silently, so they are written into the conversation instead, in the Hermes format
+that `api.tool_calls` parses back: the tool list and how to call one in the system
+message, earlier calls as `<tool_call>` blocks, results as `<tool_response>` blocks in
+user messages (every template knows the user role).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from radixserve.protocol import ChatMessage, ChatToolCall
+
+_HERMES_SYSTEM = (
+    "You may call one or more functions to assist with the user query. The function "
+    "signatures are within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
+    "For each function call, return a JSON object with the function name and arguments "
+    "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+)
+
+
+def template_knows_tools(chat_template: Any) -> bool:
+    """Whether a chat template (a string, or a dict of named ones) reads `tools`."""
+    return "tools" in str(chat_template or "")
+
+
+def template_inputs(
+    chat_template: Any, messages: Sequence[ChatMessage], tools_json: str | None
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """(messages, tools) for `apply_chat_template`; tools None when the request had none
+    or they are written into the messages."""
+    tools = _tool_list(tools_json)
+    if template_knows_tools(chat_template):
+        return [_native(m) for m in messages], tools or None
+    rendered = [_written_out(m) for m in messages]
+    if tools:
+        block = _HERMES_SYSTEM.format(tools="\n".join(json.dumps(t) for t in tools))
+        if rendered and rendered[0]["role"] == "system":
+            rendered[0]["content"] = f"{rendered[0]['content']}\n\n{block}".lstrip()
+        else:
+            rendered.insert(0, {"role": "system", "content": block})
+    return rendered, None
+
+
+def _tool_list(tools_json: str | None) -> list[dict[str, Any]]:
+    if not tools_json:
+        return []
+    tools = json.loads(tools_json)
+    if not isinstance(tools, list):
+        raise ValueError("tools must be a JSON list")
+    return tools
+
+
+def _arguments(call: ChatToolCall) -> Any:
+    """A call's arguments as an object where they parse (templates print them with
+    `tojson`), else the text as it came."""
+    try:
+        return json.loads(call.arguments)
+    except ValueError:
+        return call.arguments
+
+
+def _native(message: ChatMessage) -> dict[str, Any]:
+    entry: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.name is not None:
+        entry["name"] = message.name
+    if message.tool_calls:
+        entry["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": _arguments(call)},
+            }
+            for call in message.tool_calls
+        ]
+    if message.tool_call_id is not None:
+        entry["tool_call_id"] = message.tool_call_id
+    return entry
+
+
+def _written_out(message: ChatMessage) -> dict[str, Any]:
+    if message.role == "tool":
+        return {
+            "role": "user",
+            "content": f"<tool_response>\n{message.content}\n</tool_response>",
+        }
+    entry: dict[str, Any] = {"role": message.role, "content": message.content}
+    if message.name is not None:
+        entry["name"] = message.name
+    if message.tool_calls:
+        calls = "\n".join(
+            "<tool_call>\n"
+            + json.dumps({"name": call.name, "arguments": _arguments(call)}, ensure_ascii=False)
+            + "\n</tool_call>"
+            for call in message.tool_calls
+        )
+        entry["content"] = f"{message.content}\n{calls}" if message.content else calls
+    return entry

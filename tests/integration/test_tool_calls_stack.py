@@ -1,0 +1,203 @@
+"""Tool calling through the whole stack, driven with the `openai` client, against the
+in-process engine on the same weights: a forced call (named or required) is the engine's
+greedy answer under the same JSON schema, read back as `tool_calls`; a call the model
+writes in its own format (here steered with the `regex` extension, the tiny model being
+random) comes back as a tool call, streamed or not; a conversation that sends the calls
+and their results back is tokenized with the tools, as the engine's prompt would be."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+
+from radixserve import Engine
+from radixserve.api.chat_tools import plan_tools
+from radixserve.api.openai_models import ChatCompletionRequest
+from radixserve.prep import PromptTokenizer
+from radixserve.protocol import ChatMessage, ChatToolCall, SubmitRequest
+from tests.integration.stack_fixture import TINY_CONTEXT, RunningStack
+
+pytestmark = pytest.mark.timeout(300)
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Oslo", "Paris", "Rome"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+TOOLS: list[dict[str, Any]] = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {
+        "type": "function",
+        "function": {"name": "now", "parameters": {"type": "object", "properties": {}}},
+    },
+]
+USER = [{"role": "user", "content": "What is the weather in Oslo this week?"}]
+
+
+@pytest.fixture()
+def client(tiny_stack: RunningStack) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=f"{tiny_stack.url}/v1", api_key="unused", max_retries=0, timeout=120
+    )
+
+
+def _prompt_ids(engine: Engine, messages: list[ChatMessage], tools: bool = True) -> list[int]:
+    """The prompt the tokenizer service makes of a chat with TOOLS."""
+    prompter = PromptTokenizer(engine.tokenizer, TINY_CONTEXT, "tiny")
+    submit = SubmitRequest(
+        rid="r", gateway_id="g", messages=messages, tools=json.dumps(TOOLS) if tools else None
+    )
+    return prompter.prepare(submit).ids
+
+
+def _engine_text(engine: Engine, ids: list[int], schema: str) -> str:
+    params = {"temperature": 0, "max_new_tokens": 96, "json_schema": schema}
+    out = engine.generate(input_ids=ids, sampling_params=params)
+    assert isinstance(out, dict)
+    text: str = out["text"]
+    return text
+
+
+@pytest.mark.parametrize(
+    "tool_choice",
+    [{"type": "function", "function": {"name": "get_weather"}}, "required"],
+    ids=["named", "required"],
+)
+def test_a_forced_call_is_the_engines_answer_under_the_same_schema(
+    client: openai.OpenAI, tiny_stack: RunningStack, tiny_engine: Engine, tool_choice: Any
+) -> None:
+    parallel = False if tool_choice == "required" else None
+    body = {"messages": USER, "tools": TOOLS, "tool_choice": tool_choice}
+    if parallel is not None:
+        body["parallel_tool_calls"] = parallel
+    schema = plan_tools(ChatCompletionRequest.model_validate(body))
+    assert schema is not None and schema.schema is not None
+    ids = _prompt_ids(tiny_engine, [ChatMessage(role="user", content=USER[0]["content"])])
+    expected = json.loads(_engine_text(tiny_engine, ids, schema.schema))
+    response = client.chat.completions.create(
+        model=tiny_stack.model,
+        messages=USER,  # type: ignore[arg-type]
+        tools=TOOLS,  # type: ignore[arg-type]
+        tool_choice=tool_choice,
+        temperature=0,
+        max_tokens=96,
+        parallel_tool_calls=parallel,  # type: ignore[arg-type]
+    )
+    assert response.usage is not None and response.usage.prompt_tokens == len(ids)
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    calls = choice.message.tool_calls or []
+    got = [(c.function.name, json.loads(c.function.arguments)) for c in calls]  # type: ignore[union-attr]
+    if tool_choice == "required":
+        assert len(expected) == 1  # parallel_tool_calls false
+        want = [(item["name"], item["arguments"]) for item in expected]
+    else:
+        want = [("get_weather", expected)]
+    assert got == want
+    for name, arguments in got:
+        params = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == name)
+        jsonschema.validate(arguments, params)
+
+
+# What a model trained on the Hermes format writes; the tiny random model is steered to it.
+HERMES_ANSWER = (
+    r'Sure\.\n<tool_call>\n\{"name": "get_weather", "arguments": '
+    r'\{"city": "(Oslo|Paris)", "days": [1-7]\}\}\n</tool_call>'
+)
+
+
+def test_a_call_in_the_models_own_format_is_read_back_streamed_or_not(
+    client: openai.OpenAI, tiny_stack: RunningStack
+) -> None:
+    common: dict[str, Any] = {
+        "model": tiny_stack.model,
+        "messages": USER,
+        "tools": TOOLS,
+        "temperature": 0,
+        "max_tokens": 96,
+        "extra_body": {"regex": HERMES_ANSWER},
+    }
+    response = client.chat.completions.create(**common)
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Sure."
+    (call,) = choice.message.tool_calls or []
+    assert call.function.name == "get_weather"  # type: ignore[union-attr]
+    arguments = json.loads(call.function.arguments)  # type: ignore[union-attr]
+    jsonschema.validate(arguments, WEATHER)
+
+    content, streamed, reasons = "", [], []
+    for chunk in client.chat.completions.create(**common, stream=True):
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            streamed += c.delta.tool_calls or []
+            reasons.append(c.finish_reason)
+    assert content.strip() == "Sure."
+    assert [(d.index, d.function.name, json.loads(d.function.arguments)) for d in streamed] == [  # type: ignore[union-attr]
+        (0, "get_weather", arguments)
+    ]
+    assert streamed[0].id and streamed[0].type == "function"
+    assert [r for r in reasons if r] == ["tool_calls"]
+
+
+def test_a_conversation_with_calls_and_results_is_tokenized_with_the_tools(
+    client: openai.OpenAI, tiny_stack: RunningStack, tiny_engine: Engine
+) -> None:
+    arguments = '{"city": "Oslo", "days": 3}'
+    messages: list[dict[str, Any]] = [
+        *USER,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": arguments},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "12 C and rain"},
+    ]
+    conversation = [
+        ChatMessage(role="user", content=USER[0]["content"]),
+        ChatMessage(
+            role="assistant",
+            content="",
+            tool_calls=[ChatToolCall(id="call_1", name="get_weather", arguments=arguments)],
+        ),
+        ChatMessage(role="tool", content="12 C and rain", tool_call_id="call_1"),
+    ]
+    for tools, choice in ((TOOLS, "auto"), (TOOLS, "none")):
+        response = client.chat.completions.create(
+            model=tiny_stack.model,
+            messages=messages,  # type: ignore[arg-type]
+            tools=tools,  # type: ignore[arg-type]
+            tool_choice=choice,  # type: ignore[arg-type]
+            temperature=0,
+            max_tokens=4,
+        )
+        assert response.usage is not None
+        expected = _prompt_ids(tiny_engine, conversation, tools=choice != "none")
+        assert response.usage.prompt_tokens == len(expected)
+
+
+def test_a_tool_choice_naming_no_given_tool_is_a_400(
+    client: openai.OpenAI, tiny_stack: RunningStack
+) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=tiny_stack.model,
+            messages=USER,  # type: ignore[arg-type]
+            tools=TOOLS,  # type: ignore[arg-type]
+            tool_choice={"type": "function", "function": {"name": "send_email"}},
+        )
+    assert info.value.param == "tool_choice"

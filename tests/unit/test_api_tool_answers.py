@@ -1,0 +1,142 @@
+"""Chat answers of requests with tools: the model's text read back as OpenAI `tool_calls`
+(finished and streamed), against hand-written expected bodies."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from radixserve.api import Assembly, chat_completion, make_streamer, parse_body, plan_chat
+from radixserve.api.mapping import GenerationPlan
+from radixserve.api.openai_models import ChatCompletionRequest
+from radixserve.protocol import FinishReason, TextDelta, pack_tokens
+
+STOP = FinishReason(kind="stop")
+LENGTH = FinishReason(kind="length")
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "now"}},
+]
+CALL_ID = re.compile(r"call_[0-9a-f]{24}")
+
+
+def _plan(**fields: Any) -> GenerationPlan:
+    body = {"messages": [{"role": "user", "content": "x"}], "tools": TOOLS, **fields}
+    return plan_chat(
+        parse_body(ChatCompletionRequest, json.dumps(body).encode()),
+        response_id="id-1",
+        gateway_id="gw",
+        served_model="m",
+        arrival_time=0.0,
+    )
+
+
+def _delta(text: str, finish: FinishReason | None = None, index: int = 0) -> TextDelta:
+    return TextDelta(
+        rid="id-1",
+        text=text,
+        token_ids=pack_tokens([1]),
+        index=index,
+        finish_reason=finish,
+        prompt_tokens=3,
+        completion_tokens=1,
+    )
+
+
+def _finished(plan: GenerationPlan, text: str, finish: FinishReason = STOP) -> dict[str, Any]:
+    assembly = Assembly(plan)
+    assembly.apply(_delta(text, finish))
+    choice: dict[str, Any] = chat_completion(plan, assembly, 0)["choices"][0]
+    return choice
+
+
+def _calls(message: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    out = []
+    for call in message["tool_calls"]:
+        assert CALL_ID.fullmatch(call["id"]) and call["type"] == "function"
+        out.append((call["function"]["name"], json.loads(call["function"]["arguments"])))
+    return out
+
+
+def test_calls_in_the_models_own_format_become_tool_calls() -> None:
+    text = (
+        'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
+        '</tool_call>\n<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
+    )
+    choice = _finished(_plan(), text)
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] == "Checking."
+    assert _calls(choice["message"]) == [("get_weather", {"city": "Oslo"}), ("now", {})]
+    ids = [c["id"] for c in choice["message"]["tool_calls"]]
+    assert len(set(ids)) == 2
+
+
+def test_an_answer_without_calls_is_plain_content() -> None:
+    text = "  It is sunny; call <tool_call>me</tool_call> later. "
+    choice = _finished(_plan(), text)
+    assert choice["message"] == {"role": "assistant", "content": text}
+    assert choice["finish_reason"] == "stop"
+
+
+def test_forced_answers_are_read_as_calls() -> None:
+    named = _plan(tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choice = _finished(named, '{"city": "Paris"}')
+    assert choice["message"]["content"] is None
+    assert _calls(choice["message"]) == [("get_weather", {"city": "Paris"})]
+    assert choice["finish_reason"] == "tool_calls"
+    cut = _finished(named, '{"city": "Par', LENGTH)  # max_tokens: the partial arguments
+    assert cut["message"]["tool_calls"][0]["function"]["arguments"] == '{"city": "Par'
+    assert cut["finish_reason"] == "length"
+    required = _plan(tool_choice="required")
+    text = (
+        '[{"name": "now", "arguments": {}}, {"name": "get_weather", "arguments": {"city": "Rome"}}]'
+    )
+    choice = _finished(required, text)
+    assert _calls(choice["message"]) == [("now", {}), ("get_weather", {"city": "Rome"})]
+    cut = _finished(required, '[{"name": "now", "argu', LENGTH)
+    assert cut["message"] == {"role": "assistant", "content": '[{"name": "now", "argu'}
+    assert cut["finish_reason"] == "length"
+
+
+def _stream(plan: GenerationPlan, pieces: list[str]) -> list[dict[str, Any]]:
+    assembly = Assembly(plan)
+    streamer = make_streamer(plan, assembly, created=1)
+    choices: list[dict[str, Any]] = []
+    for i, piece in enumerate(pieces):
+        update = assembly.apply(_delta(piece, STOP if i == len(pieces) - 1 else None))
+        assert update is not None
+        for chunk in streamer.chunks(update, 0.0):
+            choices += chunk["choices"]
+    return choices
+
+
+def test_a_streamed_call_is_one_tool_calls_delta_once_complete() -> None:
+    pieces = [
+        "Sure",
+        ". <tool",
+        '_call>\n{"name": "get_',
+        'weather", "arguments": ',
+        '{"city": "Oslo"}}\n</tool_call>',
+        "",
+    ]
+    choices = _stream(_plan(stream=True), pieces)
+    assert choices[0]["delta"] == {"role": "assistant", "content": ""}
+    content = "".join(c["delta"].get("content") or "" for c in choices)
+    assert content.strip() == "Sure."
+    # "Sure" went out before the call was known: content is not held back.
+    assert choices[1]["delta"] == {"content": "Sure"}
+    calls = [c["delta"]["tool_calls"] for c in choices if "tool_calls" in c["delta"]]
+    assert len(calls) == 1 and calls[0][0]["index"] == 0
+    assert calls[0][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    assert choices[-1] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "tool_calls"}
+
+
+def test_a_streamed_forced_call_comes_at_the_end() -> None:
+    plan = _plan(stream=True, tool_choice="required")
+    choices = _stream(plan, ['[{"name": "now", ', '"arguments": {}}]'])
+    calls = [c["delta"]["tool_calls"][0] for c in choices if "tool_calls" in c["delta"]]
+    assert [(c["index"], c["function"]["name"]) for c in calls] == [(0, "now")]
+    assert all(not c["delta"].get("content") for c in choices)
+    assert choices[-1]["finish_reason"] == "tool_calls"
