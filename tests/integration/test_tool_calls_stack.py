@@ -201,3 +201,18 @@ def test_a_tool_choice_naming_no_given_tool_is_a_400(
             tool_choice={"type": "function", "function": {"name": "send_email"}},
         )
     assert info.value.param == "tool_choice"
+
+
+def test_a_tool_schema_the_grammar_service_refuses_names_the_tools(
+    client: openai.OpenAI, tiny_stack: RunningStack
+) -> None:
+    bad = {"type": "object", "properties": {"x": {"type": "nonsense"}}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": bad}}]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=tiny_stack.model,
+            messages=USER,  # type: ignore[arg-type]
+            tools=tools,  # type: ignore[arg-type]
+            tool_choice="required",
+        )
+    assert (info.value.code, info.value.param) == ("invalid_grammar", "tools")

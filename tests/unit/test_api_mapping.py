@@ -313,6 +313,8 @@ _CHAT_ERRORS: list[tuple[dict[str, Any], str]] = [
     ({"messages": USER, "regex": "a", "ebnf": "b"}, "ebnf"),
     ({"messages": USER, "json_schema": "{}", "response_format": {"type": "json_object"}}, "response_format"),
     ({"messages": USER, "tool_choice": "required"}, "tool_choice"),
+    ({"messages": USER, "functions": [{"name": "f"}]}, "functions"),
+    ({"messages": USER, "function_call": "auto"}, "function_call"),
     ({"messages": USER, "tool_choice": "sometimes", "tools": [_tool("f")]}, "tool_choice"),
     ({"messages": USER, "tools": [_tool("f"), _tool("f")]}, "tools[1].function.name"),
     ({"messages": USER, "tools": [_tool("get weather")]}, "tools[0].function.name"),

@@ -78,6 +78,11 @@ class ToolStream:
 
 def plan_tools(req: ChatCompletionRequest) -> ToolPlan | None:
     """The request's tools, checked; None when the model is not to call any."""
+    for legacy, current in (("functions", "tools"), ("function_call", "tool_choice")):
+        if getattr(req, legacy) is not None:
+            raise ApiError.invalid(
+                f"{legacy} is OpenAI's deprecated form of {current}: send {current}", legacy
+            )
     choice = req.tool_choice
     if not req.tools:
         if choice not in (None, "none", "auto"):

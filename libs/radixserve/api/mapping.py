@@ -100,6 +100,14 @@ class GenerationPlan:
         """The merged `index` of a choice in the answer."""
         return prompt_index * self.n + choice
 
+    def client_error(self, error: ApiError) -> ApiError:
+        """A service's error about a field this plan made from another one named as the
+        client sent it: the schema of a forced tool call is the client's `tools`."""
+        if self.tools is not None and self.tools.schema is not None:
+            if error.param == "json_schema":
+                error.param = "tools"
+        return error
+
 
 # -- the three endpoints ----------------------------------------------------------------
 

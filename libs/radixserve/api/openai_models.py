@@ -130,6 +130,10 @@ class ChatCompletionRequest(OpenAISamplingFields):
     tools: list[ToolDef] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # OpenAI's deprecated forms of tools: refused with a pointer to the current ones
+    # (ignored, an agent would wait for a call that never comes).
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
 
 
 # Token-id prompts are listed before string ones so `[1, 2]` is read as ids: pydantic's

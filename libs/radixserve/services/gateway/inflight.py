@@ -136,7 +136,7 @@ class Inflight:
                 )
             if isinstance(event, RequestError):
                 self._failed_rids.add(event.rid)
-                raise ApiError.from_request_error(event)
+                raise self.plan.client_error(ApiError.from_request_error(event))
             if isinstance(event, ClientGone):
                 raise ClientDisconnected()
             if event.worker_id:
