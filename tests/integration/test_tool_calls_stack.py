@@ -17,6 +17,7 @@ import pytest
 from radixserve import Engine
 from radixserve.api.chat_tools import plan_tools
 from radixserve.api.openai_models import ChatCompletionRequest
+from radixserve.api.tool_calls import parse_tool_calls
 from radixserve.prep import PromptTokenizer
 from radixserve.protocol import ChatMessage, ChatToolCall, SubmitRequest
 from tests.integration.stack_fixture import TINY_CONTEXT, RunningStack
@@ -216,3 +217,36 @@ def test_a_tool_schema_the_grammar_service_refuses_names_the_tools(
             tool_choice="required",
         )
     assert (info.value.code, info.value.param) == ("invalid_grammar", "tools")
+
+
+def test_strict_tools_the_model_may_call_match_the_engine_under_the_same_tag(
+    client: openai.OpenAI, tiny_stack: RunningStack, tiny_engine: Engine
+) -> None:
+    """`strict` tools in auto mode: the tokenizer service adds the structural tag that
+    holds their calls to the schemas; the answer equals the engine's under that tag."""
+    tools = [{**TOOLS[0], "function": {**TOOLS[0]["function"], "strict": True}}, TOOLS[1]]
+    prompter = PromptTokenizer(tiny_engine.tokenizer, TINY_CONTEXT, "tiny")
+    message = ChatMessage(role="user", content=USER[0]["content"])
+    submit = SubmitRequest(rid="r", gateway_id="g", messages=[message], tools=json.dumps(tools))
+    tag = prompter.with_strict_tools(submit).sampling.structural_tag
+    assert tag is not None
+    ids = prompter.prepare(submit).ids
+    params = {"temperature": 0, "max_new_tokens": 24, "structural_tag": tag}
+    expected = tiny_engine.generate(input_ids=ids, sampling_params=params)
+    assert isinstance(expected, dict)
+    response = client.chat.completions.create(
+        model=tiny_stack.model,
+        messages=USER,  # type: ignore[arg-type]
+        tools=tools,  # type: ignore[arg-type]
+        temperature=0,
+        max_tokens=24,
+    )
+    message_out = response.choices[0].message
+    content, calls = parse_tool_calls(expected["text"], ("get_weather", "now"))
+    if calls:
+        assert message_out.content == content
+        assert [(c.function.name, c.function.arguments) for c in message_out.tool_calls or []] == [  # type: ignore[union-attr]
+            (c.name, c.arguments) for c in calls
+        ]
+    else:
+        assert message_out.content == expected["text"] and not message_out.tool_calls

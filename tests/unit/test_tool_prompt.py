@@ -98,3 +98,90 @@ def test_tools_that_are_not_a_json_list_are_a_400() -> None:
     with pytest.raises(PrepError) as info:
         _text(_prompter(), messages=CONVERSATION[:2], tools='{"not": "a list"}')
     assert info.value.param == "messages"
+
+
+# -- strict tools: their calls held to the schema, the model otherwise free ---------------
+
+STRICT_WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Oslo", "Rome"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+STRICT_TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "parameters": STRICT_WEATHER, "strict": True},
+    },
+    {"type": "function", "function": {"name": "now"}},  # not strict: any arguments
+]
+
+
+def _submit(**fields: Any) -> SubmitRequest:
+    return SubmitRequest(
+        rid="r-1",
+        gateway_id="gw-1",
+        messages=CONVERSATION[:2],
+        sampling=fields.pop("sampling", SamplingParams(max_new_tokens=8)),
+        **fields,
+    )
+
+
+def test_strict_tools_get_a_structural_tag_in_the_hermes_format() -> None:
+    prompter = _prompter()  # SmolLM2: the tools are written out in the Hermes format
+    req = prompter.with_strict_tools(_submit(tools=json.dumps(STRICT_TOOLS)))
+    assert json.loads(req.sampling.structural_tag or "") == {
+        "structures": [
+            {
+                "begin": '<tool_call>\n{"name": "get_weather", "arguments": ',
+                "schema": STRICT_WEATHER,
+                "end": "}\n</tool_call>",
+            },
+            {  # not strict: any arguments object
+                "begin": '<tool_call>\n{"name": "now", "arguments": ',
+                "schema": {"type": "object"},
+                "end": "}\n</tool_call>",
+            },
+        ],
+        "triggers": ["<tool_call>"],
+    }
+    unchanged = [
+        _submit(tools=json.dumps(TOOLS)),  # no strict tool
+        _submit(),  # no tools
+        # a grammar of its own (a forced call's schema)
+        _submit(tools=json.dumps(STRICT_TOOLS), sampling=SamplingParams(json_schema="{}")),
+    ]
+    for plain in unchanged:
+        assert prompter.with_strict_tools(plain) is plain
+    # A template that reads tools but does not print <tool_call> (Llama 3's JSON form).
+    llama_like = _prompter("{% if tools %}{{ tools | tojson }}{% endif %}")
+    strict = _submit(tools=json.dumps(STRICT_TOOLS))
+    assert llama_like.with_strict_tools(strict) is strict
+
+
+def test_the_structural_tag_holds_strict_calls_to_their_schema() -> None:
+    import xgrammar as xgr
+
+    from radixserve.grammar import GrammarSource
+    from radixserve.grammar.compile import XGrammarCompiler
+
+    prompter = _prompter()
+    req = prompter.with_strict_tools(_submit(tools=json.dumps(STRICT_TOOLS)))
+    tokenizer = prompter.tokenizer
+    compiler = XGrammarCompiler.for_tokenizer(tokenizer, len(tokenizer))
+    compiled = compiler.compile(GrammarSource("structural_tag", req.sampling.structural_tag or ""))
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "days": 3}}\n'
+    good = f"Let me check. {call}</tool_call> Done."
+    assert xgr.GrammarMatcher(compiled).accept_string(good)
+    assert xgr.GrammarMatcher(compiled).accept_string("Just text, no call.")
+    free = '<tool_call>\n{"name": "now", "arguments": {"zone": "UTC"}}\n</tool_call>'
+    assert xgr.GrammarMatcher(compiled).accept_string(free)
+    for bad in (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}',
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "days": 9}}',
+        '<tool_call>\n{"name": "delete_all", "arguments": {}}',
+    ):
+        assert not xgr.GrammarMatcher(compiled).accept_string(bad), bad

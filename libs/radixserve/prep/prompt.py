@@ -16,10 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from radixserve.engine.model.config import ModelConfig
 from radixserve.engine.model.tokenizer import apply_chat_template, load_tokenizer
 from radixserve.prep.errors import CONTEXT_LENGTH_EXCEEDED, PrepError
-from radixserve.prep.tool_prompt import template_inputs
+from radixserve.prep.grammar import grammar_spec
+from radixserve.prep.tool_prompt import strict_tools_tag, template_inputs
 from radixserve.protocol import SubmitRequest
 
 if TYPE_CHECKING:
@@ -109,6 +112,23 @@ class PromptTokenizer:
         if not prompt.ids:
             raise PrepError("the prompt is empty (no tokens)", param=prompt.param)
         return prompt
+
+    def with_strict_tools(self, req: SubmitRequest) -> SubmitRequest:
+        """`req` with a structural tag that holds its strict tools' calls to their
+        schemas (`tool_prompt.strict_tools_tag`) when the model may call them freely (no
+        grammar of its own: `tool_choice` auto); `req` as it is otherwise."""
+        sampling = req.sampling
+        if not req.tools or grammar_spec(sampling) is not None:
+            return req
+        try:
+            tag = strict_tools_tag(getattr(self.tokenizer, "chat_template", None), req.tools)
+        except (ValueError, TypeError, AttributeError, KeyError) as exc:
+            raise PrepError(f"tools are not a list of functions: {exc}", param="tools") from exc
+        if tag is None:
+            return req
+        return msgspec.structs.replace(
+            req, sampling=msgspec.structs.replace(sampling, structural_tag=tag)
+        )
 
     def check_vocab(self, prompt: PromptIds) -> None:
         """Every id must name a token of this model (ids from the client are not trusted)."""

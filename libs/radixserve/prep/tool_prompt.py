@@ -53,6 +53,28 @@ def template_inputs(
     return rendered, None
 
 
+def strict_tools_tag(chat_template: Any, tools_json: str | None) -> str | None:
+    """SGLang's structural tag that holds calls of the tools marked `strict` (OpenAI's
+    flag for arguments that follow the schema) to their schemas, while the model stays
+    free to answer in text: after `<tool_call>`, a call names one of the tools, a strict
+    one's arguments match its schema and another's are any object. Only where the model
+    is asked for the Hermes format (this module's written-out tools, or a template that
+    prints `<tool_call>`, as Qwen's); None otherwise or when no tool is strict."""
+    hermes = not template_knows_tools(chat_template) or "<tool_call>" in str(chat_template)
+    functions = [t["function"] for t in _tool_list(tools_json) if t.get("type") == "function"]
+    if not hermes or not any(f.get("strict") for f in functions):
+        return None
+    structures = [
+        {
+            "begin": f'<tool_call>\n{{"name": {json.dumps(f["name"])}, "arguments": ',
+            "schema": (f.get("parameters") if f.get("strict") else None) or {"type": "object"},
+            "end": "}\n</tool_call>",
+        }
+        for f in functions
+    ]
+    return json.dumps({"structures": structures, "triggers": ["<tool_call>"]})
+
+
 def _tool_list(tools_json: str | None) -> list[dict[str, Any]]:
     if not tools_json:
         return []

@@ -302,6 +302,7 @@ class _Tokenizer:
     async def _tokenize(self, req: SubmitRequest) -> TokenizedRequest:
         from radixserve.prep import grammar_spec, tokenized_request
 
+        req = self.prompter.with_strict_tools(req)
         spec = grammar_spec(req.sampling)
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
