@@ -228,6 +228,7 @@ COMPOSE_TO_VALUES = {
     "RADIXSERVE_OTLP_ENDPOINT": "config.otlpEndpoint",
     "RADIXSERVE_REQUEST_TIMEOUT_S": "gateway.requestTimeoutS",
     "RADIXSERVE_RECORD_TTL_S": "gateway.recordTtlS",
+    "RADIXSERVE_REASONING_PARSER": "gateway.reasoningParser",
     "RADIXSERVE_TOKENIZER_REPLICAS": "tokenizer.replicas",
     "RADIXSERVE_GRAMMAR_TIMEOUT_S": "tokenizer.grammarTimeoutS",
     "RADIXSERVE_MAX_PENDING_REQUESTS": "scheduler.maxPendingRequests",

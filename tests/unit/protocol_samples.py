@@ -163,6 +163,7 @@ SAMPLES: list[Message] = [
             ChatMessage(role="tool", content="12 C", tool_call_id="call_1"),
         ],
         tools='[{"type": "function", "function": {"name": "get"}}]',
+        chat_template_kwargs='{"enable_thinking": false}',
     ),
     TOKENIZED,
     TokenizedRequest(rid="r-5", gateway_id="g", input_ids=b""),

@@ -185,3 +185,15 @@ def test_the_structural_tag_holds_strict_calls_to_their_schema() -> None:
         '<tool_call>\n{"name": "delete_all", "arguments": {}}',
     ):
         assert not xgr.GrammarMatcher(compiled).accept_string(bad), bad
+
+
+def test_chat_template_kwargs_are_the_templates_variables() -> None:
+    prompter = _prompter(
+        "{% for m in messages %}{{ m.content }}|{% endfor %}"
+        "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}"
+    )
+    off = _text(
+        prompter, messages=CONVERSATION[:2], chat_template_kwargs='{"enable_thinking": false}'
+    )
+    assert off == "You are terse.|Weather in Oslo?|<think></think>"
+    assert _text(prompter, messages=CONVERSATION[:2]) == "You are terse.|Weather in Oslo?|"

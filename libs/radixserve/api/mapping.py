@@ -36,6 +36,7 @@ from radixserve.api.openai_models import (
     OpenAISamplingFields,
     ResponseFormat,
 )
+from radixserve.api.reasoning import REASONING_FORMATS, ReasoningFormat
 from radixserve.protocol import (
     ChatMessage,
     ChatToolCall,
@@ -80,6 +81,8 @@ class GenerationPlan:
     batch: bool = False
     # chat: the functions the model may call, and how its answer is read back.
     tools: ToolPlan | None = None
+    # chat: how the model writes its reasoning, split from the content (None: not split).
+    reasoning: ReasoningFormat | None = None
 
     @cached_property
     def _prompt_indexes(self) -> dict[str, int]:
@@ -119,9 +122,16 @@ def plan_chat(
     gateway_id: str,
     served_model: str,
     arrival_time: float,
+    reasoning_parser: str | None = None,
 ) -> GenerationPlan:
+    """`reasoning_parser`: the gateway's (api/reasoning.py); the answer's reasoning is
+    then split from its content unless the request says `separate_reasoning: false`."""
     check_model(req.model, served_model)
     tools = plan_tools(req)
+    template_kwargs = _template_kwargs(req.chat_template_kwargs)
+    reasoning = None
+    if reasoning_parser is not None and req.separate_reasoning is not False:
+        reasoning = REASONING_FORMATS[reasoning_parser]
     messages = chat_messages(req.messages)
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError.invalid("top_logprobs requires logprobs to be true", "top_logprobs")
@@ -147,6 +157,7 @@ def plan_chat(
         arrival_time=arrival_time,
         model=served_model,
         tools=None if tools is None else tools.tools_json,
+        chat_template_kwargs=template_kwargs,
     )
     return GenerationPlan(
         endpoint="chat",
@@ -158,6 +169,7 @@ def plan_chat(
         include_usage=_include_usage(req),
         logprobs=bool(req.logprobs),
         tools=tools,
+        reasoning=reasoning,
     )
 
 
@@ -257,6 +269,26 @@ def plan_generate(
 
 
 # -- the pieces ---------------------------------------------------------------------------
+
+
+# apply_chat_template's own arguments: a client's chat_template_kwargs may not set them.
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+     "add_generation_prompt", "continue_final_message", "return_dict", "return_tensors",
+     "padding", "truncation", "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask"}
+)  # fmt: skip
+
+
+def _template_kwargs(kwargs: dict[str, Any] | None) -> str | None:
+    """`chat_template_kwargs` as the JSON text the tokenizer passes to the template."""
+    if not kwargs:
+        return None
+    reserved = sorted(_RESERVED_TEMPLATE_KWARGS & kwargs.keys())
+    if reserved:
+        raise ApiError.invalid(
+            f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs"
+        )
+    return json.dumps(kwargs)
 
 
 def check_model(requested: str | None, served: str) -> None:

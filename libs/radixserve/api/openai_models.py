@@ -134,6 +134,11 @@ class ChatCompletionRequest(OpenAISamplingFields):
     # (ignored, an agent would wait for a call that never comes).
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
+    # SGLang's and vLLM's extensions: more variables for the chat template (e.g. Qwen3's
+    # enable_thinking), and whether to answer the reasoning apart (with a reasoning
+    # parser set on the gateway; default true).
+    chat_template_kwargs: dict[str, Any] | None = None
+    separate_reasoning: bool | None = None
 
 
 # Token-id prompts are listed before string ones so `[1, 2]` is read as ids: pydantic's

@@ -25,6 +25,7 @@ from radixserve.api.logprobs import (
     prepend_logprobs,
 )
 from radixserve.api.mapping import GenerationPlan
+from radixserve.api.reasoning import split_reasoning
 from radixserve.protocol import FinishReason
 
 SSE_DONE = b"data: [DONE]\n\n"
@@ -71,17 +72,20 @@ def chat_finish_reason(finish: FinishReason | None, called: bool) -> str | None:
 
 def chat_choice_message(plan: GenerationPlan, choice: ChoiceState) -> dict[str, Any]:
     """The assistant message of a finished choice: its text, or the calls it made (and
-    any text beside them) when the request had tools."""
-    if plan.tools is None:
-        return {"role": "assistant", "content": choice.text}
-    content, calls = plan.tools.read(choice.text)
-    if not calls:
-        return {"role": "assistant", "content": choice.text}
-    return {
-        "role": "assistant",
-        "content": content,
-        "tool_calls": [tool_call_body(call) for call in calls],
-    }
+    any text beside them) when the request had tools; with a reasoning parser, the
+    reasoning apart (`reasoning_content`) and the rest read as above."""
+    text = choice.text
+    message: dict[str, Any] = {"role": "assistant"}
+    if plan.reasoning is not None:
+        reasoning, text = split_reasoning(text, plan.reasoning)
+        message["reasoning_content"] = reasoning
+    message["content"] = text
+    if plan.tools is not None:
+        content, calls = plan.tools.read(text)
+        if calls:
+            message["content"] = content
+            message["tool_calls"] = [tool_call_body(call) for call in calls]
+    return message
 
 
 def chat_completion(plan: GenerationPlan, assembly: Assembly, created: int) -> dict[str, Any]:

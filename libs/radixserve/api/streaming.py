@@ -30,6 +30,7 @@ from radixserve.api.logprobs import (
     prepend_logprobs,
 )
 from radixserve.api.mapping import GenerationPlan
+from radixserve.api.reasoning import ReasoningStream
 from radixserve.api.responses import (
     chat_finish_reason,
     generate_output,
@@ -81,6 +82,7 @@ class ChatStreamer(_OpenAIStreamer):
 
     def __init__(self, plan: GenerationPlan, created: int) -> None:
         super().__init__(plan, created)
+        self._reasoning: dict[int, ReasoningStream] = {}
         self._tools: dict[int, ToolStream] = {}
         self._calls: dict[int, int] = {}  # per choice: calls streamed so far
 
@@ -91,7 +93,11 @@ class ChatStreamer(_OpenAIStreamer):
         if index not in self._started:
             self._started.add(index)
             out.append(self._choice(index, {"role": "assistant", "content": ""}, None, None))
-        text, calls = self._read(index, delta.text, delta.finish_reason is not None)
+        last = delta.finish_reason is not None
+        reasoning, text = self._think(index, delta.text, last)
+        if reasoning:
+            out.append(self._choice(index, {"reasoning_content": reasoning}, None, None))
+        text, calls = self._read(index, text, last)
         if text or delta.logprobs:
             logprobs = chat_logprobs(delta.logprobs or []) if self.plan.logprobs else None
             out.append(self._choice(index, {"content": text}, logprobs, None))
@@ -103,6 +109,19 @@ class ChatStreamer(_OpenAIStreamer):
             reason = chat_finish_reason(delta.finish_reason, index in self._calls)
             out.append(self._choice(index, {}, None, reason))
         return out
+
+    def _think(self, index: int, text: str, last: bool) -> tuple[str, str]:
+        """(reasoning, content) of a choice's next text (all content without a parser)."""
+        if self.plan.reasoning is None:
+            return "", text
+        stream = self._reasoning.get(index)
+        if stream is None:
+            stream = self._reasoning[index] = ReasoningStream(self.plan.reasoning)
+        reasoning, content = stream.feed(text)
+        if last:
+            more_reasoning, more_content = stream.finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        return reasoning, content
 
     def _read(self, index: int, text: str, last: bool) -> tuple[str, list[ToolCall]]:
         """(content to send, calls completed) of a choice's next text."""

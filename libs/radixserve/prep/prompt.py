@@ -11,6 +11,7 @@ prompt is tokenized here exactly as `Engine.chat` / `Engine.generate` would.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -162,7 +163,10 @@ class PromptTokenizer:
             messages, tools = template_inputs(
                 getattr(self.tokenizer, "chat_template", None), req.messages, req.tools
             )
-            return apply_chat_template(self.tokenizer, messages, tools)
+            kwargs = json.loads(req.chat_template_kwargs) if req.chat_template_kwargs else None
+            if kwargs is not None and not isinstance(kwargs, dict):
+                raise ValueError("chat_template_kwargs must be a JSON object")
+            return apply_chat_template(self.tokenizer, messages, tools, kwargs)
         except Exception as exc:
             # A template may reject a conversation on purpose (`raise_exception` in
             # Jinja: roles that do not alternate, ...): that is the client's 400.

@@ -88,6 +88,7 @@ class SubmitRequest(Message, frozen=True):
     arrival_time: float = 0.0
     model: str = ""
     tools: str | None = None
+    chat_template_kwargs: str | None = None  # JSON text of an object: more template variables
 
     def __post_init__(self) -> None:
         # Runs on decode too, where the ValueError surfaces as a ProtocolError.

@@ -23,9 +23,11 @@ def apply_chat_template(
     tokenizer: PreTrainedTokenizerBase,
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """Token ids of `messages` rendered with the model's template, ending with the assistant
-    prompt; `tools` (OpenAI's tool list) for a template that reads them."""
+    prompt; `tools` (OpenAI's tool list) for a template that reads them; `template_kwargs`:
+    more variables for the template (e.g. Qwen3's `enable_thinking`)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             "this model has no chat template; use a completion endpoint with a plain prompt"
@@ -35,7 +37,11 @@ def apply_chat_template(
     # changed between major versions).
     tool_list: list[Any] | None = None if tools is None else list(tools)
     text = tokenizer.apply_chat_template(
-        messages, tools=tool_list, tokenize=False, add_generation_prompt=True
+        messages,
+        tools=tool_list,
+        tokenize=False,
+        add_generation_prompt=True,
+        **(template_kwargs or {}),
     )
     if not isinstance(text, str):
         raise TypeError(f"chat template rendered {type(text).__name__}, expected str")

@@ -148,7 +148,10 @@ def _plan(state: GatewayState, endpoint: Endpoint, response_id: str, raw: bytes)
         "arrival_time": time.time(),
     }
     if endpoint == "chat":
-        return plan_chat(parse_body(ChatCompletionRequest, raw), **common)
+        reasoning = state.settings.reasoning_parser
+        return plan_chat(
+            parse_body(ChatCompletionRequest, raw), **common, reasoning_parser=reasoning
+        )
     if endpoint == "completion":
         return plan_completion(parse_body(CompletionRequest, raw), **common)
     return plan_generate(parse_body(GenerateRequest, raw), **common)

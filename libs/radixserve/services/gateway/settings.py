@@ -8,6 +8,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from radixserve.api.reasoning import REASONING_FORMATS
 from radixserve.engine.model.names import EMBEDDED_MODEL_NAME
 from radixserve.engine.model.names import served_model_name as model_name_of
 from radixserve.services.runtime import ServiceSettings, settings_from_args
@@ -21,6 +22,7 @@ ENV_HOST = "RADIXSERVE_GATEWAY_HOST"
 ENV_PORT = "RADIXSERVE_GATEWAY_PORT"
 ENV_REQUEST_TIMEOUT_S = "RADIXSERVE_REQUEST_TIMEOUT_S"
 ENV_RECORD_TTL_S = "RADIXSERVE_RECORD_TTL_S"
+ENV_REASONING_PARSER = "RADIXSERVE_REASONING_PARSER"
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,9 @@ class GatewaySettings:
     # A request silent this long is checked with the scheduler, and answered 503
     # request_lost if it saw it end (gateway/lost.py); 0: no check.
     lost_check_s: float = 30.0
+    # How the served model writes its reasoning (api/reasoning.py); chat answers then
+    # carry it as reasoning_content. None: answers are content only.
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -61,6 +66,11 @@ class GatewaySettings:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.lost_check_s < 0:
             raise ValueError(f"lost_check_s must be >= 0, got {self.lost_check_s}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_FORMATS:
+            raise ValueError(
+                f"reasoning_parser must be one of {sorted(REASONING_FORMATS)}, "
+                f"got {self.reasoning_parser!r}"
+            )
         if self.record_queue_size < 1:
             raise ValueError(f"record_queue_size must be >= 1, got {self.record_queue_size}")
 
@@ -113,6 +123,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "request_lost instead of waiting for the request timeout (default 30; 0: never)",
     )
     parser.add_argument(
+        "--reasoning-parser",
+        default=None,
+        help="how the served model writes its reasoning, which chat answers then carry "
+        f"as reasoning_content: one of {', '.join(sorted(REASONING_FORMATS))}, or none; "
+        f"default ${ENV_REASONING_PARSER} or none",
+    )
+    parser.add_argument(
         "--record-ttl-s",
         type=float,
         default=None,
@@ -136,6 +153,7 @@ def gateway_settings_from_args(
     port = pick(ns.port, ENV_PORT)
     timeout = pick(ns.request_timeout_s, ENV_REQUEST_TIMEOUT_S)
     ttl = pick(ns.record_ttl_s, ENV_RECORD_TTL_S)
+    reasoning = pick(ns.reasoning_parser, ENV_REASONING_PARSER)
     defaults = GatewaySettings(service=service)
     return GatewaySettings(
         service=service,
@@ -151,4 +169,5 @@ def gateway_settings_from_args(
             else ns.submit_ack_timeout_s
         ),
         lost_check_s=defaults.lost_check_s if ns.lost_check_s is None else ns.lost_check_s,
+        reasoning_parser=None if reasoning in (None, "none") else reasoning,
     )

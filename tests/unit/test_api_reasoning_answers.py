@@ -1,0 +1,120 @@
+"""Chat answers of a reasoning model (the gateway's --reasoning-parser): reasoning apart
+from content, whole and streamed, beside tool calls; chat_template_kwargs carried to the
+tokenizer; the gateway setting read from its flag or variable."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+import pytest
+
+from radixserve.api import ApiError, Assembly, chat_completion, make_streamer, parse_body, plan_chat
+from radixserve.api.mapping import GenerationPlan
+from radixserve.api.openai_models import ChatCompletionRequest
+from radixserve.protocol import FinishReason, TextDelta, pack_tokens
+from radixserve.services.gateway.settings import add_arguments, gateway_settings_from_args
+from radixserve.services.runtime import add_common_arguments
+
+STOP = FinishReason(kind="stop")
+USER = [{"role": "user", "content": "2 + 2?"}]
+TOOLS = [{"type": "function", "function": {"name": "calc"}}]
+
+
+def _plan(parser: str | None = "qwen3", **fields: Any) -> GenerationPlan:
+    body = {"messages": USER, **fields}
+    return plan_chat(
+        parse_body(ChatCompletionRequest, json.dumps(body).encode()),
+        response_id="id-1",
+        gateway_id="gw",
+        served_model="m",
+        arrival_time=0.0,
+        reasoning_parser=parser,
+    )
+
+
+def _delta(text: str, finish: FinishReason | None = None) -> TextDelta:
+    return TextDelta(
+        rid="id-1",
+        text=text,
+        token_ids=pack_tokens([1]),
+        finish_reason=finish,
+        prompt_tokens=3,
+        completion_tokens=1,
+    )
+
+
+def _message(plan: GenerationPlan, text: str) -> dict[str, Any]:
+    assembly = Assembly(plan)
+    assembly.apply(_delta(text, STOP))
+    choice: dict[str, Any] = chat_completion(plan, assembly, 0)["choices"][0]
+    return choice
+
+
+def test_reasoning_is_answered_apart_from_the_content() -> None:
+    text = "<think>\nTwo and two.\n</think>\n\n4"
+    choice = _message(_plan(), text)
+    assert choice["message"] == {
+        "role": "assistant",
+        "reasoning_content": "Two and two.",
+        "content": "4",
+    }
+    # Per request off, or no parser on the gateway: the text as it came.
+    for plan in (_plan(separate_reasoning=False), _plan(None)):
+        assert _message(plan, text)["message"] == {"role": "assistant", "content": text}
+
+
+def test_a_call_after_the_reasoning_is_a_tool_call() -> None:
+    text = (
+        '<think>Use the tool.</think>\n<tool_call>\n{"name": "calc", "arguments": {}}\n</tool_call>'
+    )
+    choice = _message(_plan(tools=TOOLS), text)
+    message = choice["message"]
+    assert message["reasoning_content"] == "Use the tool." and message["content"] is None
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["calc"]
+    assert choice["finish_reason"] == "tool_calls"
+
+
+def test_streamed_reasoning_comes_as_reasoning_content_deltas() -> None:
+    plan = _plan(stream=True)
+    assembly = Assembly(plan)
+    streamer = make_streamer(plan, assembly, created=1)
+    pieces = ["<think>", "\nTwo and", " two.</th", "ink>\n\n", "4", ""]
+    deltas = []
+    for i, piece in enumerate(pieces):
+        update = assembly.apply(_delta(piece, STOP if i == len(pieces) - 1 else None))
+        assert update is not None
+        deltas += [c["choices"][0]["delta"] for c in streamer.chunks(update, 0.0)]
+    reasoning = "".join(d.get("reasoning_content", "") for d in deltas)
+    content = "".join(d.get("content") or "" for d in deltas)
+    assert reasoning.strip() == "Two and two." and content == "4"
+    # The reasoning went out before its end tag came.
+    assert deltas.index({"reasoning_content": "Two and"}) < deltas.index({"content": "4"})
+
+
+def test_chat_template_kwargs_reach_the_tokenizer() -> None:
+    plan = _plan(chat_template_kwargs={"enable_thinking": False})
+    assert json.loads(plan.submits[0].chat_template_kwargs or "") == {"enable_thinking": False}
+    assert _plan().submits[0].chat_template_kwargs is None
+    with pytest.raises(ApiError) as info:
+        _plan(chat_template_kwargs={"tokenize": True, "enable_thinking": True})
+    assert (info.value.status, info.value.param) == (400, "chat_template_kwargs")
+    assert "tokenize" in info.value.message
+
+
+def _settings(argv: list[str], environ: dict[str, str]) -> Any:
+    parser = argparse.ArgumentParser()
+    add_common_arguments(parser)
+    add_arguments(parser)
+    return gateway_settings_from_args(parser.parse_args(argv), environ)
+
+
+def test_the_gateway_reads_its_reasoning_parser_from_the_flag_or_the_variable() -> None:
+    assert _settings([], {}).reasoning_parser is None
+    assert _settings(["--reasoning-parser", "qwen3"], {}).reasoning_parser == "qwen3"
+    env = {"RADIXSERVE_REASONING_PARSER": "deepseek-r1"}
+    assert _settings([], env).reasoning_parser == "deepseek-r1"
+    assert _settings(["--reasoning-parser", "none"], env).reasoning_parser is None
+    with pytest.raises(ValueError, match="reasoning_parser must be one of"):
+        _settings(["--reasoning-parser", "o1"], {})
