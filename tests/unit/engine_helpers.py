@@ -32,10 +32,12 @@ def hf_greedy(
     max_new_tokens: int,
     device: str = "cpu",
     repetition_penalty: float = 1.0,
+    logit_bias: dict[int, float] | None = None,
 ) -> list[Reference]:
     """transformers' own generate, one prompt at a time (no padding), float32, with
     min_new_tokens so both sides run the full length without stopping on EOS. The top-2
-    gaps are of the scores greedy chose from (after the penalty and the EOS mask)."""
+    gaps are of the scores greedy chose from (after the penalty, the bias and the EOS
+    mask)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
@@ -50,6 +52,8 @@ def hf_greedy(
                 min_new_tokens=max_new_tokens,
                 do_sample=False,
                 repetition_penalty=repetition_penalty,
+                # OpenAI's logit_bias is transformers' bias of one-token sequences.
+                sequence_bias=[[[t], b] for t, b in logit_bias.items()] if logit_bias else None,
                 output_scores=True,
                 return_dict_in_generate=True,
                 pad_token_id=0,

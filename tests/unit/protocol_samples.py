@@ -72,6 +72,7 @@ FULL_SAMPLING = SamplingParams(
     regex=r"\d+",
     json_schema='{"type": "object"}',
     ebnf='root ::= "a"',
+    logit_bias={0: -100.0, INT32_MAX: 2.5},
 )
 TOKENIZED = TokenizedRequest(
     rid="r-1",

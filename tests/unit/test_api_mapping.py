@@ -428,6 +428,10 @@ def test_chat_errors_name_their_param(body: dict[str, Any], param: str) -> None:
 
 _COMPLETION_ERRORS: list[tuple[dict[str, Any], str]] = [
     ({}, "prompt"),
+    ({"prompt": "a", "logit_bias": {"x1": 2}}, "logit_bias"),
+    ({"prompt": "a", "logit_bias": {"-3": 2}}, "logit_bias"),
+    ({"prompt": "a", "logit_bias": {"3": 100.5}}, "logit_bias"),
+    ({"prompt": "a", "logit_bias": {"3": "up"}}, "logit_bias.3"),
     ({"prompt": []}, "prompt"),
     ({"prompt": [[]]}, "prompt"),
     ({"prompt": [[1], []]}, "prompt"),
@@ -450,6 +454,7 @@ def test_completion_errors_name_their_param(body: dict[str, Any], param: str) ->
 
 _GENERATE_ERRORS: list[tuple[dict[str, Any], str]] = [
     ({}, "text"),
+    ({"text": "a", "sampling_params": {"logit_bias": {"b": 1}}}, "sampling_params.logit_bias"),
     ({"text": "a", "input_ids": [1]}, "text"),
     ({"text": []}, "text"),
     ({"input_ids": []}, "input_ids"),
@@ -542,3 +547,13 @@ def test_gateway_and_engine_accept_the_same_values(name: str, value: Any) -> Non
     # What the gateway sends is exactly what the engine will be asked to accept.
     wire = msgspec.structs.asdict(plan.submits[0].sampling)
     assert _engine_accepts(wire), f"gateway accepted {name}={value!r}, engine refuses"
+
+
+def test_logit_bias_reaches_the_engine_with_int_ids() -> None:
+    chat = _plan("chat", {"messages": USER, "logit_bias": {"5": 3, "17": -100.0}})
+    assert chat.submits[0].sampling.logit_bias == {5: 3.0, 17: -100.0}
+    completion = _plan("completion", {"prompt": "a", "logit_bias": {"0": 0.5}})
+    assert completion.submits[0].sampling.logit_bias == {0: 0.5}
+    generate = _plan("generate", {"text": "a", "sampling_params": {"logit_bias": {"9": -1}}})
+    assert generate.submits[0].sampling.logit_bias == {9: -1.0}
+    assert _plan("chat", {"messages": USER, "logit_bias": {}}).submits[0].sampling.logit_bias is None

@@ -248,6 +248,8 @@ def plan_generate(
         "sampling_params.min_new_tokens",
     )
     _check_one_grammar(values, "sampling_params.")
+    if values.get("logit_bias") is not None:
+        values["logit_bias"] = logit_bias(values["logit_bias"], "sampling_params.logit_bias")
     values["return_logprob"] = bool(req.return_logprob)
     values["top_logprobs_num"] = req.top_logprobs_num or 0
     if req.logprob_start_len is not None:
@@ -289,6 +291,21 @@ def _template_kwargs(kwargs: dict[str, Any] | None) -> str | None:
             f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs"
         )
     return json.dumps(kwargs)
+
+
+def logit_bias(bias: dict[str, float], param: str) -> dict[int, float] | None:
+    """OpenAI's `logit_bias` (token ids as strings, values in [-100, 100]) with int ids;
+    whether the ids are in the vocabulary is the engine's to say."""
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        if not key.strip().isdigit():
+            raise ApiError.invalid(f"logit_bias keys are token ids, got {key!r}", param)
+        if not -100 <= value <= 100:
+            raise ApiError.invalid(
+                f"logit_bias values must be in [-100, 100], got {value} for {key}", param
+            )
+        out[int(key)] = value
+    return out or None
 
 
 def check_model(requested: str | None, served: str) -> None:
@@ -437,6 +454,7 @@ def _openai_sampling(
         "json_schema": req.json_schema,
         "ebnf": req.ebnf,
         "structural_tag": req.structural_tag,
+        "logit_bias": None if req.logit_bias is None else logit_bias(req.logit_bias, "logit_bias"),
     }
     grammar = response_format_grammar(response_format)
     if grammar is not None:

@@ -50,6 +50,7 @@ class GenerateSamplingParams(Body):
     json_schema: str | None = None
     ebnf: str | None = None
     structural_tag: str | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a string) -> [-100, 100]
 
 
 class GenerateRequest(Body):

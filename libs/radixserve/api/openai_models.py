@@ -119,6 +119,7 @@ class OpenAISamplingFields(SGLangSamplingFields):
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a string) -> [-100, 100]
 
 
 class ChatCompletionRequest(OpenAISamplingFields):

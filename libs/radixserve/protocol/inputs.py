@@ -43,6 +43,7 @@ class SamplingParams(Message, frozen=True):
     json_schema: str | None = None
     ebnf: str | None = None
     structural_tag: str | None = None  # SGLang's structural tag (JSON text); a grammar too
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
 
 
 class ChatToolCall(Message, frozen=True):

@@ -17,7 +17,7 @@ import torch
 
 from radixserve.engine.sampling.noise import row_uniforms
 from radixserve.engine.sampling.params import SamplingParams
-from radixserve.engine.sampling.penalties import Penalties, StopTokenMask
+from radixserve.engine.sampling.penalties import LogitBias, Penalties, StopTokenMask
 from radixserve.engine.sampling.penalty_state import PenaltyState
 from radixserve.engine.transfer import upload
 
@@ -84,6 +84,7 @@ class SamplingBatch:
     sampled: SampledRows | None  # None: every row is greedy
     return_logprob: bool  # some row wants logprobs
     top_logprobs_num: int  # the largest top_logprobs_num of a row that wants logprobs
+    bias: LogitBias | None = None  # None: no row has a logit_bias
 
     @classmethod
     def build(
@@ -130,6 +131,7 @@ class SamplingBatch:
             sampled=_build_sampled_rows(reqs, vocab_size, device),
             return_logprob=bool(wants_logprob),
             top_logprobs_num=max((p.top_logprobs_num for p in wants_logprob), default=0),
+            bias=LogitBias.build([p.logit_bias for p in params], vocab_size, device),
         )
 
 

@@ -51,6 +51,9 @@ class SamplingParams:
     json_schema: str | None = None
     ebnf: str | None = None
     structural_tag: str | None = None
+    # OpenAI's: token id -> a value in [-100, 100] added to its logit before sampling
+    # (after the penalties); JSON gives the ids as strings.
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         # `stop` may be a bare string (OpenAI and SGLang accept both); store a list.
@@ -60,6 +63,8 @@ class SamplingParams:
             object.__setattr__(self, "stop", list(self.stop))
         if isinstance(self.stop_token_ids, tuple):
             object.__setattr__(self, "stop_token_ids", list(self.stop_token_ids))
+        if isinstance(self.logit_bias, Mapping):
+            object.__setattr__(self, "logit_bias", _bias_by_id(self.logit_bias))
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any] | None) -> SamplingParams:
@@ -131,6 +136,11 @@ class SamplingParams:
             "must be -1 (no prompt logprobs) or >= 0",
             self.logprob_start_len,
         )
+        if self.logit_bias:
+            bad_ids = [t for t in self.logit_bias if not 0 <= t < vocab_size]
+            _check(not bad_ids, "logit_bias", f"ids must be in [0, {vocab_size})", bad_ids)
+            bad = [v for v in self.logit_bias.values() if not -100 <= v <= 100]
+            _check(not bad, "logit_bias", "values must be in [-100, 100]", bad)
         grammars = [name for name in _GRAMMAR_FIELDS if getattr(self, name) is not None]
         _check(
             len(grammars) <= 1,
@@ -201,7 +211,21 @@ _EXPECTED_TYPES: dict[str, str] = {
     "json_schema": "str?",
     "ebnf": "str?",
     "structural_tag": "str?",
+    "logit_bias": "bias?",
 }
+
+
+def _bias_by_id(bias: Mapping[Any, Any]) -> dict[int, float]:
+    """`logit_bias` with int keys (JSON's are strings of ids); values left for validate."""
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        if _is_int(key):
+            out[key] = value
+        elif isinstance(key, str) and key.strip().lstrip("-").isdigit():
+            out[int(key)] = value
+        else:
+            raise ValueError(f"sampling parameter 'logit_bias' keys must be token ids, got {key!r}")
+    return out
 
 
 def _is_int(value: object) -> bool:
@@ -224,4 +248,8 @@ def _has_type(value: object, expected: str) -> bool:
         return isinstance(value, list) and all(isinstance(v, str) for v in value)
     if expected == "list[int]":
         return isinstance(value, list) and all(_is_int(v) for v in value)
+    if expected == "bias":
+        return isinstance(value, dict) and all(
+            _is_int(k) and _has_type(v, "float") for k, v in value.items()
+        )
     raise AssertionError(f"unknown expected type {expected}")

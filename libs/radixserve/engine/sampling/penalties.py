@@ -2,6 +2,7 @@
 
 - `Penalties`: repetition (HF-style, over prompt + output tokens), then frequency and
   presence (over output tokens only), in that order, as vLLM applies them.
+- `LogitBias`: OpenAI's `logit_bias`, each row's values added to its tokens' logits.
 - `StopTokenMask`: while a request has fewer than `min_new_tokens` outputs, its stop ids
   (eos unless `ignore_eos`, plus `stop_token_ids`) get -inf so that it cannot stop.
 
@@ -14,7 +15,7 @@ place: the caller's logits are never modified.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain
 
@@ -144,6 +145,37 @@ class Penalties:
             rows = rows - self.frequency * self.output_counts
             rows = rows - self.presence * (self.output_counts > 0)
         return rows if self.rows is None else logits.index_copy(0, self.rows, rows)
+
+
+@dataclass(frozen=True)
+class LogitBias:
+    """Each biased row's values added to its tokens' logits (OpenAI's `logit_bias`)."""
+
+    flat_index: torch.Tensor  # [n] int64: row * vocab_size + token id
+    values: torch.Tensor  # [n] float32
+
+    @classmethod
+    def build(
+        cls,
+        biases: Sequence[Mapping[int, float] | None],
+        vocab_size: int,
+        device: torch.device,
+    ) -> LogitBias | None:
+        rows = [r for r, bias in enumerate(biases) if bias]
+        if not rows:
+            return None
+        token_lists = [list(biases[r] or {}) for r in rows]
+        index = flat_token_index(rows, token_lists, vocab_size, "a logit_bias")
+        assert index is not None
+        values = [v for r in rows for v in (biases[r] or {}).values()]
+        return cls(
+            upload(index[0] * vocab_size + index[1], device),
+            upload(torch.tensor(values, dtype=torch.float32), device),
+        )
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        flat = logits.reshape(-1).index_add(0, self.flat_index, self.values)
+        return flat.view_as(logits)
 
 
 @dataclass(frozen=True)

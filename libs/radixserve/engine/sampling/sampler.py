@@ -5,6 +5,7 @@ Order of operations (all in float32, all batched over rows):
 1. Penalties, on every row: repetition (HF-style over prompt + output tokens: a positive
    logit is divided by the penalty, a negative one multiplied), then frequency (minus
    penalty x count in the output) and presence (minus penalty if in the output).
+   Then `logit_bias` (OpenAI's): each row's values added to its tokens' logits.
 2. min_new_tokens: a row with fewer outputs than that gets -inf on its stop ids
    (eos unless ignore_eos, plus stop_token_ids).
 3. Greedy rows (temperature ~ 0 or top_k == 1) take the argmax (first index on ties).
@@ -56,6 +57,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
     _check_logits(logits, batch)
     if (
         batch.penalties is None
+        and batch.bias is None
         and batch.stop_mask is None
         and batch.sampled is None
         and not batch.return_logprob
@@ -64,11 +66,18 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
         return SampleResult(next_token_ids=logits.argmax(dim=-1))
     # The draw reads 16-bit logits as they are (their float32 values are exact); the
     # penalties, the stop mask and the logprobs need one float32 copy.
-    needs_float = batch.penalties is not None or batch.stop_mask is not None or batch.return_logprob
+    needs_float = (
+        batch.penalties is not None
+        or batch.bias is not None
+        or batch.stop_mask is not None
+        or batch.return_logprob
+    )
     raw = logits.float() if needs_float else logits
     processed = raw
     if batch.penalties is not None:
         processed = batch.penalties.apply(processed)
+    if batch.bias is not None:
+        processed = batch.bias.apply(processed)
     if batch.stop_mask is not None:
         processed = batch.stop_mask.apply(processed)
     next_ids = _choose(processed, batch.sampled)
