@@ -556,4 +556,6 @@ def test_logit_bias_reaches_the_engine_with_int_ids() -> None:
     assert completion.submits[0].sampling.logit_bias == {0: 0.5}
     generate = _plan("generate", {"text": "a", "sampling_params": {"logit_bias": {"9": -1}}})
     assert generate.submits[0].sampling.logit_bias == {9: -1.0}
-    assert _plan("chat", {"messages": USER, "logit_bias": {}}).submits[0].sampling.logit_bias is None
+    assert (
+        _plan("chat", {"messages": USER, "logit_bias": {}}).submits[0].sampling.logit_bias is None
+    )
