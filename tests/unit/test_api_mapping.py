@@ -429,6 +429,8 @@ def test_chat_errors_name_their_param(body: dict[str, Any], param: str) -> None:
 _COMPLETION_ERRORS: list[tuple[dict[str, Any], str]] = [
     ({}, "prompt"),
     ({"prompt": "a", "logit_bias": {"x1": 2}}, "logit_bias"),
+    ({"prompt": "a", "best_of": 3}, "best_of"),
+    ({"prompt": "a", "suffix": "end"}, "suffix"),
     ({"prompt": "a", "logit_bias": {"-3": 2}}, "logit_bias"),
     ({"prompt": "a", "logit_bias": {"3": 100.5}}, "logit_bias"),
     ({"prompt": "a", "logit_bias": {"3": "up"}}, "logit_bias.3"),

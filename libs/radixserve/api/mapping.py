@@ -182,6 +182,10 @@ def plan_completion(
     arrival_time: float,
 ) -> GenerationPlan:
     check_model(req.model, served_model)
+    if req.best_of not in (None, 1):
+        raise ApiError.invalid("best_of is not supported: use n", "best_of")
+    if req.suffix:
+        raise ApiError.invalid("suffix (insertion) is not supported", "suffix")
     prompts = completion_prompts(req.prompt)
     echo_texts: tuple[str, ...] = ()
     if req.echo:

@@ -152,3 +152,6 @@ class CompletionRequest(OpenAISamplingFields):
     echo: bool | None = None
     logprobs: CompletionLogprobs | None = None
     response_format: ResponseFormat | None = None
+    # Not served: refused by `mapping` (ignored, they would change the answer unseen).
+    best_of: int | None = None
+    suffix: str | None = None
