@@ -106,6 +106,29 @@ def test_a_forced_call_is_the_engines_answer_under_the_same_schema(
     for name, arguments in got:
         params = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == name)
         jsonschema.validate(arguments, params)
+    # Streamed (a named call's arguments a piece at a time), the openai client's way of
+    # putting the pieces together gives the same calls.
+    names: dict[int, str] = {}
+    arguments_text: dict[int, str] = {}
+    for chunk in client.chat.completions.create(
+        model=tiny_stack.model,
+        messages=USER,  # type: ignore[arg-type]
+        tools=TOOLS,  # type: ignore[arg-type]
+        tool_choice=tool_choice,
+        temperature=0,
+        max_tokens=96,
+        parallel_tool_calls=parallel,  # type: ignore[arg-type]
+        stream=True,
+    ):
+        for piece in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+            if piece.function and piece.function.name:
+                names[piece.index] = piece.function.name
+            if piece.function and piece.function.arguments:
+                arguments_text[piece.index] = (
+                    arguments_text.get(piece.index, "") + piece.function.arguments
+                )
+    streamed = [(names[i], json.loads(arguments_text[i])) for i in sorted(names)]
+    assert streamed == want
 
 
 # What a model trained on the Hermes format writes; the tiny random model is steered to it.

@@ -140,3 +140,25 @@ def test_a_streamed_forced_call_comes_at_the_end() -> None:
     assert [(c["index"], c["function"]["name"]) for c in calls] == [(0, "now")]
     assert all(not c["delta"].get("content") for c in choices)
     assert choices[-1]["finish_reason"] == "tool_calls"
+
+
+def test_a_named_calls_arguments_stream_as_they_come() -> None:
+    plan = _plan(stream=True, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    choices = _stream(plan, ['{"city": ', '"Par', 'is"}', ""])
+    entries = [c["delta"]["tool_calls"][0] for c in choices if "tool_calls" in c["delta"]]
+    first, *rest = entries
+    assert CALL_ID.fullmatch(first["id"]) and first["type"] == "function"
+    assert first["index"] == 0 and first["function"] == {
+        "name": "get_weather",
+        "arguments": '{"city": ',
+    }
+    assert rest == [
+        {"index": 0, "function": {"arguments": '"Par'}},
+        {"index": 0, "function": {"arguments": 'is"}'}},
+    ]
+    assert choices[-1]["finish_reason"] == "tool_calls"
+    # Nothing generated at all: still the call, as the whole answer reads.
+    empty = [c for c in _stream(plan, [""]) if "tool_calls" in c["delta"]]
+    assert [c["delta"]["tool_calls"][0]["function"] for c in empty] == [
+        {"name": "get_weather", "arguments": ""}
+    ]

@@ -3,7 +3,7 @@
     tools = plan_tools(req)            # ApiError (400) for tools or a tool_choice that cannot run
     submit = SubmitRequest(..., tools=tools.tools_json, sampling=... json_schema=tools.schema)
     content, calls = tools.read(text)  # a finished choice -> message content, OpenAI tool_calls
-    stream = tools.stream()            # the same, a delta at a time (`feed`, `finish`)
+    stream = tools.stream()            # content and `delta.tool_calls` entries, a delta at a time
 
 `tool_choice` (OpenAI's; default "auto" when there are tools):
 - "auto": the model sees the tools (`SubmitRequest.tools`, rendered by the chat
@@ -55,25 +55,47 @@ class ToolPlan:
 
 
 class ToolStream:
-    """One streamed choice: content as soon as it is known not to be a call, each call
-    when it is complete. A forced answer is all calls: it is read at the end."""
+    """One streamed choice as content and OpenAI `delta.tool_calls` entries. `auto`:
+    content as soon as it is known not to be a call, each call in one entry once
+    complete. Named: the answer is the call's arguments, streamed as they come (the
+    first entry carries the id and name). Required: a list of calls, read at the end."""
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
         self._auto = ToolCallStream(plan.names) if plan.mode == "auto" else None
         self._held: list[str] = []
+        self.calls = 0  # entries that opened a call so far
 
-    def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
+    def feed(self, delta: str) -> tuple[str, list[dict[str, Any]]]:
         if self._auto is not None:
-            return self._auto.feed(delta)
+            content, calls = self._auto.feed(delta)
+            return content, self._entries(calls)
+        if self.plan.mode == "named":
+            return "", self._arguments(delta)
         self._held.append(delta)
         return "", []
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
+    def finish(self) -> tuple[str, list[dict[str, Any]]]:
         if self._auto is not None:
-            return self._auto.finish()
-        content, calls = _read_forced(self.plan, "".join(self._held))
-        return content or "", calls
+            content, calls = self._auto.finish()
+            return content, self._entries(calls)
+        if self.plan.mode == "named":
+            # An empty answer is still the call (with empty arguments), as read whole.
+            return "", [] if self.calls else self._arguments("", opening=True)
+        text, calls = _read_forced(self.plan, "".join(self._held))
+        return text or "", self._entries(calls)
+
+    def _entries(self, calls: list[ToolCall]) -> list[dict[str, Any]]:
+        entries = [tool_call_body(call, self.calls + i) for i, call in enumerate(calls)]
+        self.calls += len(calls)
+        return entries
+
+    def _arguments(self, text: str, opening: bool = False) -> list[dict[str, Any]]:
+        if not text and not opening:
+            return []
+        if self.calls == 0:
+            return self._entries([ToolCall(self.plan.names[0], text)])
+        return [{"index": 0, "function": {"arguments": text}}]
 
 
 def plan_tools(req: ChatCompletionRequest) -> ToolPlan | None:

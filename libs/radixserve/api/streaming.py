@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from radixserve.api.assembly import Assembly, ChoiceUpdate
-from radixserve.api.chat_tools import ToolStream, tool_call_body
+from radixserve.api.chat_tools import ToolStream
 from radixserve.api.logprobs import (
     chat_logprobs,
     completion_logprobs,
@@ -37,7 +37,6 @@ from radixserve.api.responses import (
     openai_finish_reason,
     usage_body,
 )
-from radixserve.api.tool_calls import ToolCall
 
 
 class Streamer(Protocol):
@@ -76,7 +75,7 @@ class _OpenAIStreamer:
 
 class ChatStreamer(_OpenAIStreamer):
     """With tools, each choice's text goes through a `ToolStream`: content as soon as it
-    cannot be part of a call, each call as one `tool_calls` delta once complete."""
+    cannot be part of a call, and its `tool_calls` entries (chat_tools.py)."""
 
     object_name = "chat.completion.chunk"
 
@@ -84,7 +83,6 @@ class ChatStreamer(_OpenAIStreamer):
         super().__init__(plan, created)
         self._reasoning: dict[int, ReasoningStream] = {}
         self._tools: dict[int, ToolStream] = {}
-        self._calls: dict[int, int] = {}  # per choice: calls streamed so far
 
     def chunks(self, update: ChoiceUpdate, elapsed_s: float) -> list[dict[str, Any]]:
         index = update.choice.index
@@ -97,16 +95,16 @@ class ChatStreamer(_OpenAIStreamer):
         reasoning, text = self._think(index, delta.text, last)
         if reasoning:
             out.append(self._choice(index, {"reasoning_content": reasoning}, None, None))
-        text, calls = self._read(index, text, last)
+        text, entries = self._read(index, text, last)
         if text or delta.logprobs:
             logprobs = chat_logprobs(delta.logprobs or []) if self.plan.logprobs else None
             out.append(self._choice(index, {"content": text}, logprobs, None))
-        for call in calls:
-            n = self._calls.get(index, 0)
-            self._calls[index] = n + 1
-            out.append(self._choice(index, {"tool_calls": [tool_call_body(call, n)]}, None, None))
+        for entry in entries:
+            out.append(self._choice(index, {"tool_calls": [entry]}, None, None))
         if delta.finish_reason is not None:
-            reason = chat_finish_reason(delta.finish_reason, index in self._calls)
+            tools = self._tools.get(index)
+            called = tools is not None and tools.calls > 0
+            reason = chat_finish_reason(delta.finish_reason, called)
             out.append(self._choice(index, {}, None, reason))
         return out
 
@@ -123,18 +121,18 @@ class ChatStreamer(_OpenAIStreamer):
             reasoning, content = reasoning + more_reasoning, content + more_content
         return reasoning, content
 
-    def _read(self, index: int, text: str, last: bool) -> tuple[str, list[ToolCall]]:
-        """(content to send, calls completed) of a choice's next text."""
+    def _read(self, index: int, text: str, last: bool) -> tuple[str, list[dict[str, Any]]]:
+        """(content to send, `tool_calls` entries) of a choice's next text."""
         if self.plan.tools is None:
             return text, []
         stream = self._tools.get(index)
         if stream is None:
             stream = self._tools[index] = self.plan.tools.stream()
-        content, calls = stream.feed(text)
+        content, entries = stream.feed(text)
         if last:
             rest, more = stream.finish()
-            content, calls = content + rest, calls + more
-        return content, calls
+            content, entries = content + rest, entries + more
+        return content, entries
 
     def _choice(
         self,
