@@ -165,6 +165,7 @@ SAMPLES: list[Message] = [
         ],
         tools='[{"type": "function", "function": {"name": "get"}}]',
         chat_template_kwargs='{"enable_thinking": false}',
+        continue_final_message=True,
     ),
     TOKENIZED,
     TokenizedRequest(rid="r-5", gateway_id="g", input_ids=b""),

@@ -314,6 +314,7 @@ _CHAT_ERRORS: list[tuple[dict[str, Any], str]] = [
     ({"messages": USER, "json_schema": "{}", "response_format": {"type": "json_object"}}, "response_format"),
     ({"messages": USER, "tool_choice": "required"}, "tool_choice"),
     ({"messages": USER, "functions": [{"name": "f"}]}, "functions"),
+    ({"messages": USER, "continue_final_message": True}, "continue_final_message"),
     ({"messages": USER, "function_call": "auto"}, "function_call"),
     ({"messages": USER, "tool_choice": "sometimes", "tools": [_tool("f")]}, "tool_choice"),
     ({"messages": USER, "tools": [_tool("f"), _tool("f")]}, "tools[1].function.name"),
@@ -561,3 +562,10 @@ def test_logit_bias_reaches_the_engine_with_int_ids() -> None:
     assert (
         _plan("chat", {"messages": USER, "logit_bias": {}}).submits[0].sampling.logit_bias is None
     )
+
+
+def test_continue_final_message_reaches_the_tokenizer() -> None:
+    messages = [*USER, {"role": "assistant", "content": "Sure: "}]
+    plan = _plan("chat", {"messages": messages, "continue_final_message": True})
+    assert plan.submits[0].continue_final_message is True
+    assert _plan("chat", {"messages": messages}).submits[0].continue_final_message is False

@@ -197,3 +197,12 @@ def test_chat_template_kwargs_are_the_templates_variables() -> None:
     )
     assert off == "You are terse.|Weather in Oslo?|<think></think>"
     assert _text(prompter, messages=CONVERSATION[:2]) == "You are terse.|Weather in Oslo?|"
+
+
+def test_continue_final_message_leaves_the_assistants_prefix_open() -> None:
+    prompter = _prompter()
+    prefix = ChatMessage(role="assistant", content='{"answer": ')
+    text = _text(prompter, messages=[*CONVERSATION[:2], prefix], continue_final_message=True)
+    assert text.endswith('<|im_start|>assistant\n{"answer": ')
+    closed = _text(prompter, messages=[*CONVERSATION[:2], prefix])
+    assert closed.endswith('{"answer": <|im_end|>\n<|im_start|>assistant\n')

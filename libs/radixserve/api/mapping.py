@@ -129,6 +129,11 @@ def plan_chat(
     check_model(req.model, served_model)
     tools = plan_tools(req)
     template_kwargs = _template_kwargs(req.chat_template_kwargs)
+    if req.continue_final_message and req.messages and req.messages[-1].role != "assistant":
+        raise ApiError.invalid(
+            "continue_final_message needs the last message to be the assistant's",
+            "continue_final_message",
+        )
     reasoning = None
     if reasoning_parser is not None and req.separate_reasoning is not False:
         reasoning = REASONING_FORMATS[reasoning_parser]
@@ -158,6 +163,7 @@ def plan_chat(
         model=served_model,
         tools=None if tools is None else tools.tools_json,
         chat_template_kwargs=template_kwargs,
+        continue_final_message=bool(req.continue_final_message),
     )
     return GenerationPlan(
         endpoint="chat",

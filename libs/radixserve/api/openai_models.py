@@ -140,6 +140,8 @@ class ChatCompletionRequest(OpenAISamplingFields):
     # parser set on the gateway; default true).
     chat_template_kwargs: dict[str, Any] | None = None
     separate_reasoning: bool | None = None
+    # vLLM's: the answer continues the last (assistant) message, e.g. a prefilled "{".
+    continue_final_message: bool | None = None
 
 
 # Token-id prompts are listed before string ones so `[1, 2]` is read as ids: pydantic's

@@ -166,7 +166,9 @@ class PromptTokenizer:
             kwargs = json.loads(req.chat_template_kwargs) if req.chat_template_kwargs else None
             if kwargs is not None and not isinstance(kwargs, dict):
                 raise ValueError("chat_template_kwargs must be a JSON object")
-            return apply_chat_template(self.tokenizer, messages, tools, kwargs)
+            return apply_chat_template(
+                self.tokenizer, messages, tools, kwargs, req.continue_final_message
+            )
         except Exception as exc:
             # A template may reject a conversation on purpose (`raise_exception` in
             # Jinja: roles that do not alternate, ...): that is the client's 400.

@@ -90,6 +90,9 @@ class SubmitRequest(Message, frozen=True):
     model: str = ""
     tools: str | None = None
     chat_template_kwargs: str | None = None  # JSON text of an object: more template variables
+    # A last assistant message continued (its prefix the start of the answer) instead of
+    # a new assistant turn opened after it.
+    continue_final_message: bool = False
 
     def __post_init__(self) -> None:
         # Runs on decode too, where the ValueError surfaces as a ProtocolError.

@@ -24,10 +24,13 @@ def apply_chat_template(
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None = None,
     template_kwargs: dict[str, Any] | None = None,
+    continue_final_message: bool = False,
 ) -> list[int]:
     """Token ids of `messages` rendered with the model's template, ending with the assistant
     prompt; `tools` (OpenAI's tool list) for a template that reads them; `template_kwargs`:
-    more variables for the template (e.g. Qwen3's `enable_thinking`)."""
+    more variables for the template (e.g. Qwen3's `enable_thinking`);
+    `continue_final_message`: the last message left open for the answer to continue
+    (no new assistant prompt)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             "this model has no chat template; use a completion endpoint with a plain prompt"
@@ -40,7 +43,8 @@ def apply_chat_template(
         messages,
         tools=tool_list,
         tokenize=False,
-        add_generation_prompt=True,
+        add_generation_prompt=not continue_final_message,
+        continue_final_message=continue_final_message,
         **(template_kwargs or {}),
     )
     if not isinstance(text, str):
