@@ -73,6 +73,25 @@ def test_sample_on_cuda_draws_what_the_cpu_sampler_draws(fields: dict[str, float
     assert (on_gpu.cpu() != on_cpu).sum() <= 1, (on_gpu.cpu(), on_cpu)
 
 
+def test_a_logit_bias_on_cuda_draws_what_the_cpu_sampler_draws() -> None:
+    # OpenAI's logit_bias on some rows (a ban of the argmax, a boost), greedy and sampled.
+    bs = 16
+    g = torch.Generator().manual_seed(5)
+    logits = (torch.randn(bs, VOCAB, generator=g) * 4).bfloat16()
+    reqs = []
+    for i in range(bs):
+        bias = None
+        if i % 2 == 0:
+            bias = {int(logits[i].float().argmax()): -100.0, 1000 + i: 6.0}
+        sampled = {"temperature": 0.8, "top_p": 0.95} if i % 3 else {"temperature": 0.0}
+        reqs.append(SamplingRequest(params=SamplingParams(**sampled, logit_bias=bias), seed=50 + i))
+    on_cpu = sample(logits, SamplingBatch.build(reqs, VOCAB, "cpu")).next_token_ids
+    on_gpu = sample(logits.cuda(), SamplingBatch.build(reqs, VOCAB, DEVICE)).next_token_ids
+    assert (on_gpu.cpu() != on_cpu).sum() <= 1, (on_gpu.cpu(), on_cpu)
+    banned = [int(logits[i].float().argmax()) for i in range(0, bs, 2)]
+    assert all(int(on_gpu[i]) != banned[i // 2] for i in range(0, bs, 2))
+
+
 def test_warm_up_compiles_the_one_kernel_every_filter_mix_then_uses() -> None:
     from radixserve.engine.kernels.triton_ops.sampling import _draw_kernel
     from radixserve.engine.sampling import sampler
