@@ -20,14 +20,13 @@ from radixserve.bus import BusError, BusMsg
 from radixserve.detok import DEFAULT_MAX_REQUESTS, IncrementalDetokenizer, LostStream, StepGaps
 from radixserve.protocol import (
     AbortRequest,
-    ProtocolError,
     StepOutputBatch,
     TextDeltaBatch,
-    decode,
     encode,
     num_tokens,
     retry_later_error,
 )
+from radixserve.services.messages import decode_or_drop
 from radixserve.services.runtime import (
     ServiceContext,
     ServiceSettings,
@@ -115,10 +114,8 @@ async def main(ctx: ServiceContext, settings: DetokenizerSettings) -> None:
     )
 
     async def on_step(msg: BusMsg) -> None:
-        try:
-            batch = decode(msg.data, StepOutputBatch)
-        except ProtocolError as exc:
-            log.warning("dropped a malformed step batch: %s", exc)
+        batch = decode_or_drop(msg, StepOutputBatch, log)
+        if batch is None:
             return
         missed = gaps.observe(batch.worker_id, batch.step)
         if missed:

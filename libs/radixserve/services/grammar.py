@@ -28,11 +28,10 @@ from radixserve.protocol import (
     GrammarCompileRequest,
     GrammarFetchReply,
     GrammarFetchRequest,
-    ProtocolError,
     QueueGroups,
-    decode,
     encode,
 )
+from radixserve.services.messages import decode_or_drop
 from radixserve.services.runtime import ServiceContext, run_service, settings_from_args
 from radixserve.telemetry import genai
 from radixserve.telemetry.pipeline_metrics import GrammarMetrics
@@ -136,11 +135,8 @@ async def _registry(
 async def start(ctx: ServiceContext, grammars: GrammarBackend, metrics: GrammarMetrics) -> None:
 
     async def on_compile(msg: BusMsg) -> None:
-        try:
-            req = decode(msg.data, GrammarCompileRequest)
-        except ProtocolError as exc:
-            # No rid to answer with: the requester's timeout reports it as unavailable.
-            log.warning("malformed GrammarCompileRequest: %s", exc)
+        req = decode_or_drop(msg, GrammarCompileRequest, log)
+        if req is None:  # no rid to answer: the requester's timeout reports it unavailable
             return
         # Parent: the tokenizer's span (the handler runs in the sender's context).
         with _tracer.start_as_current_span(
@@ -160,10 +156,8 @@ async def start(ctx: ServiceContext, grammars: GrammarBackend, metrics: GrammarM
             await ctx.bus.respond(msg, encode(reply))
 
     async def on_fetch(msg: BusMsg) -> None:
-        try:
-            req = decode(msg.data, GrammarFetchRequest)
-        except ProtocolError as exc:
-            log.warning("malformed GrammarFetchRequest: %s", exc)
+        req = decode_or_drop(msg, GrammarFetchRequest, log)
+        if req is None:
             return
         with _tracer.start_as_current_span(
             genai.SPAN_GRAMMAR_FETCH, attributes={genai.REQUEST_ID: req.rid}

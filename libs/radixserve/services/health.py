@@ -8,11 +8,15 @@ every second, and each worker a `Heartbeat` with its status. `radixserve health`
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 
 from radixserve import protocol
 from radixserve.bus import Bus, BusMsg, BusSettings
+from radixserve.services.messages import decode_or_drop
+
+log = logging.getLogger(__name__)
 
 SERVICES = ("gateway", "tokenizer", "scheduler", "worker", "grammar", "detokenizer")
 
@@ -60,11 +64,15 @@ async def probe(nats_url: str, prefix: str, wait_s: float = 2.5) -> HealthReport
     try:
 
         async def on_alive(msg: BusMsg) -> None:
-            beat = protocol.decode(msg.data, protocol.ServiceHeartbeat)
+            beat = decode_or_drop(msg, protocol.ServiceHeartbeat, log)
+            if beat is None:
+                return
             report.services.setdefault(beat.service, {})[beat.instance_id] = beat
 
         async def on_worker(msg: BusMsg) -> None:
-            beat = protocol.decode(msg.data, protocol.Heartbeat)
+            beat = decode_or_drop(msg, protocol.Heartbeat, log)
+            if beat is None:
+                return
             report.workers[beat.worker_id] = beat
 
         await bus.subscribe(subjects.alive_all, on_alive)

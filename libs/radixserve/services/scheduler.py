@@ -45,6 +45,7 @@ from radixserve.routing import (
     finished_choices,
     merge_flush_replies,
 )
+from radixserve.services.messages import decode_or_drop
 from radixserve.services.runtime import (
     ServiceContext,
     ServiceSettings,
@@ -172,10 +173,8 @@ async def start(ctx: ServiceContext, settings: SchedulerSettings) -> None:
 
     async def on_schedule(msg: BusMsg) -> None:
         await bus.acknowledge(msg)  # received: the tokenizer stops waiting for it
-        try:
-            request = decode(msg.data, TokenizedRequest)
-        except ProtocolError as exc:
-            log.error("malformed TokenizedRequest dropped: %s", exc)
+        request = decode_or_drop(msg, TokenizedRequest, log, level=logging.ERROR)
+        if request is None:
             return
         # Parent: the tokenizer's span; the worker's span continues from this one.
         with _tracer.start_as_current_span(
@@ -217,10 +216,8 @@ async def start(ctx: ServiceContext, settings: SchedulerSettings) -> None:
         update_load()
 
     async def on_abort(msg: BusMsg) -> None:
-        try:
-            abort = decode(msg.data, AbortRequest)
-        except ProtocolError as exc:
-            log.warning("malformed AbortRequest: %s", exc)
+        abort = decode_or_drop(msg, AbortRequest, log)
+        if abort is None:
             return
         worker_id = dispatcher.abort(abort.rid, time.monotonic())
         if worker_id is not None:
@@ -241,10 +238,8 @@ async def start(ctx: ServiceContext, settings: SchedulerSettings) -> None:
             return f"failed: {exc}"
 
     async def on_flush(msg: BusMsg) -> None:
-        try:
-            request = decode(msg.data, FlushCacheRequest)
-        except ProtocolError as exc:
-            log.warning("malformed FlushCacheRequest: %s", exc)
+        request = decode_or_drop(msg, FlushCacheRequest, log)
+        if request is None:
             return
         workers = dispatcher.ready_workers()
         data = encode(request)
@@ -255,10 +250,8 @@ async def start(ctx: ServiceContext, settings: SchedulerSettings) -> None:
             await bus.respond(msg, encode(reply))
 
     async def on_inflight(msg: BusMsg) -> None:
-        try:
-            query = decode(msg.data, InflightQuery)
-        except ProtocolError as exc:
-            log.warning("malformed InflightQuery: %s", exc)
+        query = decode_or_drop(msg, InflightQuery, log)
+        if query is None:
             return
         table = dispatcher.inflight
         inflight: list[str] = []
@@ -272,26 +265,20 @@ async def start(ctx: ServiceContext, settings: SchedulerSettings) -> None:
             await bus.respond(msg, encode(InflightReply(inflight=inflight, ended=ended)))
 
     async def on_heartbeat(msg: BusMsg) -> None:
-        try:
-            beat = decode(msg.data, Heartbeat)
-        except ProtocolError as exc:
-            log.warning("malformed Heartbeat on %s: %s", msg.subject, exc)
+        beat = decode_or_drop(msg, Heartbeat, log)
+        if beat is None:
             return
         await send_errors(dispatcher.on_heartbeat(beat, time.monotonic()))
 
     async def on_stats(msg: BusMsg) -> None:
-        try:
-            stats = decode(msg.data, WorkerStats)
-        except ProtocolError as exc:
-            log.warning("malformed WorkerStats on %s: %s", msg.subject, exc)
+        stats = decode_or_drop(msg, WorkerStats, log)
+        if stats is None:
             return
         dispatcher.on_stats(stats, time.monotonic())
 
     async def on_kv_events(msg: BusMsg) -> None:
-        try:
-            batch = decode(msg.data, KvEventBatch)
-        except ProtocolError as exc:
-            log.warning("malformed KvEventBatch on %s: %s", msg.subject, exc)
+        batch = decode_or_drop(msg, KvEventBatch, log)
+        if batch is None:
             return
         dispatcher.on_kv_events(batch)
 
@@ -320,9 +307,8 @@ async def start(ctx: ServiceContext, settings: SchedulerSettings) -> None:
         # there; failed by another service (the detokenizer's output_lost), the worker is
         # still generating it: abort it there. This handler may run before `on_abort` for
         # the sender's own abort, which then finds the request out of flight.
-        try:
-            error = decode(msg.data, RequestError)
-        except ProtocolError:
+        error = decode_or_drop(msg, RequestError, log, level=logging.DEBUG)
+        if error is None:
             return
         worker_id = dispatcher.on_error(error.rid)
         if worker_id is None or error.service == "worker":

@@ -34,6 +34,7 @@ from radixserve.protocol import (
     too_large_error,
 )
 from radixserve.routing import RecentAborts
+from radixserve.services.messages import decode_or_drop
 from radixserve.services.runtime import (
     ServiceContext,
     ServiceSettings,
@@ -183,10 +184,8 @@ class _Tokenizer:
         task.add_done_callback(self._active.discard)
 
     async def on_abort(self, msg: BusMsg) -> None:
-        try:
-            abort = decode(msg.data, AbortRequest)
-        except ProtocolError as exc:
-            log.warning("malformed AbortRequest: %s", exc)
+        abort = decode_or_drop(msg, AbortRequest, log)
+        if abort is None:
             return
         self._aborted.add(abort.rid, time.monotonic())
 

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from radixserve import protocol
 from radixserve.bus import BusError, BusMsg
 from radixserve.engine.flags import add_engine_arguments, engine_kwargs
+from radixserve.services.messages import decode_or_drop
 from radixserve.services.runtime import ServiceContext, run_service, settings_from_args
 from radixserve.telemetry.tracing import get_tracer
 from radixserve.telemetry.worker_metrics import WorkerMetrics, WorkerTelemetry
@@ -170,7 +171,9 @@ class WorkerService:
         kind = msg.subject.rsplit(".", 1)[-1]
         if kind == "run":
             await self.ctx.bus.acknowledge(msg)  # received: the scheduler stops waiting
-            routed = protocol.decode(msg.data, protocol.RoutedRequest)
+            routed = decode_or_drop(msg, protocol.RoutedRequest, log, level=logging.ERROR)
+            if routed is None:
+                return
             if self.status is not protocol.WorkerStatus.READY:
                 error = protocol.retry_later_error(
                     routed.rid, "worker_draining", "the worker is shutting down; retry", SERVICE
@@ -187,7 +190,9 @@ class WorkerService:
             else:
                 self.driver.submit(routed)
         elif kind == "abort":
-            abort = protocol.decode(msg.data, protocol.AbortRequest)
+            abort = decode_or_drop(msg, protocol.AbortRequest, log)
+            if abort is None:
+                return
             log.info("abort: %s", abort.reason or "requested", extra={"rid": abort.rid})
             waiting = self._grammar_waits.get(abort.rid)
             if waiting is not None:
@@ -196,10 +201,14 @@ class WorkerService:
                 self.driver.abort(abort.rid)
         elif kind == "flush_cache":
             # In a task of its own: runs and aborts behind it are not held up.
-            request = protocol.decode(msg.data, protocol.FlushCacheRequest)
+            request = decode_or_drop(msg, protocol.FlushCacheRequest, log)
+            if request is None:
+                return
             self.ctx.spawn(self._flush_cache(msg, request), f"flush-{request.rid}")
         elif kind == "kv_snapshot":
-            snapshot = protocol.decode(msg.data, protocol.KvSnapshotRequest)
+            snapshot = decode_or_drop(msg, protocol.KvSnapshotRequest, log)
+            if snapshot is None:
+                return
             log.info("KV snapshot asked for: %s", snapshot.reason or "no reason given")
             self.driver.kv_snapshot()  # answered on kv_events, in sequence
 

@@ -19,13 +19,12 @@ import time
 from radixserve.bus import BusMsg
 from radixserve.protocol import (
     Heartbeat,
-    ProtocolError,
     ServiceHeartbeat,
     WorkerStats,
     WorkerStatus,
-    decode,
 )
 from radixserve.services.health import SERVICES
+from radixserve.services.messages import decode_or_drop
 from radixserve.telemetry import GatewayMetrics
 
 log = logging.getLogger(__name__)
@@ -42,18 +41,14 @@ class WorkerTracker:
         self._alive: dict[tuple[str, str], tuple[float, str]] = {}
 
     async def on_heartbeat(self, msg: BusMsg) -> None:
-        try:
-            beat = decode(msg.data, Heartbeat)
-        except ProtocolError as exc:
-            log.warning("dropping a malformed heartbeat on %s: %s", msg.subject, exc)
+        beat = decode_or_drop(msg, Heartbeat, log)
+        if beat is None:
             return
         self._heartbeats[beat.worker_id] = (time.monotonic(), beat.status)
 
     async def on_alive(self, msg: BusMsg) -> None:
-        try:
-            beat = decode(msg.data, ServiceHeartbeat)
-        except ProtocolError as exc:
-            log.warning("dropping a malformed service heartbeat on %s: %s", msg.subject, exc)
+        beat = decode_or_drop(msg, ServiceHeartbeat, log)
+        if beat is None:
             return
         self._alive[beat.service, beat.instance_id] = (time.monotonic(), beat.status)
 
@@ -67,10 +62,8 @@ class WorkerTracker:
         return counts
 
     async def on_stats(self, msg: BusMsg) -> None:
-        try:
-            stats = decode(msg.data, WorkerStats)
-        except ProtocolError as exc:
-            log.warning("dropping malformed stats on %s: %s", msg.subject, exc)
+        stats = decode_or_drop(msg, WorkerStats, log)
+        if stats is None:
             return
         self._stats_seen[stats.worker_id] = time.monotonic()
         self.metrics.observe_worker_stats(stats)
