@@ -273,3 +273,17 @@ def test_strict_tools_the_model_may_call_match_the_engine_under_the_same_tag(
         ]
     else:
         assert message_out.content == expected["text"] and not message_out.tool_calls
+
+
+def test_a_strict_tool_schema_that_does_not_compile_names_the_tools(
+    client: openai.OpenAI, tiny_stack: RunningStack
+) -> None:
+    bad = {"type": "object", "properties": {"x": {"type": "nonsense"}}}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": bad, "strict": True}}]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(
+            model=tiny_stack.model,
+            messages=USER,  # type: ignore[arg-type]
+            tools=tools,  # type: ignore[arg-type]
+        )
+    assert (info.value.code, info.value.param) == ("invalid_grammar", "tools")

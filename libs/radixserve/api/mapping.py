@@ -104,11 +104,16 @@ class GenerationPlan:
         return prompt_index * self.n + choice
 
     def client_error(self, error: ApiError) -> ApiError:
-        """A service's error about a field this plan made from another one named as the
-        client sent it: the schema of a forced tool call is the client's `tools`."""
-        if self.tools is not None and self.tools.schema is not None:
-            if error.param == "json_schema":
-                error.param = "tools"
+        """A service's error about a field this plan (or the tokenizer, for strict tools)
+        made from another one, named as the client sent it: a grammar made of the
+        client's `tools` is `tools`."""
+        if self.tools is None or not self.submits:
+            return error
+        sampling = self.submits[0].sampling
+        if error.param == "json_schema" and self.tools.schema is not None:
+            error.param = "tools"
+        elif error.param == "structural_tag" and sampling.structural_tag is None:
+            error.param = "tools"  # the strict tools' tag, added by the tokenizer
         return error
 
 
