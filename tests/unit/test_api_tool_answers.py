@@ -7,6 +7,9 @@ import json
 import re
 from typing import Any
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from radixserve.api import Assembly, chat_completion, make_streamer, parse_body, plan_chat
 from radixserve.api.mapping import GenerationPlan
 from radixserve.api.openai_models import ChatCompletionRequest
@@ -112,13 +115,14 @@ def _stream(plan: GenerationPlan, pieces: list[str]) -> list[dict[str, Any]]:
     return choices
 
 
-def test_a_streamed_call_is_one_tool_calls_delta_once_complete() -> None:
+def test_a_streamed_calls_arguments_come_as_the_model_writes_them() -> None:
     pieces = [
         "Sure",
         ". <tool",
         '_call>\n{"name": "get_',
         'weather", "arguments": ',
-        '{"city": "Oslo"}}\n</tool_call>',
+        '{"city": "Os',
+        'lo"}}\n</tool_call>',
         "",
     ]
     choices = _stream(_plan(stream=True), pieces)
@@ -127,10 +131,66 @@ def test_a_streamed_call_is_one_tool_calls_delta_once_complete() -> None:
     assert content.strip() == "Sure."
     # "Sure" went out before the call was known: content is not held back.
     assert choices[1]["delta"] == {"content": "Sure"}
-    calls = [c["delta"]["tool_calls"] for c in choices if "tool_calls" in c["delta"]]
-    assert len(calls) == 1 and calls[0][0]["index"] == 0
-    assert calls[0][0]["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    entries = [c["delta"]["tool_calls"][0] for c in choices if "tool_calls" in c["delta"]]
+    head, *rest = entries
+    assert CALL_ID.fullmatch(head["id"]) and head["index"] == 0
+    assert head["function"] == {"name": "get_weather", "arguments": ""}
+    # The arguments before the block closed, then the rest: never the call again whole.
+    assert rest == [
+        {"index": 0, "function": {"arguments": '{"city": "Os'}},
+        {"index": 0, "function": {"arguments": 'lo"}'}},
+    ]
     assert choices[-1] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "tool_calls"}
+
+
+_CALLS = st.sampled_from(
+    [
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "a}b{\\"c"}}\n</tool_call>',
+        '<tool_call>{"name": "now", "arguments": {}}</tool_call>',
+        '<tool_call>{"name": "now", "parameters": {"x": [1, {"y": "}"}]}}</tool_call>',
+        '<tool_call>{"arguments": {"q": 1}, "name": "now"}</tool_call>',  # name second: whole
+        '<tool_call>{"name": "now", "arguments": "{\\"q\\": 1}"}</tool_call>',  # a string
+        '<tool_call>{"name": "gone", "arguments": {}}</tool_call>',  # unknown: content
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "x"}}\n',  # left open
+    ]
+)
+_TEXT = st.sampled_from(["Sure. ", "a { b } ", "\n", "< [ ", ""])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    parts=st.lists(st.one_of(_CALLS, _TEXT), max_size=5),
+    cuts=st.lists(st.integers(0, 400), max_size=12),
+)
+def test_any_split_streams_the_calls_the_whole_answer_has(
+    parts: list[str], cuts: list[int]
+) -> None:
+    if any(
+        p.endswith("\n") and p.startswith("<tool_call>") and "</tool_call>" not in p
+        for p in parts[:-1]
+    ):
+        return  # a block left open is only ever the last thing written
+    text = "".join(parts)
+    plan = _plan(stream=True)
+    want_content, want_calls = plan.tools.read(text)  # type: ignore[union-attr]
+    bounds = sorted({min(c, len(text)) for c in cuts})
+    pieces = [text[a:b] for a, b in zip([0, *bounds], [*bounds, len(text)], strict=True)]
+    choices = _stream(plan, [*pieces, ""])
+    names: dict[int, str] = {}
+    arguments: dict[int, str] = {}
+    for c in choices:
+        for entry in c["delta"].get("tool_calls", []):
+            if "id" in entry:
+                assert entry["index"] not in names  # announced once
+                names[entry["index"]] = entry["function"]["name"]
+            arguments[entry["index"]] = (
+                arguments.get(entry["index"], "") + entry["function"]["arguments"]
+            )
+    assert sorted(names) == list(range(len(names)))
+    got = [(names[i], json.loads(arguments[i])) for i in sorted(names)]
+    assert got == [(c.name, json.loads(c.arguments)) for c in want_calls]
+    content = "".join(c["delta"].get("content") or "" for c in choices)
+    assert content.strip() == (want_content or "")
 
 
 def test_a_streamed_forced_call_comes_at_the_end() -> None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from radixserve.api.errors import ApiError
+from radixserve.api.hermes_stream import OpenCall
 from radixserve.api.openai_models import ChatCompletionRequest, NamedToolChoice, ToolDef
 from radixserve.api.tool_calls import ToolCall, ToolCallStream, arguments_json, parse_tool_calls
 
@@ -63,13 +64,26 @@ class ToolStream:
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
         self._auto = ToolCallStream(plan.names) if plan.mode == "auto" else None
+        self._open: OpenCall | None = None  # auto: the open `<tool_call>` block's call
         self._held: list[str] = []
         self.calls = 0  # entries that opened a call so far
 
     def feed(self, delta: str) -> tuple[str, list[dict[str, Any]]]:
         if self._auto is not None:
+            before = self._auto.open_block
             content, calls = self._auto.feed(delta)
-            return content, self._entries(calls)
+            after = self._auto.open_block
+            entries: list[dict[str, Any]] = []
+            if self._open is not None:
+                if before and after.startswith(before):  # the same block, still open
+                    return content, self._entries(calls) + self._follow(after)
+                entries += self._follow(before + delta)  # it closed: its last piece
+                calls = self._without_followed(calls)
+            entries += self._entries(calls)
+            if after:
+                self._open = OpenCall(self.plan.names)
+                entries += self._follow(after)
+            return content, entries
         if self.plan.mode == "named":
             return "", self._arguments(delta)
         self._held.append(delta)
@@ -77,13 +91,41 @@ class ToolStream:
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         if self._auto is not None:
+            before = self._auto.open_block
             content, calls = self._auto.finish()
-            return content, self._entries(calls)
+            entries: list[dict[str, Any]] = []
+            if self._open is not None:
+                entries += self._follow(before)  # a last block left open
+                calls = self._without_followed(calls)
+            return content, entries + self._entries(calls)
         if self.plan.mode == "named":
             # An empty answer is still the call (with empty arguments), as read whole.
             return "", [] if self.calls else self._arguments("", opening=True)
         text, calls = _read_forced(self.plan, "".join(self._held))
         return text or "", self._entries(calls)
+
+    def _follow(self, block: str) -> list[dict[str, Any]]:
+        """The open block's call as it grows (hermes_stream.OpenCall): its announcement
+        and argument pieces."""
+        assert self._open is not None
+        announced, piece = self._open.pieces(block, self.calls)
+        entries = []
+        if announced:
+            entries += self._entries([ToolCall(self._open.name, "")])
+        if piece:
+            entries.append({"index": self._open.index, "function": {"arguments": piece}})
+        return entries
+
+    def _without_followed(self, calls: list[ToolCall]) -> list[ToolCall]:
+        """`calls` less the one already streamed piece by piece (read whole now)."""
+        followed, self._open = self._open, None
+        if followed is None or followed.index is None or not calls:
+            return calls
+        try:
+            normalised = arguments_json(json.loads(followed.arguments))
+        except ValueError:
+            return calls
+        return calls[1:] if followed.is_the_call(calls[0], normalised) else calls
 
     def _entries(self, calls: list[ToolCall]) -> list[dict[str, Any]]:
         entries = [tool_call_body(call, self.calls + i) for i, call in enumerate(calls)]

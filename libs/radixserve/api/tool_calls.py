@@ -218,6 +218,14 @@ class ToolCallStream:
         segments, self._held = _scan(self._held, self._names, final=False)
         return self._emit(segments)
 
+    @property
+    def open_block(self) -> str:
+        """The text of a `<tool_call>` block opened and not closed yet ("" when none): what
+        the stream holds back, for a caller that shows the call as it is written."""
+        if self._mode == "scan" and self._held.startswith(_OPEN):
+            return self._held
+        return ""
+
     def finish(self) -> tuple[str, list[ToolCall]]:
         """At the end of the answer: whatever was held back, as content or calls."""
         text, self._held = self._held, ""
