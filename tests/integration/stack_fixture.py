@@ -80,18 +80,33 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny_model"), seed=0)
 
 
+@contextmanager
+def tiny_running_stack(
+    nats_url: str,
+    redis_url: str,
+    model_dir: Path,
+    log_dir: Path,
+    extra_args: dict[str, list[str]] | None = None,
+) -> Iterator[RunningStack]:
+    """The stack on the tiny model's CPU settings; `extra_args`: more flags by service."""
+    with running_stack(
+        nats_url,
+        redis_url,
+        model_dir,
+        log_dir,
+        TINY_WORKER_ARGS,
+        extra_args=extra_args,
+        context_length=TINY_CONTEXT,
+    ) as running:
+        yield running
+
+
 @pytest.fixture(scope="module")
 def tiny_stack(
     nats_url: str, redis_url: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[RunningStack]:
-    with running_stack(
-        nats_url,
-        redis_url,
-        tiny_model_dir,
-        tmp_path_factory.mktemp("tiny_stack_logs"),
-        TINY_WORKER_ARGS,
-        context_length=TINY_CONTEXT,
-    ) as running:
+    log_dir = tmp_path_factory.mktemp("tiny_stack_logs")
+    with tiny_running_stack(nats_url, redis_url, tiny_model_dir, log_dir) as running:
         yield running
 
 

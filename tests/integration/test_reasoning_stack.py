@@ -14,12 +14,7 @@ import openai
 import pytest
 
 from radixserve import Engine
-from tests.integration.stack_fixture import (
-    TINY_CONTEXT,
-    TINY_WORKER_ARGS,
-    RunningStack,
-    running_stack,
-)
+from tests.integration.stack_fixture import RunningStack, tiny_running_stack
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -31,15 +26,9 @@ USER = [{"role": "user", "content": "What is 2 + 2?"}]
 def stack(
     nats_url: str, redis_url: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[RunningStack]:
-    with running_stack(
-        nats_url,
-        redis_url,
-        tiny_model_dir,
-        tmp_path_factory.mktemp("reasoning_logs"),
-        TINY_WORKER_ARGS,
-        extra_args={"gateway": ["--reasoning-parser", "qwen3"]},
-        context_length=TINY_CONTEXT,
-    ) as running:
+    log_dir = tmp_path_factory.mktemp("reasoning_logs")
+    parser = {"gateway": ["--reasoning-parser", "qwen3"]}
+    with tiny_running_stack(nats_url, redis_url, tiny_model_dir, log_dir, parser) as running:
         yield running
 
 

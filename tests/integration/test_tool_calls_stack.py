@@ -83,15 +83,16 @@ def test_a_forced_call_is_the_engines_answer_under_the_same_schema(
     assert schema is not None and schema.schema is not None
     ids = _prompt_ids(tiny_engine, [ChatMessage(role="user", content=USER[0]["content"])])
     expected = json.loads(_engine_text(tiny_engine, ids, schema.schema))
-    response = client.chat.completions.create(
-        model=tiny_stack.model,
-        messages=USER,  # type: ignore[arg-type]
-        tools=TOOLS,  # type: ignore[arg-type]
-        tool_choice=tool_choice,
-        temperature=0,
-        max_tokens=96,
-        parallel_tool_calls=parallel,  # type: ignore[arg-type]
-    )
+    request: dict[str, Any] = {
+        "model": tiny_stack.model,
+        "messages": USER,
+        "tools": TOOLS,
+        "tool_choice": tool_choice,
+        "temperature": 0,
+        "max_tokens": 96,
+        "parallel_tool_calls": parallel,
+    }
+    response = client.chat.completions.create(**request)
     assert response.usage is not None and response.usage.prompt_tokens == len(ids)
     choice = response.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
@@ -108,27 +109,28 @@ def test_a_forced_call_is_the_engines_answer_under_the_same_schema(
         jsonschema.validate(arguments, params)
     # Streamed (a named call's arguments a piece at a time), the openai client's way of
     # putting the pieces together gives the same calls.
+    _, streamed, _ = _streamed(client.chat.completions.create(**request, stream=True))
+    assert [(name, json.loads("".join(pieces))) for name, pieces in streamed] == want
+
+
+def _streamed(chunks: Any) -> tuple[str, list[tuple[str, list[str]]], list[str]]:
+    """A streamed chat answer put together as a client does: its content, each call's
+    name and argument pieces (by index), and the finish reasons."""
+    content, reasons = "", []
     names: dict[int, str] = {}
-    arguments_text: dict[int, str] = {}
-    for chunk in client.chat.completions.create(
-        model=tiny_stack.model,
-        messages=USER,  # type: ignore[arg-type]
-        tools=TOOLS,  # type: ignore[arg-type]
-        tool_choice=tool_choice,
-        temperature=0,
-        max_tokens=96,
-        parallel_tool_calls=parallel,  # type: ignore[arg-type]
-        stream=True,
-    ):
-        for piece in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
-            if piece.function and piece.function.name:
-                names[piece.index] = piece.function.name
-            if piece.function and piece.function.arguments:
-                arguments_text[piece.index] = (
-                    arguments_text.get(piece.index, "") + piece.function.arguments
-                )
-    streamed = [(names[i], json.loads(arguments_text[i])) for i in sorted(names)]
-    assert streamed == want
+    pieces: dict[int, list[str]] = {}
+    for chunk in chunks:
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            for d in c.delta.tool_calls or []:
+                if d.id:
+                    assert d.type == "function" and d.function is not None
+                    names[d.index] = d.function.name or ""
+                if d.function is not None and d.function.arguments:
+                    pieces.setdefault(d.index, []).append(d.function.arguments)
+            if c.finish_reason:
+                reasons.append(c.finish_reason)
+    return content, [(names[i], pieces.get(i, [])) for i in sorted(names)], reasons
 
 
 # What a model trained on the Hermes format writes; the tiny random model is steered to it.
@@ -158,25 +160,14 @@ def test_a_call_in_the_models_own_format_is_read_back_streamed_or_not(
     arguments = json.loads(call.function.arguments)  # type: ignore[union-attr]
     jsonschema.validate(arguments, WEATHER)
 
-    content, reasons = "", []
-    names: dict[int, str] = {}
-    pieces: dict[int, list[str]] = {}
-    for chunk in client.chat.completions.create(**common, stream=True):
-        for c in chunk.choices:
-            content += c.delta.content or ""
-            for d in c.delta.tool_calls or []:
-                if d.id:
-                    assert d.type == "function" and d.function is not None
-                    names[d.index] = d.function.name or ""
-                if d.function is not None and d.function.arguments:
-                    pieces.setdefault(d.index, []).append(d.function.arguments)
-            reasons.append(c.finish_reason)
+    content, streamed, reasons = _streamed(client.chat.completions.create(**common, stream=True))
     assert content.strip() == "Sure."
-    assert names == {0: "get_weather"}
+    ((name, pieces),) = streamed
+    assert name == "get_weather"
     # The arguments came a piece at a time as the model wrote them, and add up to them.
-    assert len(pieces[0]) > 1
-    assert json.loads("".join(pieces[0])) == arguments
-    assert [r for r in reasons if r] == ["tool_calls"]
+    assert len(pieces) > 1
+    assert json.loads("".join(pieces)) == arguments
+    assert reasons == ["tool_calls"]
 
 
 def test_a_conversation_with_calls_and_results_is_tokenized_with_the_tools(

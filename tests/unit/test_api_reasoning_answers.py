@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 
-from radixserve.api import ApiError, Assembly, chat_completion, make_streamer, parse_body, plan_chat
+from radixserve.api import ApiError, Assembly, chat_completion, make_streamer
 from radixserve.api.mapping import GenerationPlan
-from radixserve.api.openai_models import ChatCompletionRequest
-from radixserve.protocol import FinishReason, TextDelta, pack_tokens
+from radixserve.protocol import FinishReason
 from radixserve.services.gateway.settings import add_arguments, gateway_settings_from_args
 from radixserve.services.runtime import add_common_arguments
+from tests.unit.chat_answers import chat_plan, text_delta
 
 STOP = FinishReason(kind="stop")
 USER = [{"role": "user", "content": "2 + 2?"}]
@@ -23,31 +23,12 @@ TOOLS = [{"type": "function", "function": {"name": "calc"}}]
 
 
 def _plan(parser: str | None = "qwen3", **fields: Any) -> GenerationPlan:
-    body = {"messages": USER, **fields}
-    return plan_chat(
-        parse_body(ChatCompletionRequest, json.dumps(body).encode()),
-        response_id="id-1",
-        gateway_id="gw",
-        served_model="m",
-        arrival_time=0.0,
-        reasoning_parser=parser,
-    )
-
-
-def _delta(text: str, finish: FinishReason | None = None) -> TextDelta:
-    return TextDelta(
-        rid="id-1",
-        text=text,
-        token_ids=pack_tokens([1]),
-        finish_reason=finish,
-        prompt_tokens=3,
-        completion_tokens=1,
-    )
+    return chat_plan({"messages": USER, **fields}, reasoning_parser=parser)
 
 
 def _message(plan: GenerationPlan, text: str) -> dict[str, Any]:
     assembly = Assembly(plan)
-    assembly.apply(_delta(text, STOP))
+    assembly.apply(text_delta(text, STOP))
     choice: dict[str, Any] = chat_completion(plan, assembly, 0)["choices"][0]
     return choice
 
@@ -83,7 +64,7 @@ def test_streamed_reasoning_comes_as_reasoning_content_deltas() -> None:
     pieces = ["<think>", "\nTwo and", " two.</th", "ink>\n\n", "4", ""]
     deltas = []
     for i, piece in enumerate(pieces):
-        update = assembly.apply(_delta(piece, STOP if i == len(pieces) - 1 else None))
+        update = assembly.apply(text_delta(piece, STOP if i == len(pieces) - 1 else None))
         assert update is not None
         deltas += [c["choices"][0]["delta"] for c in streamer.chunks(update, 0.0)]
     reasoning = "".join(d.get("reasoning_content", "") for d in deltas)

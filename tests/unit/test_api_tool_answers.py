@@ -10,10 +10,10 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixserve.api import Assembly, chat_completion, make_streamer, parse_body, plan_chat
+from radixserve.api import Assembly, chat_completion, make_streamer
 from radixserve.api.mapping import GenerationPlan
-from radixserve.api.openai_models import ChatCompletionRequest
-from radixserve.protocol import FinishReason, TextDelta, pack_tokens
+from radixserve.protocol import FinishReason
+from tests.unit.chat_answers import chat_plan, text_delta
 
 STOP = FinishReason(kind="stop")
 LENGTH = FinishReason(kind="length")
@@ -26,31 +26,12 @@ CALL_ID = re.compile(r"call_[0-9a-f]{24}")
 
 
 def _plan(**fields: Any) -> GenerationPlan:
-    body = {"messages": [{"role": "user", "content": "x"}], "tools": TOOLS, **fields}
-    return plan_chat(
-        parse_body(ChatCompletionRequest, json.dumps(body).encode()),
-        response_id="id-1",
-        gateway_id="gw",
-        served_model="m",
-        arrival_time=0.0,
-    )
-
-
-def _delta(text: str, finish: FinishReason | None = None, index: int = 0) -> TextDelta:
-    return TextDelta(
-        rid="id-1",
-        text=text,
-        token_ids=pack_tokens([1]),
-        index=index,
-        finish_reason=finish,
-        prompt_tokens=3,
-        completion_tokens=1,
-    )
+    return chat_plan({"messages": [{"role": "user", "content": "x"}], "tools": TOOLS, **fields})
 
 
 def _finished(plan: GenerationPlan, text: str, finish: FinishReason = STOP) -> dict[str, Any]:
     assembly = Assembly(plan)
-    assembly.apply(_delta(text, finish))
+    assembly.apply(text_delta(text, finish))
     choice: dict[str, Any] = chat_completion(plan, assembly, 0)["choices"][0]
     return choice
 
@@ -108,7 +89,7 @@ def _stream(plan: GenerationPlan, pieces: list[str]) -> list[dict[str, Any]]:
     streamer = make_streamer(plan, assembly, created=1)
     choices: list[dict[str, Any]] = []
     for i, piece in enumerate(pieces):
-        update = assembly.apply(_delta(piece, STOP if i == len(pieces) - 1 else None))
+        update = assembly.apply(text_delta(piece, STOP if i == len(pieces) - 1 else None))
         assert update is not None
         for chunk in streamer.chunks(update, 0.0):
             choices += chunk["choices"]

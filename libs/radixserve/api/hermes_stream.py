@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from radixserve.api.tool_calls import ToolCall
 
 _HEAD = re.compile(
-    r'<tool_call>\s*\{\s*"name"\s*:\s*"([a-zA-Z0-9_-]{1,64})"\s*,\s*"(?:arguments|parameters)"\s*:\s*'
+    r'<tool_call>\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*'
 )
 # Past this much text without the head matching, the block is left to arrive whole.
 _HEAD_WINDOW = 256

@@ -1,0 +1,37 @@
+"""Chat plans and the text deltas that answer them, for the tests of chat answers (tool
+calls, reasoning): one plan of a body, one delta of a piece of text."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from radixserve.api import parse_body, plan_chat
+from radixserve.api.mapping import GenerationPlan
+from radixserve.api.openai_models import ChatCompletionRequest
+from radixserve.protocol import FinishReason, TextDelta, pack_tokens
+
+
+def chat_plan(body: dict[str, Any], reasoning_parser: str | None = None) -> GenerationPlan:
+    """The gateway's plan of a chat body (response id `id-1`)."""
+    return plan_chat(
+        parse_body(ChatCompletionRequest, json.dumps(body).encode()),
+        response_id="id-1",
+        gateway_id="gw",
+        served_model="m",
+        arrival_time=0.0,
+        reasoning_parser=reasoning_parser,
+    )
+
+
+def text_delta(text: str, finish: FinishReason | None = None, index: int = 0) -> TextDelta:
+    """One piece of choice `index`'s answer (one token), ending it with `finish`."""
+    return TextDelta(
+        rid="id-1",
+        text=text,
+        token_ids=pack_tokens([1]),
+        index=index,
+        finish_reason=finish,
+        prompt_tokens=3,
+        completion_tokens=1,
+    )
