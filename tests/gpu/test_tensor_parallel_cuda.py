@@ -1,7 +1,9 @@
 """Tensor parallelism on two GPUs (NCCL): greedy tokens of an engine of two ranks equal
 one GPU's on the same float32 weights, on each attention backend, with decode CUDA graphs
 (their all-reduces and the vocabulary-parallel head's all-gather captured) and without;
-the collectives call NCCL directly (engine/nccl.py). Skips below 2 GPUs."""
+the collectives call NCCL directly (engine/nccl.py). FlashInfer runs half precision only,
+so its backend and `auto` (FlashInfer's prefill, Triton's decode) are checked in bfloat16
+against Hugging Face in float32, as the one-GPU FlashInfer tests are. Skips below 2 GPUs."""
 
 from __future__ import annotations
 
@@ -12,7 +14,12 @@ import torch
 
 from radixserve import Engine
 from tests.helpers.tiny_models import make_tiny_llama
-from tests.unit.engine_helpers import make_prompts
+from tests.unit.engine_helpers import (
+    assert_matches_reference,
+    engine_outputs,
+    hf_greedy,
+    make_prompts,
+)
 
 pytestmark = [
     pytest.mark.timeout(600),
@@ -56,3 +63,46 @@ def test_two_gpus_generate_what_one_does(model_dir: Path, backend: str, graphs: 
         two.shutdown()
     assert isinstance(expected, list) and isinstance(got, list)
     assert [g["output_ids"] for g in got] == [e["output_ids"] for e in expected]
+
+
+# bfloat16 against float32 Hugging Face: a divergence only where the reference's top-2
+# gap is below this (test_flashinfer_attention_cuda.py's bound).
+BF16_TIE_TOLERANCE = 0.5
+
+
+@pytest.fixture(scope="module")
+def head128_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Head dim 128 (FlashInfer builds its kernels per head dim); 4 query heads over 2 KV
+    heads: one KV head and two query heads a rank."""
+    folder = tmp_path_factory.mktemp("tiny_llama_tp_head128")
+    return Path(make_tiny_llama(folder, seed=0, head_dim=128, num_key_value_heads=2))
+
+
+@pytest.mark.parametrize(
+    ("backend", "graphs"), [("flashinfer", True), ("auto", True), ("auto", False)]
+)
+def test_two_gpus_half_precision_match_hf(head128_dir: Path, backend: str, graphs: bool) -> None:
+    pytest.importorskip("flashinfer")
+    # 5 and 17 requests decode on the padded graphs of 8 and 24; chunks of 16 tokens put
+    # decoders beside prefill chunks (mixed batches).
+    lengths = [3 + (7 * i) % 61 for i in range(17)]
+    with Engine(
+        str(head128_dir),
+        tp_size=2,
+        device="cuda",
+        dtype="bfloat16",
+        max_total_tokens=8192,
+        attention_backend=backend,
+        chunked_prefill_size=16,
+        disable_cuda_graph=not graphs,
+        cuda_graph_max_bs=32,
+    ) as engine:
+        expected_name = "flashinfer" if backend == "flashinfer" else "flashinfer+triton"
+        assert engine.runner.attn.name == expected_name
+        assert engine.runner.kv_pool.k_buffers[0].shape[1] == 1  # 2 KV heads over 2 ranks
+        assert (engine.runner.graphs is not None) == graphs
+        prompts = make_prompts(engine.runner.vocab_size, lengths, seed=5)
+        ours = engine_outputs(engine, prompts[:5], 24) + engine_outputs(engine, prompts, 24)
+    refs = hf_greedy(head128_dir, prompts[:5] + prompts, 24, device="cuda")
+    for out, ref in zip(ours, refs, strict=True):
+        assert_matches_reference(out, ref, tolerance=BF16_TIE_TOLERANCE)
