@@ -1,9 +1,10 @@
 """Tensor parallelism on two GPUs (NCCL): greedy tokens of an engine of two ranks equal
 one GPU's on the same float32 weights, on each attention backend, with decode CUDA graphs
-(their all-reduces and the vocabulary-parallel head's all-gather captured) and without;
-the collectives call NCCL directly (engine/nccl.py). FlashInfer runs half precision only,
-so its backend and `auto` (FlashInfer's prefill, Triton's decode) are checked in bfloat16
-against Hugging Face in float32, as the one-GPU FlashInfer tests are. Skips below 2 GPUs."""
+(their all-reduces, the vocabulary-parallel embeddings' included, and the head's
+all-gather captured) and without; the collectives call NCCL directly (engine/nccl.py).
+FlashInfer runs half precision only, so its backend and `auto` (FlashInfer's prefill,
+Triton's decode) are checked in bfloat16 against Hugging Face in float32, as the one-GPU
+FlashInfer tests are. Skips below 2 GPUs."""
 
 from __future__ import annotations
 
@@ -56,8 +57,10 @@ def test_two_gpus_generate_what_one_does(model_dir: Path, backend: str, graphs: 
         assert two.runner.kv_pool.k_buffers[0].shape[1] == 1  # 2 KV heads over 2 ranks
         assert (two.runner.graphs is not None) == graphs
         assert two.runner.tp.nccl is not None  # the probe against torch.distributed passed
-        # The vocabulary-parallel head: each rank its half, the logits all-gathered.
+        # The vocabulary-parallel head and embeddings: each rank its half, the logits
+        # all-gathered, the embeddings all-reduced (captured in the graphs too).
         assert two.runner.model.lm_head.weight.shape[0] == two.runner.vocab_size // 2
+        assert two.runner.model.model.embed_tokens.weight.shape[0] == two.runner.vocab_size // 2
         got = two.generate(input_ids=prompts, sampling_params=params)
     finally:
         two.shutdown()

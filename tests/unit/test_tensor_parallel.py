@@ -1,10 +1,12 @@
 """Tensor parallelism on the CPU (gloo): an engine of two ranks generates what one rank
 does (greedy tokens, seeded samples, n > 1, stop strings, aborts, a flush), with each
-rank holding half the heads, MLP rows and head rows (a vocabulary-parallel head, tied or
-not); bad sizes are refused clearly."""
+rank holding half the heads, MLP rows, embedding rows and head rows (vocabulary-parallel
+embeddings and head, tied or not: each rank loads only its rows); bad sizes are refused
+clearly. test_tensor_parallel_head.py checks the vocabulary-parallel logprobs."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -15,6 +17,7 @@ from radixserve import Engine
 from radixserve.engine.distributed import TPGroup
 from radixserve.engine.model.config import ModelConfig
 from radixserve.engine.model.llama import LlamaForCausalLM
+from radixserve.engine.model.loader import load_model
 from tests.unit.engine_helpers import make_prompts
 
 pytestmark = pytest.mark.timeout(300)
@@ -39,6 +42,7 @@ def test_two_ranks_generate_what_one_does(engines: tuple[Engine, Engine]) -> Non
     assert two.runner.model.model.layers[0].mlp.intermediate_size == 64
     vocab = one.runner.vocab_size
     assert two.runner.model.lm_head.weight.shape[0] == vocab // 2  # untied: its rows only
+    assert two.runner.model.model.embed_tokens.weight.shape[0] == vocab // 2
     prompts = make_prompts(one.runner.vocab_size, [5, 33, 12, 70, 8], seed=3)
     cases = [
         {"max_new_tokens": 12, "temperature": 0},
@@ -92,6 +96,28 @@ def test_shard_sizes_must_divide(tiny_llama_dir: Path) -> None:
         TPGroup(rank=2, size=2)
     with pytest.raises(ValueError, match="tp_size must be >= 1"):
         Engine(str(tiny_llama_dir), tp_size=0, **ENGINE)
+    # A rank's rows of a checkpoint's embeddings would not show they are too many.
+    short = dataclasses.replace(config, vocab_size=config.vocab_size - 2)
+    with pytest.raises(ValueError, match="expected the vocabulary's"):
+        load_model(tiny_llama_dir, "float32", config=short, tp=TPGroup(rank=1, size=2))
+
+
+@pytest.mark.parametrize("model_fixture", ["tiny_llama_dir", "tiny_qwen3_dir"])
+def test_each_rank_loads_its_rows_of_the_vocabulary(
+    model_fixture: str, request: pytest.FixtureRequest
+) -> None:
+    """Rank r of 2 holds rows [r V/2, (r+1) V/2) of the embeddings and of an untied head,
+    and a tied head is those rows themselves (loading needs no process group)."""
+    model_dir: Path = request.getfixturevalue(model_fixture)
+    whole, config = load_model(model_dir, dtype="float32")
+    half = config.vocab_size // 2
+    for rank in range(2):
+        part, _ = load_model(model_dir, dtype="float32", tp=TPGroup(rank=rank, size=2))
+        rows = slice(rank * half, (rank + 1) * half)
+        embeddings, head = part.model.embed_tokens.weight, part.lm_head.weight
+        assert torch.equal(embeddings, whole.model.embed_tokens.weight[rows])
+        assert torch.equal(head, whole.lm_head.weight[rows])
+        assert (head.data_ptr() == embeddings.data_ptr()) == config.tie_word_embeddings
 
 
 def test_constrained_requests_compile_their_grammar_on_every_rank(

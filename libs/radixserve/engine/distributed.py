@@ -1,12 +1,13 @@
 """Tensor parallelism's process group: which rank this process is, and its collectives.
 
 A tensor-parallel engine runs one process per rank (rank 0 is the engine the caller
-made; `engine/tp_follower.py` runs the others), each with a shard of every projection
-and of the KV heads (model/llama.py). The model's row-parallel projections sum their
-partial outputs with `all_reduce` (NCCL on CUDA, gloo on the CPU); the head's vocabulary
-shards meet with `all_gather`. Rank 0 sends the
-other ranks its scheduler's inputs once per step with `broadcast_object` over a gloo
-group (host objects, whatever the device), so every rank schedules the same batches.
+made; `engine/tensor_parallel.py` runs the others), each with a shard of every
+projection and of the KV heads (model/llama.py). The model's row-parallel projections
+and its vocabulary-parallel embeddings sum their partial outputs with `all_reduce`
+(NCCL on CUDA, gloo on the CPU); the head's vocabulary shards meet with `all_gather`.
+Rank 0 sends the other ranks its scheduler's inputs once per step with
+`broadcast_object` over a gloo group (host objects, whatever the device), so every rank
+schedules the same batches.
 On CUDA the model's eager collectives call NCCL directly on the compute stream
 (`engine/nccl.py`: torch.distributed's costs ~140 us of host time each); those captured in
 CUDA graphs go through torch.distributed, whose graphs replay faster.

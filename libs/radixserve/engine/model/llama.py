@@ -12,10 +12,13 @@ projection are one GEMV kernel.
 Tensor parallelism (`tp`, engine/distributed.py) as in Megatron: each rank holds its
 share of the query and KV heads (qkv_proj's rows) and of the MLP's intermediate rows
 (gate_up_proj), and the matching columns of o_proj and down_proj, whose partial outputs
-are summed over the ranks. The head is vocabulary-parallel where the ranks divide the
-vocabulary: each rank computes the logits of its rows of the head (a tied head: its rows
-of the embeddings) and an all-gather puts them side by side, so every rank holds the same
-logits and reads 1/tp of the head a step. Embeddings and norms are whole on every rank.
+are summed over the ranks. Where the ranks divide the vocabulary, the embeddings and
+the head are vocabulary-parallel: each rank holds its rows of the embeddings (a lookup
+zeroes the ids outside them and an all-reduce sums the ranks' partial embeddings) and
+computes the logits of its rows of the head (a tied head: its rows of the embeddings,
+the same storage), and an all-gather puts them side by side, so every rank holds the same
+logits and reads 1/tp of the head a step. Elsewhere both are whole on every rank, as the
+norms always are.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from radixserve.engine.distributed import SINGLE, TPGroup
 from radixserve.engine.kernels.linear import add_norm_linear, linear, silu_mul_linear
@@ -32,7 +36,7 @@ from radixserve.engine.kernels.norm import rms_norm
 from radixserve.engine.kernels.rotary import Rotation, apply_rotary_and_store
 from radixserve.engine.model.config import ModelConfig
 from radixserve.engine.model.rope import RotaryTable
-from radixserve.engine.model.weights import iter_safetensors
+from radixserve.engine.model.weights import StoredTensor, iter_safetensors
 
 if TYPE_CHECKING:
     from radixserve.engine.attention.base import AttentionBackend
@@ -60,6 +64,38 @@ class RMSNorm(nn.Module):
         """norm(x) (Qwen3's q/k norms; the block norms run with the projection after them,
         kernels/linear.add_norm_linear)."""
         return rms_norm(x, self.weight, self.eps)
+
+
+def vocab_shard_rows(vocab_size: int, tp: TPGroup) -> int | None:
+    """Each rank's rows of the embeddings and of the head: vocab / tp where the ranks
+    divide the vocabulary, else None (whole on every rank)."""
+    if tp.size > 1 and vocab_size % tp.size == 0:
+        return vocab_size // tp.size
+    return None
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The token embeddings, as Megatron's VocabParallelEmbedding: with `shard_rows`, this
+    rank holds rows [rank * shard_rows, (rank + 1) * shard_rows) of the table; a lookup
+    gives the rows of its own ids, zeros for the others', and the all-reduce sums the
+    ranks' parts (exact: each row is one rank's value plus zeros). Without, the whole
+    table, looked up locally."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup = SINGLE) -> None:
+        super().__init__()
+        self.tp = tp
+        self.shard_rows = vocab_shard_rows(vocab_size, tp)
+        self.first_row = tp.rank * (self.shard_rows or 0)
+        self.weight = nn.Parameter(torch.empty(self.shard_rows or vocab_size, hidden_size))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.shard_rows is None:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.first_row
+        outside = (local < 0) | (local >= self.shard_rows)
+        # Another rank's ids look up row 0 (a valid index) and are zeroed after.
+        hidden = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return self.tp.all_reduce(hidden.masked_fill_(outside.unsqueeze(-1), 0))
 
 
 class LlamaAttention(nn.Module):
@@ -161,7 +197,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, i, tp) for i in range(config.num_hidden_layers)
         )
@@ -176,19 +212,17 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.tp = tp
         self.model = LlamaModel(config, tp)
-        # Each rank's rows of the head (None: the whole head on every rank).
-        self.head_rows: int | None = None
-        if tp.size > 1 and config.vocab_size % tp.size == 0:
-            self.head_rows = config.vocab_size // tp.size
-        own_rows = config.vocab_size
-        if self.head_rows is not None and not config.tie_word_embeddings:
-            own_rows = self.head_rows
-        self.lm_head = nn.Linear(config.hidden_size, own_rows, bias=False)
+        # Each rank's rows of the head, the embeddings' (None: the whole head on every rank).
+        self.head_rows = self.model.embed_tokens.shard_rows
+        self.lm_head = nn.Linear(
+            config.hidden_size, self.head_rows or config.vocab_size, bias=False
+        )
         self.rotary: RotaryTable | None = None
         self.tie_weights()
 
     def tie_weights(self) -> None:
-        # Moving a module off the meta device gives every module its own tensor again.
+        # Moving a module off the meta device gives every module its own tensor again. A
+        # tied head's rows are this rank's embeddings (vocab_shard_rows: the same rows).
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -237,7 +271,7 @@ class LlamaForCausalLM(nn.Module):
             None if residual is None else residual[rows],
             norm.weight,
             norm.eps,
-            self._head_weight(),
+            self.lm_head.weight,
             None,
             out=out if shards is None else None,
         )
@@ -249,13 +283,6 @@ class LlamaForCausalLM(nn.Module):
             return gathered.reshape(logits.shape[0], self.config.vocab_size)
         out.view(logits.shape[0], self.tp.size, shards).copy_(gathered)
         return out
-
-    def _head_weight(self) -> torch.Tensor:
-        """This rank's rows of the head (a tied head's are a view of the embeddings)."""
-        weight = self.lm_head.weight
-        if self.head_rows is None or weight.shape[0] == self.head_rows:
-            return weight
-        return weight.narrow(0, self.tp.rank * self.head_rows, self.head_rows)
 
     def _score_rows(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
@@ -285,7 +312,8 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters(remove_duplicate=False))
         expected = self._expected_shards()
         loaded: set[tuple[str, int]] = set()
-        for name, tensor in iter_safetensors(path):
+        for stored in iter_safetensors(path):
+            name = stored.name
             if name.endswith("rotary_emb.inv_freq"):
                 continue  # derived from the config, not a weight
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
@@ -295,7 +323,7 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(
                     f"unexpected weight {name!r} in {path} for {self.config.architecture}"
                 )
-            self._copy_shard(params[target], target, shard, tensor, name)
+            self._copy_shard(params[target], target, shard, stored)
             loaded.add((target, shard))
         missing = sorted(f"{n}[{s}]" if s >= 0 else n for n, s in expected - loaded)
         if missing:
@@ -320,38 +348,47 @@ class LlamaForCausalLM(nn.Module):
         start = sum(sizes[:shard])
         return start, sizes[shard]
 
-    def _rank_slice(self, target: str, shard: int, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's part of a checkpoint tensor: rows of q/k/v and gate/up (weights and
-        biases), columns of o_proj and down_proj; their biases on rank 0 only (added once
-        to the summed output); rows of an untied vocabulary-parallel head; everything
-        else whole."""
+    def _rank_slice(self, target: str, shard: int, stored: StoredTensor) -> torch.Tensor:
+        """This rank's part of a checkpoint tensor, read alone: rows of q/k/v and gate/up
+        (weights and biases), columns of o_proj and down_proj; their biases on rank 0 only
+        (added once to the summed output); rows of vocabulary-parallel embeddings and of
+        an untied head; everything else whole."""
         tp = self.tp
         if tp.size == 1:
-            return tensor
-        if target == "lm_head.weight" and self.head_rows is not None:
-            return tensor.narrow(0, tp.rank * self.head_rows, self.head_rows)
+            return stored.read()
+        embed = self.model.embed_tokens
+        vocab_parallel = target in ("model.embed_tokens.weight", "lm_head.weight")
+        if vocab_parallel and embed.shard_rows is not None:
+            if stored.shape[0] != self.config.vocab_size:  # a rank's rows would hide it
+                raise ValueError(
+                    f"weight {stored.name!r} has {stored.shape[0]} rows, "
+                    f"expected the vocabulary's {self.config.vocab_size}"
+                )
+            return stored.read_range(0, embed.first_row, embed.shard_rows)
         leaf = target.rsplit(".", 2)[-2]
         if shard >= 0:  # a fused projection's q, k, v, gate or up
-            rows = tensor.shape[0] // tp.size
-            return tensor.narrow(0, tp.rank * rows, rows)
+            rows = stored.shape[0] // tp.size
+            return stored.read_range(0, tp.rank * rows, rows)
         if leaf in ("o_proj", "down_proj"):
             if target.endswith(".bias"):
-                return tensor if tp.rank == 0 else torch.zeros_like(tensor)
-            cols = tensor.shape[1] // tp.size
-            return tensor.narrow(1, tp.rank * cols, cols)
-        return tensor
+                bias = stored.read()
+                return bias if tp.rank == 0 else torch.zeros_like(bias)
+            cols = stored.shape[1] // tp.size
+            return stored.read_range(1, tp.rank * cols, cols)
+        return stored.read()
 
     def _copy_shard(
-        self, param: torch.Tensor, target: str, shard: int, tensor: torch.Tensor, name: str
+        self, param: torch.Tensor, target: str, shard: int, stored: StoredTensor
     ) -> None:
-        tensor = self._rank_slice(target, shard, tensor)
+        tensor = self._rank_slice(target, shard, stored)
         dest = param
         if shard >= 0:
             start, rows = self._shard_rows(target, shard)
             dest = param.narrow(0, start, rows)
         if dest.shape != tensor.shape:
             raise ValueError(
-                f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}"
+                f"weight {stored.name!r} has shape {tuple(tensor.shape)}, "
+                f"expected {tuple(dest.shape)}"
             )
         dest.copy_(tensor)
 
