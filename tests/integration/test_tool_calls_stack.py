@@ -1,9 +1,10 @@
 """Tool calling through the whole stack, driven with the `openai` client, against the
 in-process engine on the same weights: a forced call (named or required) is the engine's
 greedy answer under the same JSON schema, read back as `tool_calls`; a call the model
-writes in its own format (here steered with the `regex` extension, the tiny model being
-random) comes back as a tool call, streamed or not; a conversation that sends the calls
-and their results back is tokenized with the tools, as the engine's prompt would be."""
+writes in its own format (Hermes, Mistral or Llama 3; here steered with the `regex`
+extension, the tiny model being random) comes back as a tool call, streamed (its
+arguments in pieces) or not; a conversation that sends the calls and their results back
+is tokenized with the tools, as the engine's prompt would be."""
 
 from __future__ import annotations
 
@@ -133,35 +134,50 @@ def _streamed(chunks: Any) -> tuple[str, list[tuple[str, list[str]]], list[str]]
     return content, [(names[i], pieces.get(i, [])) for i in sorted(names)], reasons
 
 
-# What a model trained on the Hermes format writes; the tiny random model is steered to it.
-HERMES_ANSWER = (
-    r'Sure\.\n<tool_call>\n\{"name": "get_weather", "arguments": '
-    r'\{"city": "(Oslo|Paris)", "days": [1-7]\}\}\n</tool_call>'
-)
+# What a model trained on each format writes; the tiny random model is steered to it.
+_WEATHER_ARGUMENTS = r'\{"city": "(Oslo|Paris)", "days": [1-7]\}'
+OWN_FORMATS = {
+    "hermes": (
+        r'Sure\.\n<tool_call>\n\{"name": "get_weather", "arguments": '
+        rf"{_WEATHER_ARGUMENTS}\}}\n</tool_call>",
+        "Sure.",
+    ),
+    "mistral": (
+        r'Sure\.\[TOOL_CALLS\] \[\{"name": "get_weather", "arguments": '
+        rf"{_WEATHER_ARGUMENTS}\}}\]",
+        "Sure.",
+    ),
+    "llama": (
+        rf'<\|python_tag\|>\{{"name": "get_weather", "parameters": {_WEATHER_ARGUMENTS}\}}',
+        None,
+    ),
+}
 
 
+@pytest.mark.parametrize("form", sorted(OWN_FORMATS))
 def test_a_call_in_the_models_own_format_is_read_back_streamed_or_not(
-    client: openai.OpenAI, tiny_stack: RunningStack
+    client: openai.OpenAI, tiny_stack: RunningStack, form: str
 ) -> None:
+    answer, want_content = OWN_FORMATS[form]
     common: dict[str, Any] = {
         "model": tiny_stack.model,
         "messages": USER,
         "tools": TOOLS,
         "temperature": 0,
         "max_tokens": 96,
-        "extra_body": {"regex": HERMES_ANSWER},
+        "extra_body": {"regex": answer},
     }
     response = client.chat.completions.create(**common)
     choice = response.choices[0]
     assert choice.finish_reason == "tool_calls"
-    assert choice.message.content == "Sure."
+    assert choice.message.content == want_content
     (call,) = choice.message.tool_calls or []
     assert call.function.name == "get_weather"  # type: ignore[union-attr]
     arguments = json.loads(call.function.arguments)  # type: ignore[union-attr]
     jsonschema.validate(arguments, WEATHER)
 
     content, streamed, reasons = _streamed(client.chat.completions.create(**common, stream=True))
-    assert content.strip() == "Sure."
+    assert content.strip() == (want_content or "")
     ((name, pieces),) = streamed
     assert name == "get_weather"
     # The arguments came a piece at a time as the model wrote them, and add up to them.

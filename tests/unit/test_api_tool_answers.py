@@ -7,6 +7,7 @@ import json
 import re
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -122,6 +123,52 @@ def test_a_streamed_calls_arguments_come_as_the_model_writes_them() -> None:
         {"index": 0, "function": {"arguments": 'lo"}'}},
     ]
     assert choices[-1] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "tool_calls"}
+
+
+@pytest.mark.parametrize(
+    ("pieces", "content"),
+    [
+        (
+            [
+                "Sure. [TOOL",
+                '_CALLS] [{"name": "get_weather", "arguments": {"city": "Os',
+                'lo"}}, {"name": "now", "arguments": {',
+                "}}]",
+                "",
+            ],
+            "Sure.",
+        ),
+        (
+            [
+                '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Os',
+                'lo"}};\n{"name": "now", "parameters": {',
+                "}}",
+                "",
+            ],
+            "",
+        ),
+    ],
+    ids=["mistral", "llama"],
+)
+def test_mistral_and_llama_calls_stream_their_arguments_too(
+    pieces: list[str], content: str
+) -> None:
+    choices = _stream(_plan(stream=True), pieces)
+    assert "".join(c["delta"].get("content") or "" for c in choices).strip() == content
+    entries = [c["delta"]["tool_calls"][0] for c in choices if "tool_calls" in c["delta"]]
+    for entry in entries:
+        if "id" in entry:
+            assert CALL_ID.fullmatch(entry.pop("id")) and entry.pop("type") == "function"
+    # Each call announced once the one before it closed, its arguments as they came.
+    assert entries == [
+        {"index": 0, "function": {"name": "get_weather", "arguments": ""}},
+        {"index": 0, "function": {"arguments": '{"city": "Os'}},
+        {"index": 0, "function": {"arguments": 'lo"}'}},
+        {"index": 1, "function": {"name": "now", "arguments": ""}},
+        {"index": 1, "function": {"arguments": "{"}},
+        {"index": 1, "function": {"arguments": "}"}},
+    ]
+    assert choices[-1]["finish_reason"] == "tool_calls"
 
 
 _CALLS = st.sampled_from(

@@ -1,18 +1,30 @@
 """Tool calls in model text: the Hermes/Qwen, Mistral and Llama formats, what stays content
 (broken JSON, unknown names, prose with braces), and the stream, which whatever the split
-into deltas must agree with the whole-text parse and show plain content early."""
+into deltas must agree with the whole-text parse and show plain content early. The chat
+stream of `auto` (`chat_tools.ToolStream`, calls followed by `arguments_stream`) must give
+a client the same calls, their arguments piece by piece as the model writes them."""
 
 from __future__ import annotations
 
 import itertools
 import json
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixserve.api.tool_calls import ToolCall, ToolCallStream, parse_tool_calls
+from radixserve.api.chat_tools import ToolPlan
+from radixserve.api.tool_calls import (
+    HERMES,
+    LLAMA,
+    MISTRAL,
+    HeldCalls,
+    ToolCall,
+    ToolCallStream,
+    parse_tool_calls,
+)
 
 TOOLS = frozenset({"get_weather", "search", "calc_2"})
 MARKERS = ("<tool_call>", "[TOOL_CALLS]")
@@ -39,6 +51,41 @@ def _stream(deltas: list[str]) -> tuple[list[str], list[ToolCall]]:
         calls.extend(new)
     content, new = stream.finish()
     return [*shown, content], calls + new
+
+
+@dataclass
+class _Client:
+    """A chat stream of `auto` put together as a client does: the content, and each call's
+    name and argument pieces by index."""
+
+    content: str = ""
+    names: dict[int, str] = field(default_factory=dict)
+    pieces: dict[int, list[str]] = field(default_factory=dict)
+
+    def calls(self) -> list[tuple[str, str]]:
+        """(name, arguments joined) of each call, in index order."""
+        assert sorted(self.names) == list(range(len(self.names)))
+        return [(self.names[i], "".join(self.pieces.get(i, []))) for i in sorted(self.names)]
+
+    def normalised(self) -> list[ToolCall]:
+        """The calls with their joined arguments normalised as the whole answer's are."""
+        return [ToolCall(name, _args(json.loads(arguments))) for name, arguments in self.calls()]
+
+
+def _client(deltas: list[str], *, finish: bool = True) -> _Client:
+    stream = ToolPlan("auto", tuple(sorted(TOOLS)), "[]").stream()
+    client = _Client()
+    steps = [stream.feed(d) for d in deltas]
+    for content, entries in [*steps, stream.finish()] if finish else steps:
+        client.content += content
+        for entry in entries:
+            index = entry["index"]
+            if "id" in entry:
+                assert index not in client.names  # announced once
+                client.names[index] = entry["function"]["name"]
+            if entry["function"]["arguments"]:
+                client.pieces.setdefault(index, []).append(entry["function"]["arguments"])
+    return client
 
 
 # -- Hermes / Qwen -------------------------------------------------------------------------
@@ -273,6 +320,108 @@ def test_stream_character_by_character() -> None:
     assert calls == [ToolCall("search", "{}"), ToolCall("calc_2", '{"x": 1}')]
 
 
+def test_held_calls_say_what_is_held_and_where() -> None:
+    stream = ToolCallStream(TOOLS)
+    assert stream.feed("Hi <tool_call>{") == ("Hi ", [])
+    assert stream.held_calls == HeldCalls(HERMES, 3, "<tool_call>{")
+    text = 'Hi <tool_call>{"name": "search"}</tool_call> ok [TOOL_CALLS] ['
+    stream.feed(text.removeprefix("Hi <tool_call>{"))
+    assert stream.held_calls == HeldCalls(MISTRAL, text.index("[TOOL"), "[TOOL_CALLS] [")
+    stream = ToolCallStream(TOOLS)
+    assert stream.feed(" \n") == ("", []) and stream.held_calls is None
+    stream.feed('<|python_tag|>{"na')
+    assert stream.held_calls == HeldCalls(LLAMA, 0, ' \n<|python_tag|>{"na')
+    stream = ToolCallStream(TOOLS)
+    stream.feed("Plain <tool")
+    assert stream.held_calls is None  # a marker's prefix, not a call yet
+
+
+# -- arguments as the model writes them (the chat stream of auto) --------------------------
+
+_FILE = "def f(x):\n    return {'a': [x, \"}\"]}  # ;\n" * 12  # an agent writing a file
+_LONG = {"q": _FILE, "n": 2}
+
+
+def _obj(name: str, args: dict[str, Any], key: str = "arguments", **extra: str) -> str:
+    return json.dumps({"name": name, key: args, **extra})
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        f"Writing it.\n<tool_call>\n{_obj('search', _LONG)}\n</tool_call>",
+        f"On it.\n[TOOL_CALLS] [{_obj('search', _LONG, id='abc123XYZ')}, "
+        f"{_obj('calc_2', {'x': _FILE})}]",
+        f"<|python_tag|>{_obj('search', _LONG, 'parameters')}; "
+        f"{_obj('calc_2', {'x': _FILE}, 'parameters')}",
+        f"{_obj('calc_2', {'x': _FILE})}\n{_obj('search', _LONG, 'parameters')};\n"
+        f"{_obj('calc_2', {})}",
+    ],
+    ids=["hermes", "mistral", "llama", "llama-newlines"],
+)
+def test_long_arguments_stream_in_pieces_as_they_are_written(text: str) -> None:
+    content, calls = _parse(text)
+    deltas = [text[i : i + 16] for i in range(0, len(text), 16)]
+    client = _client(deltas)
+    assert client.normalised() == calls
+    assert client.content.strip() == (content or "")
+    long_calls = [i for i, call in enumerate(calls) if call.arguments != "{}"]
+    assert all(len(client.pieces[i]) > 1 for i in long_calls)
+    # Before the answer ends (no finish yet), the first call came in pieces, the same ones.
+    early = _client(deltas[:-1], finish=False)
+    assert early.names[0] == calls[0].name and len(early.pieces[0]) > 1
+    assert client.pieces[0][: len(early.pieces[0])] == early.pieces[0]
+
+
+def test_a_block_that_closes_as_the_next_opens_keeps_each_calls_arguments() -> None:
+    block = '<tool_call>{"name": "search", "arguments": {'
+    deltas = [block, f"}}}}</tool_call>{block}", '"q": 1}}</tool_call>']
+    assert _client(deltas).calls() == [("search", "{}"), ("search", '{"q": 1}')]
+
+
+def test_calls_after_one_written_otherwise_come_whole_in_order() -> None:
+    text = (
+        '[TOOL_CALLS][{"name": "search", "arguments": {"q": "a"}},'
+        ' {"name": "calc_2", "arguments": "{\\"x\\": 1}"},'  # a string: not followed
+        ' {"name": "search", "arguments": {"q": "b"}}]'
+    )
+    client = _client(list(text))
+    assert client.calls() == [
+        ("search", '{"q": "a"}'),
+        ("calc_2", '{"x": 1}'),
+        ("search", '{"q": "b"}'),
+    ]
+    assert [len(client.pieces[i]) for i in range(3)] == [len('{"q": "a"}'), 1, 1]
+
+
+@pytest.mark.parametrize(
+    ("text", "arguments"),
+    [
+        (
+            '[TOOL_CALLS] [{"name": "search", "arguments": {"q": "a"}}, {"name": "nope"}]',
+            '{"q": "a"}',
+        ),
+        ('{"name": "search", "parameters": {"q": "a"}} is what I would send', '{"q": "a"}'),
+        ('{"name": "search", "parameters": {"q": "a", "n": 1', '{"q": "a", "n": 1'),  # cut
+        ('<tool_call>{"name": "search", "arguments": {"q": "a"}, }</tool_call>', '{"q": "a"}'),
+    ],
+    ids=["mistral-bad-item", "llama-prose-after", "llama-cut", "hermes-malformed"],
+)
+def test_an_announced_call_found_not_to_be_one_is_not_taken_back(text: str, arguments: str) -> None:
+    """As documented: its entry stays, and its text comes as content, as read whole."""
+    assert _parse(text) == (text, [])
+    client = _client(list(text))
+    assert client.calls() == [("search", arguments)]
+    assert client.content == text
+
+
+def test_a_call_read_whole_otherwise_than_sent_is_sent_again() -> None:
+    """As documented: a key written twice, JSON keeps the last; what went out stays."""
+    text = '{"name": "search", "parameters": {"q": 1}, "parameters": {"q": 2}}'
+    assert _parse(text) == (None, [ToolCall("search", '{"q": 2}')])
+    assert _client(list(text)).calls() == [("search", '{"q": 1}'), ("search", '{"q": 2}')]
+
+
 # -- generated texts -----------------------------------------------------------------------
 
 _TEXT = st.text(alphabet=' \n\tabé日<>[]{}|;:"/_', max_size=8)
@@ -381,9 +530,13 @@ def _split(text: str, data: st.DataObject) -> list[str]:
 def test_generated_texts_parse_and_stream_as_built(case: Case, data: st.DataObject) -> None:
     text, content, calls = case
     assert _parse(text) == (content, calls)
-    shown, streamed = _stream(_split(text, data))
+    deltas = _split(text, data)
+    shown, streamed = _stream(deltas)
     assert streamed == calls
     assert "".join(shown).strip() == (content or "")
+    client = _client(deltas)
+    assert client.normalised() == calls
+    assert client.content.strip() == (content or "")
 
 
 _MESSY = [*_FRAGMENTS, *MARKERS, "<|python_tag|>", ";", '{"name": "search"}', "]"]
@@ -398,6 +551,65 @@ _MESSY += ['[{"name": "calc_2", "arguments": {}}]', '{"name": "nope"}', '"argume
 def test_stream_agrees_with_parse_on_any_text(pieces: list[str], data: st.DataObject) -> None:
     text = "".join(pieces)
     content, calls = _parse(text)
-    shown, streamed = _stream(_split(text, data))
+    deltas = _split(text, data)
+    shown, streamed = _stream(deltas)
     assert streamed == calls
     assert "".join(shown).strip() == (content or "")
+    client = _client(deltas)
+    assert client.normalised() == calls
+    assert client.content.strip() == (content or "")
+
+
+# Pieces of calls as the formats write them, to be put together any which way: a call
+# announced and then found not to be one cannot be taken back, so here the client may
+# hold calls the whole answer does not; never fewer, and never out of order.
+_CALL_PIECES = [
+    '{"name": "search", "arguments": {"q": 1}}',
+    "[TOOL_CALLS] [",
+    '{"name": "search", "arguments": {',
+    '{"name": "calc_2", "parameters": {"x": "}{;"}}',
+    '"q": [1, "]"]',
+    "}}",
+    "}",
+    ", ",
+    "; ",
+    "[{",
+    '{"name": "nope", "arguments": {',
+    '"id": "x1"',
+]
+
+
+def _is_subsequence(part: list[ToolCall], whole: list[ToolCall]) -> bool:
+    rest = iter(whole)
+    return all(any(call == other for other in rest) for call in part)
+
+
+def _normalised_or_same(call: ToolCall) -> ToolCall:
+    try:
+        return ToolCall(call.name, _args(json.loads(call.arguments)))
+    except ValueError:
+        return call  # cut short: not JSON
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    pieces=st.lists(
+        st.one_of(
+            st.sampled_from(_CALL_PIECES),
+            st.sampled_from([*MARKERS, "<|python_tag|>", "</tool_call>", "]"]),
+            st.sampled_from(_MESSY),
+            _TEXT,
+        ),
+        max_size=14,
+    ),
+    data=st.data(),
+)
+def test_a_client_gets_every_call_of_the_whole_answer_in_order(
+    pieces: list[str], data: st.DataObject
+) -> None:
+    text = "".join(pieces)
+    content, calls = _parse(text)
+    client = _client(_split(text, data))
+    assert client.content.strip() == (content or "")
+    got = [_normalised_or_same(ToolCall(name, args)) for name, args in client.calls()]
+    assert _is_subsequence(calls, got)

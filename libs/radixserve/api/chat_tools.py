@@ -25,10 +25,16 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from radixserve.api.arguments_stream import FollowedCalls
 from radixserve.api.errors import ApiError
-from radixserve.api.hermes_stream import OpenCall
 from radixserve.api.openai_models import ChatCompletionRequest, NamedToolChoice, ToolDef
-from radixserve.api.tool_calls import ToolCall, ToolCallStream, arguments_json, parse_tool_calls
+from radixserve.api.tool_calls import (
+    HeldCalls,
+    ToolCall,
+    ToolCallStream,
+    arguments_json,
+    parse_tool_calls,
+)
 
 ToolMode = Literal["auto", "required", "named"]
 # OpenAI's rule for a function name.
@@ -57,33 +63,27 @@ class ToolPlan:
 
 class ToolStream:
     """One streamed choice as content and OpenAI `delta.tool_calls` entries. `auto`:
-    content as soon as it is known not to be a call, each call in one entry once
-    complete. Named: the answer is the call's arguments, streamed as they come (the
-    first entry carries the id and name). Required: a list of calls, read at the end."""
+    content as soon as it is known not to be a call; a call's arguments piece by piece as
+    the model writes them, in any of the formats (`api.arguments_stream`), or the call in
+    one entry once it is decided where it is written otherwise. Named: the answer is the
+    call's arguments, streamed as they come (the first entry carries the id and name).
+    Required: a list of calls, read at the end."""
 
     def __init__(self, plan: ToolPlan) -> None:
         self.plan = plan
         self._auto = ToolCallStream(plan.names) if plan.mode == "auto" else None
-        self._open: OpenCall | None = None  # auto: the open `<tool_call>` block's call
+        # auto: the calls of the text `_auto` holds back, followed as the model writes
+        # them, and where that text starts in the answer (one start, one held text)
+        self._followed: FollowedCalls | None = None
+        self._followed_at = -1
         self._held: list[str] = []
         self.calls = 0  # entries that opened a call so far
 
     def feed(self, delta: str) -> tuple[str, list[dict[str, Any]]]:
         if self._auto is not None:
-            before = self._auto.open_block
+            before = self._auto.held_calls
             content, calls = self._auto.feed(delta)
-            after = self._auto.open_block
-            entries: list[dict[str, Any]] = []
-            if self._open is not None:
-                if before and after.startswith(before):  # the same block, still open
-                    return content, self._entries(calls) + self._follow(after)
-                entries += self._follow(before + delta)  # it closed: its last piece
-                calls = self._without_followed(calls)
-            entries += self._entries(calls)
-            if after:
-                self._open = OpenCall(self.plan.names)
-                entries += self._follow(after)
-            return content, entries
+            return content, self._auto_entries(before, delta, calls, self._auto.held_calls)
         if self.plan.mode == "named":
             return "", self._arguments(delta)
         self._held.append(delta)
@@ -91,41 +91,52 @@ class ToolStream:
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         if self._auto is not None:
-            before = self._auto.open_block
+            before = self._auto.held_calls
             content, calls = self._auto.finish()
-            entries: list[dict[str, Any]] = []
-            if self._open is not None:
-                entries += self._follow(before)  # a last block left open
-                calls = self._without_followed(calls)
-            return content, entries + self._entries(calls)
+            return content, self._auto_entries(before, "", calls, None)
         if self.plan.mode == "named":
             # An empty answer is still the call (with empty arguments), as read whole.
             return "", [] if self.calls else self._arguments("", opening=True)
         text, calls = _read_forced(self.plan, "".join(self._held))
         return text or "", self._entries(calls)
 
-    def _follow(self, block: str) -> list[dict[str, Any]]:
-        """The open block's call as it grows (hermes_stream.OpenCall): its announcement
-        and argument pieces."""
-        assert self._open is not None
-        announced, piece = self._open.pieces(block, self.calls)
-        entries = []
-        if announced:
-            entries += self._entries([ToolCall(self._open.name, "")])
-        if piece:
-            entries.append({"index": self._open.index, "function": {"arguments": piece}})
+    def _auto_entries(
+        self,
+        before: HeldCalls | None,
+        delta: str,
+        calls: list[ToolCall],
+        after: HeldCalls | None,
+    ) -> list[dict[str, Any]]:
+        """The entries of one step in `auto` (`delta` fed, or the end): `calls` decided in
+        it, whole, and those of the held text (`before` the step, `after` it) followed as
+        the model writes them."""
+        entries: list[dict[str, Any]] = []
+        if self._followed is not None:
+            if after is not None and after.start == self._followed_at:  # still held
+                return self._entries(calls) + self._follow(after.text)
+            # Decided in this step: the pieces its end adds, then the calls read whole less
+            # those sent piece by piece.
+            assert before is not None and before.start == self._followed_at
+            entries += self._follow(before.text + delta)
+            calls = calls[self._followed.sent(calls) :]
+            self._followed = None
+        entries += self._entries(calls)
+        if after is not None:
+            self._followed = FollowedCalls(after.layout, self.plan.names)
+            self._followed_at = after.start
+            entries += self._follow(after.text)
         return entries
 
-    def _without_followed(self, calls: list[ToolCall]) -> list[ToolCall]:
-        """`calls` less the one already streamed piece by piece (read whole now)."""
-        followed, self._open = self._open, None
-        if followed is None or followed.index is None or not calls:
-            return calls
-        try:
-            normalised = arguments_json(json.loads(followed.arguments))
-        except ValueError:
-            return calls
-        return calls[1:] if followed.is_the_call(calls[0], normalised) else calls
+    def _follow(self, text: str) -> list[dict[str, Any]]:
+        """The followed calls' announcements and argument pieces that `text` adds."""
+        assert self._followed is not None
+        entries = []
+        for piece in self._followed.pieces(text, self.calls):
+            if piece.name is not None:
+                entries += self._entries([ToolCall(piece.name, "")])
+            else:
+                entries.append({"index": piece.index, "function": {"arguments": piece.arguments}})
+        return entries
 
     def _entries(self, calls: list[ToolCall]) -> list[dict[str, Any]]:
         entries = [tool_call_body(call, self.calls + i) for i, call in enumerate(calls)]

@@ -25,7 +25,10 @@ The stream decides nothing it might have to take back: it emits content up to th
 possible marker, holds a trailing prefix of one, holds a `<tool_call>` block until it
 closes and everything after `[TOOL_CALLS]` (or an answer opening with `{` or
 `<|python_tag|>`) until `finish()`. Whatever the split into deltas, its calls and joined
-content (stripped) equal `parse_tool_calls` on the whole text.
+content (stripped) equal `parse_tool_calls` on the whole text. What it holds that may be
+calls is `held_calls` (with the `CallLayout` of its format), for a caller that shows the
+calls as they are written (`api.arguments_stream`, where what is shown before it is
+decided may turn out not to be a call: see there).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ _MARKER = re.compile(f"{re.escape(_OPEN)}|{re.escape(_MISTRAL)}")
 _NONSPACE = re.compile(r"\S")
 _LLAMA_SEPARATOR = re.compile(r"\s*[;\n]\s*")
 _SEPARATORS = (", ", ": ")
+JSON_SPACE = r"[ \t\n\r]*"  # whitespace where JSON allows it (Python's \s allows more)
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,36 @@ class ToolCall:
 
 
 Segment = str | ToolCall  # a piece of the answer: content text or a call
+
+
+@dataclass(frozen=True)
+class CallLayout:
+    """Where a format's call objects lie in the text held for them, as the readers below
+    take them: what comes before the first object's `{`, what between one object's `}` and
+    the next one's `{` (None: one call), and the marker that ends the held text (None: it
+    ends with the answer)."""
+
+    opening: re.Pattern[str]
+    between: re.Pattern[str] | None = None
+    closing: str | None = None
+
+
+HERMES = CallLayout(re.compile(re.escape(_OPEN) + r"\s*"), closing=_CLOSE)
+MISTRAL = CallLayout(
+    re.compile(re.escape(_MISTRAL) + r"\s*\[" + JSON_SPACE),
+    re.compile(f"{JSON_SPACE},{JSON_SPACE}"),
+)
+LLAMA = CallLayout(re.compile(rf"\s*(?:{re.escape(_PYTHON_TAG)})?\s*"), _LLAMA_SEPARATOR)
+
+
+@dataclass(frozen=True)
+class HeldCalls:
+    """Text `ToolCallStream` holds back because it may be calls: how they lie in it, where
+    it starts in the answer (one held text, one start), and the text so far."""
+
+    layout: CallLayout
+    start: int
+    text: str
 
 
 def _no_constants(name: str) -> Any:
@@ -207,10 +241,12 @@ class ToolCallStream:
         # whole: the answer opens like Llama JSON, decided at finish(); scan: otherwise.
         self._mode: Literal["start", "whole", "scan"] = "start"
         self._shown = False  # some content was emitted: whitespace is no longer leading
+        self._fed = 0  # characters of the answer fed so far
 
     def feed(self, delta: str) -> tuple[str, list[ToolCall]]:
         """Content safe to show now (never part of a call), and the calls completed now."""
         self._held += delta
+        self._fed += len(delta)
         if self._mode == "start":
             self._mode = _opening(self._held)
         if self._mode != "scan":
@@ -219,12 +255,19 @@ class ToolCallStream:
         return self._emit(segments)
 
     @property
-    def open_block(self) -> str:
-        """The text of a `<tool_call>` block opened and not closed yet ("" when none): what
-        the stream holds back, for a caller that shows the call as it is written."""
-        if self._mode == "scan" and self._held.startswith(_OPEN):
-            return self._held
-        return ""
+    def held_calls(self) -> HeldCalls | None:
+        """What the stream holds back because it may be calls (a `<tool_call>` block not
+        closed yet, a `[TOOL_CALLS]` array, an answer that opens like Llama's), for a caller
+        that shows them as they are written; None when it holds none."""
+        if self._mode == "whole":
+            layout = LLAMA
+        elif self._mode == "scan" and self._held.startswith(_OPEN):
+            layout = HERMES
+        elif self._mode == "scan" and self._held.startswith(_MISTRAL):
+            layout = MISTRAL
+        else:
+            return None
+        return HeldCalls(layout, self._fed - len(self._held), self._held)
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """At the end of the answer: whatever was held back, as content or calls."""
