@@ -235,6 +235,8 @@ class ModelRunner:
         )
         self.cascade = self.attn.supports_shared_prefix and not config.disable_cascade_attention
         self.graphs = self._capture_graphs()
+        if self.device.type == "cuda":
+            self._warm_up_prefill()
         if self.cascade and self.device.type == "cuda" and not self._cascade_captured():
             self._warm_up_cascade()
         if self.device.type == "cuda":
@@ -274,6 +276,40 @@ class ModelRunner:
         return (
             mixed or graphs is None or batch_size > graphs.max_bs or graphs.runs_cascade(batch_size)
         )
+
+    @torch.inference_mode()
+    def _warm_up_prefill(self, tokens: int = 16) -> None:
+        """Build the prefill kernels now rather than in the first request: FlashInfer
+        JIT-compiles its prefill module at its first plan (~20 s on a fresh machine,
+        measured as a stall of the first request behind a worker that said it was ready)
+        and Triton its extend kernels at their first launch. One pass of `tokens` new
+        tokens of one request on the request pool's padding row: they read and write the
+        reserved slot 0 only."""
+        if self.context_len <= tokens:
+            return
+        row = self.req_pool.padding_row
+
+        def ints(*values: int) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+        batch = ForwardBatch(
+            mode=ForwardMode.EXTEND,
+            input_ids=torch.zeros(tokens, dtype=torch.int64, device=self.device),
+            positions=torch.arange(tokens, dtype=torch.int64, device=self.device),
+            out_cache_loc=torch.zeros(tokens, dtype=torch.int64, device=self.device),
+            req_pool_indices=ints(row),
+            seq_lens=ints(tokens),
+            extend_prefix_lens=ints(0),
+            extend_seq_lens=ints(tokens),
+            extend_start_loc=ints(0),
+            req_to_token=self.req_pool.req_to_token,
+            kv_pool=self.kv_pool,
+            seq_lens_cpu=[tokens],
+            extend_prefix_lens_cpu=[0],
+            extend_seq_lens_cpu=[tokens],
+        )
+        self.attn.init_forward_metadata(batch)
+        self.model(batch, self.attn)
 
     @torch.inference_mode()
     def _warm_up_cascade(self, prefix: int = 64) -> None:
