@@ -25,6 +25,6 @@ def test_prefill_warm_up_writes_only_slot_zero(tiny_llama_dir: Path) -> None:
         after = pool.k_buffers + pool.v_buffers
         for old, new in zip(before, after, strict=True):
             assert torch.equal(old[1:], new[1:])  # every slot but the reserved one
-        assert any(not torch.equal(old[0], new[0]) for old, new in zip(before, after))
+        assert any(not torch.equal(old[0], new[0]) for old, new in zip(before, after, strict=True))
         engine.flush_cache()
         assert engine_outputs(engine, prompts, 8) == expected
