@@ -1,5 +1,6 @@
 """Chat plans and the text deltas that answer them, for the tests of chat answers (tool
-calls, reasoning): one plan of a body, one delta of a piece of text."""
+calls, reasoning): one plan of a body, one delta of a piece of text, or a whole answer
+of known tokens."""
 
 from __future__ import annotations
 
@@ -35,3 +36,27 @@ def text_delta(text: str, finish: FinishReason | None = None, index: int = 0) ->
         prompt_tokens=3,
         completion_tokens=1,
     )
+
+
+def token_deltas(
+    pieces: list[list[str]], index: int = 0, finish: FinishReason | None = None
+) -> list[TextDelta]:
+    """Choice `index`'s answer as deltas, one a piece, each piece the texts of its tokens,
+    with running counters; the last delta ends the answer with `finish` (default stop)."""
+    deltas, sent = [], 0
+    end = finish or FinishReason(kind="stop")
+    for i, texts in enumerate(pieces):
+        ids = list(range(sent, sent + len(texts)))
+        sent += len(texts)
+        deltas.append(
+            TextDelta(
+                rid="id-1",
+                text="".join(texts),
+                token_ids=pack_tokens(ids),
+                index=index,
+                finish_reason=end if i == len(pieces) - 1 else None,
+                prompt_tokens=3,
+                completion_tokens=sent,
+            )
+        )
+    return deltas

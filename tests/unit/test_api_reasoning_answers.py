@@ -1,11 +1,13 @@
 """Chat answers of a reasoning model (the gateway's --reasoning-parser): reasoning apart
-from content, whole and streamed, beside tool calls; chat_template_kwargs carried to the
-tokenizer; the gateway setting read from its flag or variable."""
+from content, whole and streamed, beside tool calls; usage's reasoning tokens, whole and
+streamed, summed over choices; chat_template_kwargs carried to the tokenizer; the gateway
+setting read from its flag or variable."""
 
 from __future__ import annotations
 
 import argparse
 import json
+from itertools import zip_longest
 from typing import Any
 
 import pytest
@@ -15,9 +17,10 @@ from radixserve.api.mapping import GenerationPlan
 from radixserve.protocol import FinishReason
 from radixserve.services.gateway.settings import add_arguments, gateway_settings_from_args
 from radixserve.services.runtime import add_common_arguments
-from tests.unit.chat_answers import chat_plan, text_delta
+from tests.unit.chat_answers import chat_plan, text_delta, token_deltas
 
 STOP = FinishReason(kind="stop")
+LENGTH = FinishReason(kind="length")
 USER = [{"role": "user", "content": "2 + 2?"}]
 TOOLS = [{"type": "function", "function": {"name": "calc"}}]
 
@@ -72,6 +75,63 @@ def test_streamed_reasoning_comes_as_reasoning_content_deltas() -> None:
     assert reasoning.strip() == "Two and two." and content == "4"
     # The reasoning went out before its end tag came.
     assert deltas.index({"reasoning_content": "Two and"}) < deltas.index({"content": "4"})
+
+
+def _usage(plan: GenerationPlan, *answers: list[list[str]]) -> dict[str, Any]:
+    """The body's usage once choice i answered `answers[i]` (one token a delta)."""
+    assembly = Assembly(plan)
+    for index, tokens in enumerate(answers):
+        for delta in token_deltas([[t] for t in tokens], index):
+            assembly.apply(delta)
+    assert assembly.done
+    usage: dict[str, Any] = chat_completion(plan, assembly, 0)["usage"]
+    return usage
+
+
+THOUGHT = ["<think>", "\n", "Two", " and", " two", ".\n", "</think>", "\n\n", "4"]  # 7 + 2
+
+
+@pytest.mark.parametrize(
+    ("parser", "tokens", "expected"),
+    [
+        ("qwen3", THOUGHT, 7),
+        ("qwen3", ["4", "."], 0),  # thinking switched off
+        ("qwen3", THOUGHT[:4], 4),  # cut short inside the reasoning
+        ("deepseek-r1", THOUGHT[1:], 6),
+        ("deepseek-r1", ["Two", " and"], 2),  # never closed
+    ],
+)
+def test_usage_counts_the_reasoning_tokens(parser: str, tokens: list[str], expected: int) -> None:
+    usage = _usage(_plan(parser), tokens)
+    assert usage["completion_tokens"] == len(tokens)
+    assert usage["completion_tokens_details"] == {"reasoning_tokens": expected}
+
+
+def test_reasoning_tokens_without_separate_reasoning_and_without_a_parser() -> None:
+    # The tokens are reasoning even when the answer does not split them out (as vLLM).
+    plan = _plan(separate_reasoning=False)
+    assert _usage(plan, THOUGHT)["completion_tokens_details"] == {"reasoning_tokens": 7}
+    assert "completion_tokens_details" not in _usage(_plan(None), THOUGHT)
+
+
+def test_reasoning_tokens_of_n_choices_are_summed_and_streamed_as_in_the_body() -> None:
+    answers = [THOUGHT, ["4", "."], THOUGHT[:3]]
+    plan = _plan(n=3)
+    body_usage = _usage(plan, *answers)
+    assert body_usage["completion_tokens_details"] == {"reasoning_tokens": 7 + 0 + 3}
+    assert body_usage["completion_tokens"] == sum(len(a) for a in answers)
+
+    streamed = _plan(n=3, stream=True, stream_options={"include_usage": True})
+    assembly = Assembly(streamed)
+    streamer = make_streamer(streamed, assembly, created=1)
+    per_choice = [token_deltas([[t] for t in a], i, LENGTH) for i, a in enumerate(answers)]
+    for delta in (d for step in zip_longest(*per_choice) for d in step if d is not None):
+        update = assembly.apply(delta)
+        assert update is not None
+        streamer.chunks(update, 0.0)
+    assert assembly.done
+    (last,) = streamer.final(assembly)
+    assert last["choices"] == [] and last["usage"] == body_usage
 
 
 def test_chat_template_kwargs_reach_the_tokenizer() -> None:

@@ -6,7 +6,10 @@
 
 Each (rid, choice) of the plan is one `ChoiceState`, addressed by its merged index.
 Counters in deltas are totals so far, so the latest value wins (a repeated or
-reordered delta cannot inflate usage); text, ids and logprobs are appended.
+reordered delta cannot inflate usage); text, ids and logprobs are appended. With a
+reasoning parser (chat), each choice's reasoning tokens are counted here too, from
+each delta's text and token ids as they are appended (`ReasoningTokens`), so the
+streamed usage and the whole body's agree.
 """
 
 from __future__ import annotations
@@ -14,7 +17,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from radixserve.api.mapping import GenerationPlan
-from radixserve.protocol import FinishReason, LogprobEntry, PromptLogprobEntries, TextDelta
+from radixserve.api.reasoning import ReasoningTokens
+from radixserve.protocol import (
+    FinishReason,
+    LogprobEntry,
+    PromptLogprobEntries,
+    TextDelta,
+    num_tokens,
+)
 
 
 @dataclass
@@ -30,10 +40,16 @@ class ChoiceState:
     prompt_logprobs: PromptLogprobEntries | None = None
     finish: FinishReason | None = None
     completion_tokens: int = 0
+    # With a reasoning parser: how many of its tokens are reasoning so far.
+    reasoning_counter: ReasoningTokens | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish is not None
+
+    @property
+    def reasoning_tokens(self) -> int:
+        return 0 if self.reasoning_counter is None else self.reasoning_counter.count
 
 
 @dataclass(frozen=True)
@@ -41,6 +57,7 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    reasoning_tokens: int | None = None  # of the completion tokens; None: no parser
 
     @property
     def total_tokens(self) -> int:
@@ -69,9 +86,10 @@ class Assembly:
         self.choices: list[ChoiceState] = []
         for prompt_index, rid in enumerate(plan.rids):
             for choice in range(plan.n):
-                self.choices.append(
-                    ChoiceState(plan.choice_index(prompt_index, choice), rid, prompt_index)
-                )
+                state = ChoiceState(plan.choice_index(prompt_index, choice), rid, prompt_index)
+                if plan.reasoning is not None:
+                    state.reasoning_counter = ReasoningTokens(plan.reasoning)
+                self.choices.append(state)
         self._prompts = [_PromptCounters() for _ in plan.rids]
         self._unfinished = len(self.choices)
 
@@ -94,6 +112,9 @@ class Assembly:
         choice.text += delta.text
         if delta.token_ids:
             choice.token_ids.extend(delta.token_ids_list)
+        if choice.reasoning_counter is not None:
+            last = delta.finish_reason is not None
+            choice.reasoning_counter.feed(delta.text, num_tokens(delta.token_ids), last)
         if delta.logprobs:
             choice.logprobs.extend(delta.logprobs)
         if delta.prompt_logprobs is not None:  # once (again after a re-route: the same)
@@ -104,11 +125,16 @@ class Assembly:
         return ChoiceUpdate(choice, delta)
 
     def usage(self) -> Usage:
-        """Prompt tokens once per prompt (not per choice); completion tokens of every choice."""
+        """Prompt tokens once per prompt (not per choice); completion tokens (and with a
+        reasoning parser, reasoning tokens) of every choice."""
+        reasoning = None
+        if self.plan.reasoning is not None:
+            reasoning = sum(c.reasoning_tokens for c in self.choices)
         return Usage(
             prompt_tokens=sum(p.prompt_tokens for p in self._prompts),
             completion_tokens=sum(c.completion_tokens for c in self.choices),
             cached_tokens=sum(p.cached_tokens for p in self._prompts),
+            reasoning_tokens=reasoning,
         )
 
     def prompt_usage(self, prompt_index: int) -> tuple[int, int]:

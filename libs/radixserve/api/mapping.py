@@ -81,8 +81,11 @@ class GenerationPlan:
     batch: bool = False
     # chat: the functions the model may call, and how its answer is read back.
     tools: ToolPlan | None = None
-    # chat: how the model writes its reasoning, split from the content (None: not split).
+    # chat: how the model writes its reasoning (the gateway's parser; None: none), counted
+    # in usage, and whether the answer carries it apart from the content (the request's
+    # `separate_reasoning`, default true).
     reasoning: ReasoningFormat | None = None
+    separate_reasoning: bool = True
 
     @cached_property
     def _prompt_indexes(self) -> dict[str, int]:
@@ -98,6 +101,12 @@ class GenerationPlan:
 
     def prompt_index(self, rid: str) -> int | None:
         return self._prompt_indexes.get(rid)
+
+    @property
+    def reasoning_apart(self) -> ReasoningFormat | None:
+        """The format the answer's reasoning is split from its content by: None without a
+        parser, or when the request said `separate_reasoning: false`."""
+        return self.reasoning if self.separate_reasoning else None
 
     def choice_index(self, prompt_index: int, choice: int) -> int:
         """The merged `index` of a choice in the answer."""
@@ -130,7 +139,8 @@ def plan_chat(
     reasoning_parser: str | None = None,
 ) -> GenerationPlan:
     """`reasoning_parser`: the gateway's (api/reasoning.py); the answer's reasoning is
-    then split from its content unless the request says `separate_reasoning: false`."""
+    then split from its content unless the request says `separate_reasoning: false`, and
+    counted in usage either way."""
     check_model(req.model, served_model)
     tools = plan_tools(req)
     template_kwargs = _template_kwargs(req.chat_template_kwargs)
@@ -139,9 +149,7 @@ def plan_chat(
             "continue_final_message needs the last message to be the assistant's",
             "continue_final_message",
         )
-    reasoning = None
-    if reasoning_parser is not None and req.separate_reasoning is not False:
-        reasoning = REASONING_FORMATS[reasoning_parser]
+    reasoning = None if reasoning_parser is None else REASONING_FORMATS[reasoning_parser]
     messages = chat_messages(req.messages)
     if req.top_logprobs is not None and not req.logprobs:
         raise ApiError.invalid("top_logprobs requires logprobs to be true", "top_logprobs")
@@ -181,6 +189,7 @@ def plan_chat(
         logprobs=bool(req.logprobs),
         tools=tools,
         reasoning=reasoning,
+        separate_reasoning=req.separate_reasoning is not False,
     )
 
 

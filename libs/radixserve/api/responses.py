@@ -2,7 +2,8 @@
 
     body = chat_completion(plan, assembly, created=int(time.time()))
 
-`usage` always carries `prompt_tokens_details.cached_tokens`. An OpenAI choice that
+`usage` always carries `prompt_tokens_details.cached_tokens`, and with a reasoning
+parser (chat) `completion_tokens_details.reasoning_tokens`. An OpenAI choice that
 ended with finish kind `abort` has no OpenAI finish reason: the caller answers with
 `abort_error(choice)` instead (`/generate` reports SGLang's `{"type": "abort"}`).
 """
@@ -55,12 +56,16 @@ def abort_error(choice: ChoiceState) -> ApiError:
 
 
 def usage_body(usage: Usage) -> dict[str, Any]:
-    return {
+    """OpenAI's `usage`, the same in a whole body and in a stream's last chunk."""
+    body: dict[str, Any] = {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
     }
+    if usage.reasoning_tokens is not None:
+        body["completion_tokens_details"] = {"reasoning_tokens": usage.reasoning_tokens}
+    return body
 
 
 def chat_finish_reason(finish: FinishReason | None, called: bool) -> str | None:
@@ -76,8 +81,8 @@ def chat_choice_message(plan: GenerationPlan, choice: ChoiceState) -> dict[str, 
     reasoning apart (`reasoning_content`) and the rest read as above."""
     text = choice.text
     message: dict[str, Any] = {"role": "assistant"}
-    if plan.reasoning is not None:
-        reasoning, text = split_reasoning(text, plan.reasoning)
+    if plan.reasoning_apart is not None:
+        reasoning, text = split_reasoning(text, plan.reasoning_apart)
         message["reasoning_content"] = reasoning
     message["content"] = text
     if plan.tools is not None:

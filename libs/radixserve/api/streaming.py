@@ -14,7 +14,7 @@
 - `/generate`: SGLang's events with the cumulative `text` and `output_ids` so far.
 
 With `stream_options.include_usage`, every chunk has `"usage": null` and a last
-chunk with no choices carries the usage.
+chunk with no choices carries the usage (the non-streamed body's, `usage_body`).
 """
 
 from __future__ import annotations
@@ -109,12 +109,14 @@ class ChatStreamer(_OpenAIStreamer):
         return out
 
     def _think(self, index: int, text: str, last: bool) -> tuple[str, str]:
-        """(reasoning, content) of a choice's next text (all content without a parser)."""
-        if self.plan.reasoning is None:
+        """(reasoning, content) of a choice's next text (all content without a parser or
+        with `separate_reasoning: false`)."""
+        fmt = self.plan.reasoning_apart
+        if fmt is None:
             return "", text
         stream = self._reasoning.get(index)
         if stream is None:
-            stream = self._reasoning[index] = ReasoningStream(self.plan.reasoning)
+            stream = self._reasoning[index] = ReasoningStream(fmt)
         reasoning, content = stream.feed(text)
         if last:
             more_reasoning, more_content = stream.finish()
