@@ -15,7 +15,12 @@ Runs, each stage in its own process (a failing stage is reported, the rest still
    random weights for every backend, with and without CUDA graphs (and overlap);
 4. bench/sampling.py: the sampler's time per call by setting and batch size, the
    one-kernel draw beside the sort-based torch path, and tests/gpu/test_sampling_cuda.py
-   (the kernel's draws against the torch path's).
+   (the kernel's draws against the torch path's);
+5. bench/overhead.py: the service stack (NATS, Redis, the six services) against the
+   in-process engine on the 8B shape: throughput unstreamed and streamed at 256 requests
+   at once (64 with --quick), TTFT at concurrency 1. Skipped, with the reason, where the
+   stack's packages or the nats-server / redis-server binaries are missing (on a lent
+   GPU, `bash bench/device_carry.sh --stack` carries them).
 
 Writes every stage's JSON, `suite.json` (all of it, with date, device and commit) and
 `suite.md` (the tables, each target met or not) to `--out`, and prints the tables.
@@ -161,6 +166,15 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
     # --quick skips FlashInfer's sampling for reference: its JIT build takes minutes.
     argv += ["1", "64", "512", "--no-flashinfer"] if args.quick else ["1", "64", "256", "512"]
     sampling = stages.run("sampling", argv, path)
+    stack = None
+    stack_skipped = stack_missing()
+    if stack_skipped is None:
+        path = out / "stack.json"
+        requests, output_len = ("64", "64") if args.quick else ("256", "256")
+        argv = [str(BENCH / "overhead.py"), "--device", "cuda", "--shape", "llama-8b"]
+        argv += ["--tokenizer", tokenizer, "--requests", requests, "--prompt-len", "512"]
+        argv += ["--output-len", output_len, "--ttft-requests", "16", "--stream"]
+        stack = stages.run("stack", [*argv, "--json", str(path)], path)
     probe = next((r for r in one_batch if r is not None), None)
     return {
         "date": date.today().isoformat(),
@@ -178,8 +192,29 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
         "parity": parity,
         "sampling": sampling,
         "sampling_check": sampling_check,
+        "stack": stack,
+        "stack_skipped": stack_skipped,
         "errors": stages.errors,
     }
+
+
+def stack_missing() -> str | None:
+    """Why the stack stage cannot run here (None: it can): a package the services or the
+    bench's client need, or a NATS / Redis server binary."""
+    for module in ("nats", "redis", "fastapi", "uvicorn", "httpx", "openai"):
+        if importlib.util.find_spec(module) is None:
+            return f"no {module} package"
+    from radixserve.infra.binaries import find_nats_server, find_redis_server
+    from radixserve.infra.process import InfraError
+    from radixserve.infra.settings import InfraSettings
+
+    settings = InfraSettings.from_env()
+    try:
+        find_nats_server(settings.nats_server_path)
+        find_redis_server(settings.redis_server_path)
+    except InfraError as exc:
+        return str(exc)
+    return None
 
 
 def targets(result: dict[str, Any]) -> list[tuple[Target, str, float | None]]:
@@ -290,6 +325,7 @@ def markdown(result: dict[str, Any]) -> str:
                 "throughput ratio at equal shares of the floor (bench/roofline.py)."
             )
     lines += _sampling_table(result.get("sampling"))
+    lines += _stack_table(result.get("stack"), result.get("stack_skipped"))
     if result["errors"]:
         lines += ["", "Failed stages:", *(f"- {e}" for e in result["errors"])]
     return "\n".join(lines) + "\n"
@@ -316,6 +352,26 @@ def _sampling_table(sampling: dict[str, Any] | None) -> list[str]:
             f"| {bs} | {setting} | {_fmt(kernel, 3)} | {_fmt(torch_ms, 3)} | {_fmt(ratio, 1)} |"
         )
     return lines
+
+
+def _stack_table(stack: dict[str, Any] | None, skipped: str | None) -> list[str]:
+    """bench/overhead.py's figures: the stack against the in-process engine."""
+    if stack is None:
+        return [] if skipped is None else ["", f"The stack stage was skipped: {skipped}."]
+    return [
+        "",
+        f"The service stack against the in-process engine ({stack['model']}, "
+        f"{stack['requests']} requests x {stack['prompt_len']} + {stack['output_len']} tokens):",
+        "",
+        "| figure | stack | engine | stack / engine |",
+        "| --- | --- | --- | --- |",
+        f"| tok/s, unstreamed | {stack['stack_tok_s']:.0f} | {stack['engine_tok_s']:.0f} "
+        f"| {stack['throughput_ratio']:.2f} |",
+        f"| tok/s, streamed | {_fmt(stack.get('stack_stream_tok_s'), 0)} | "
+        f"{stack['engine_tok_s']:.0f} | {_fmt(stack.get('stream_throughput_ratio'))} |",
+        f"| TTFT p50 at concurrency 1, ms | {stack['ttft_p50_stack_ms']:.1f} | "
+        f"{stack['ttft_p50_engine_ms']:.1f} | +{stack['ttft_p50_added_ms']:.1f} ms |",
+    ]
 
 
 def _scaled(value: float | None) -> float | None:

@@ -115,3 +115,38 @@ def test_report_marks_targets_and_unmeasured_figures(suite: ModuleType) -> None:
     assert "engine options" not in table
     options = suite.markdown(_result(engine_args={"enable_sm90_prefill": True}))
     assert 'commit abc1234, engine options {"enable_sm90_prefill": true}' in options
+
+
+def test_report_has_the_stack_stage_or_why_it_was_skipped(suite: ModuleType) -> None:
+    stack = {
+        "model": "llama-8b",
+        "requests": 256,
+        "prompt_len": 512,
+        "output_len": 256,
+        "stack_tok_s": 8795.0,
+        "engine_tok_s": 8609.6,
+        "throughput_ratio": 1.0215,
+        "stack_stream_tok_s": 8929.7,
+        "stream_throughput_ratio": 1.0372,
+        "ttft_p50_stack_ms": 62.83,
+        "ttft_p50_engine_ms": 43.17,
+        "ttft_p50_added_ms": 19.66,
+    }
+    table = suite.markdown(_result(stack=stack, stack_skipped=None))
+    assert "engine (llama-8b, 256 requests x 512 + 256 tokens)" in table
+    assert "| tok/s, unstreamed | 8795 | 8610 | 1.02 |" in table
+    assert "| tok/s, streamed | 8930 | 8610 | 1.04 |" in table
+    assert "| TTFT p50 at concurrency 1, ms | 62.8 | 43.2 | +19.7 ms |" in table
+    skipped = suite.markdown(_result(stack=None, stack_skipped="no nats package"))
+    assert "The stack stage was skipped: no nats package." in skipped
+    assert "The service stack" not in skipped
+
+
+def test_stack_stage_is_skipped_without_a_server_binary(
+    suite: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("RADIXSERVE_NATS_SERVER_BIN", str(tmp_path / "missing-nats-server"))
+    reason = suite.stack_missing()
+    assert reason is not None and "nats-server" in reason
+    monkeypatch.delenv("RADIXSERVE_NATS_SERVER_BIN")
+    assert suite.stack_missing() is None  # this machine has the packages and binaries
