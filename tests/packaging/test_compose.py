@@ -96,6 +96,20 @@ def test_tokenizer_gets_a_context_length_only_when_one_is_set() -> None:
     assert "${RADIXSERVE_CONTEXT_LENGTH:+" in unset
 
 
+def test_gpu_worker_keeps_its_built_kernels_in_a_volume(model: dict[str, Any]) -> None:
+    """The worker's kernel caches (Triton, FlashInfer JIT) outlive its container: a named
+    volume where the CUDA image points them, owned by the image's user, beside the model."""
+    mounts = model["services"]["worker"]["volumes"]
+    assert "kernel-cache:/tmp/.cache" in mounts and "models:/models:ro" in mounts
+    assert "kernel-cache" in model["volumes"]
+    dockerfile = (ROOT / "docker" / "Dockerfile.cuda").read_text()
+    for variable in ("TRITON_CACHE_DIR", "FLASHINFER_WORKSPACE_BASE", "TORCHINDUCTOR_CACHE_DIR"):
+        assert f"{variable}=/tmp/.cache" in dockerfile, variable
+    # A new named volume copies the image folder's owner: the non-root user can write it.
+    assert "install -d -o 10001 -g 10001 /tmp/.cache" in dockerfile
+    assert model["services"]["worker"]["user"] == "10001:10001"
+
+
 @pytest.mark.parametrize("worker", WORKERS)
 def test_worker_engine_variables_are_the_engine_defaults(
     model: dict[str, Any], worker: str
