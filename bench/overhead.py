@@ -158,10 +158,11 @@ class PhaseMeter:
 def dummy_model_folder(tokenizer_dir: Path, shape_name: str) -> Path:
     """A folder with `shape_name`'s config (vocabulary cut to the tokenizer's, so every
     sampled id decodes) and the tokenizer's files: load it with load_format dummy."""
+    from offline import TINY_LLAMA
     from one_batch import LLAMA_31_8B, write_model_folder
     from transformers import AutoTokenizer
 
-    shapes = {"llama-8b": LLAMA_31_8B}
+    shapes = {"llama-8b": LLAMA_31_8B, "tiny": TINY_LLAMA}
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     shape = {
         **shapes[shape_name],
@@ -295,9 +296,10 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     parser.add_argument(
         "--shape",
-        choices=["llama-8b"],
+        choices=["llama-8b", "tiny"],
         default=None,
-        help="random weights of this shape (load_format dummy) instead of --model",
+        help="random weights of this shape (load_format dummy) instead of --model; tiny: "
+        "a model so small that the services, not the engine, bound the stack on a CPU",
     )
     parser.add_argument("--tokenizer", type=Path, default=None, help="its tokenizer (--shape)")
     parser.add_argument(

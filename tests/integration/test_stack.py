@@ -100,6 +100,14 @@ def test_health_cli_sees_every_service(stack: RunningStack) -> None:
     assert set(health["services"].values()) == {1}, health  # one of each, all ready
 
 
+def test_every_service_runs_on_uvloop(stack: RunningStack) -> None:
+    """uvloop is a dependency on Linux, so `auto` gives every service its loop."""
+    logs = sorted(stack.stack.spec.log_dir.glob("*.log"))
+    assert len(logs) == 6, logs
+    for log in logs:
+        assert "on the uvloop event loop" in log.read_text(), log.name
+
+
 def test_chat_equals_the_engine_streaming_or_not(
     client: openai.OpenAI, stack: RunningStack, engine: Engine
 ) -> None:

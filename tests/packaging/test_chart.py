@@ -226,6 +226,7 @@ COMPOSE_TO_VALUES = {
     "RADIXSERVE_LOG_FORMAT": "config.logFormat",
     "RADIXSERVE_LOG_PROMPTS": "config.logPrompts",
     "RADIXSERVE_OTLP_ENDPOINT": "config.otlpEndpoint",
+    "RADIXSERVE_EVENT_LOOP": "config.eventLoop",
     "RADIXSERVE_REQUEST_TIMEOUT_S": "gateway.requestTimeoutS",
     "RADIXSERVE_RECORD_TTL_S": "gateway.recordTtlS",
     "RADIXSERVE_REASONING_PARSER": "gateway.reasoningParser",

@@ -28,6 +28,12 @@ from radixserve.bus import Bus, BusSettings
 from radixserve.bus.settings import DEFAULT_NATS_URL, ENV_NATS_URL
 from radixserve.protocol import ServiceHeartbeat, Subjects, encode
 from radixserve.protocol.subjects import DEFAULT_PREFIX, check_token
+from radixserve.services.event_loop import (
+    ENV_EVENT_LOOP,
+    EVENT_LOOPS,
+    check_event_loop,
+    loop_factory,
+)
 from radixserve.store.settings import DEFAULT_REDIS_URL, ENV_REDIS_URL
 from radixserve.telemetry.common import ServiceMetrics
 from radixserve.telemetry.exposition import MetricsServer
@@ -70,8 +76,11 @@ class ServiceSettings:
     metrics_host: str = DEFAULT_METRICS_HOST
     # OTLP endpoint for traces ("" : the OTEL_* variables decide; tracing is off by default).
     otlp_endpoint: str = ""
+    # auto (uvloop where installed), uvloop or asyncio (services/event_loop.py).
+    event_loop: str = "auto"
 
     def __post_init__(self) -> None:
+        check_event_loop(self.event_loop)
         if not self.instance_id:
             object.__setattr__(self, "instance_id", default_instance_id(self.service))
         check_token(self.instance_id, "instance id")
@@ -94,6 +103,7 @@ class ServiceSettings:
             "metrics_port": _port_from_env(env, ENV_METRICS_PORT),
             "metrics_host": env.get(ENV_METRICS_HOST, "").strip() or DEFAULT_METRICS_HOST,
             "otlp_endpoint": env.get(ENV_OTLP_ENDPOINT, "").strip(),
+            "event_loop": env.get(ENV_EVENT_LOOP, "").strip().lower() or "auto",
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
@@ -144,6 +154,12 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"send traces over OTLP/HTTP to this base URL (default ${ENV_OTLP_ENDPOINT}, "
         "else the OTEL_EXPORTER_OTLP_* variables; off when none is set)",
     )
+    parser.add_argument(
+        "--event-loop",
+        choices=EVENT_LOOPS,
+        default=None,
+        help=f"the asyncio event loop (default ${ENV_EVENT_LOOP} or auto: uvloop where installed)",
+    )
 
 
 def settings_from_args(service: str, ns: argparse.Namespace) -> ServiceSettings:
@@ -156,6 +172,7 @@ def settings_from_args(service: str, ns: argparse.Namespace) -> ServiceSettings:
         metrics_port=getattr(ns, "metrics_port", None),
         metrics_host=getattr(ns, "metrics_host", None),
         otlp_endpoint=getattr(ns, "otlp_endpoint", None),
+        event_loop=getattr(ns, "event_loop", None),
     )
 
 
@@ -304,7 +321,10 @@ def run_service(
     setup_logging(settings.service)
     tracing = setup_tracing(settings.tracing_settings(), settings.service, settings.instance_id)
     try:
-        return asyncio.run(serve_async(settings, main))
+        name, factory = loop_factory(settings.event_loop)
+        log.info("%s on the %s event loop", settings.service, name)
+        with asyncio.Runner(loop_factory=factory) as runner:
+            return runner.run(serve_async(settings, main))
     except Exception as exc:
         log.error("%s failed: %s", settings.service, exc, exc_info=True)
         return 1
