@@ -20,7 +20,10 @@ Runs, each stage in its own process (a failing stage is reported, the rest still
    in-process engine on the 8B shape: throughput unstreamed and streamed at 256 requests
    at once (64 with --quick), TTFT at concurrency 1. Skipped, with the reason, where the
    stack's packages or the nats-server / redis-server binaries are missing (on a lent
-   GPU, `bash bench/device_carry.sh --stack` carries them).
+   GPU, `bash bench/device_carry.sh --stack` carries them);
+6. bench/start_up.py: start-up in a fresh process with empty kernel caches (the 8B shape
+   cut to 4 layers): time to ready, then the first and the second request's latency (a
+   first request seconds long means a kernel was still built inside it).
 
 Writes every stage's JSON, `suite.json` (all of it, with date, device and commit) and
 `suite.md` (the tables, each target met or not) to `--out`, and prints the tables.
@@ -175,6 +178,10 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
         argv += ["--tokenizer", tokenizer, "--requests", requests, "--prompt-len", "512"]
         argv += ["--output-len", output_len, "--ttft-requests", "16", "--stream"]
         stack = stages.run("stack", [*argv, "--json", str(path)], path)
+    path = out / "start_up.json"
+    argv = [str(BENCH / "start_up.py"), "--tokenizer", tokenizer, "--layers", "4"]
+    argv += ["--json", str(path), "--engine-args", args.engine_args]
+    start_up = stages.run("start-up", argv, path)
     probe = next((r for r in one_batch if r is not None), None)
     return {
         "date": date.today().isoformat(),
@@ -194,6 +201,7 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
         "sampling_check": sampling_check,
         "stack": stack,
         "stack_skipped": stack_skipped,
+        "start_up": start_up,
         "errors": stages.errors,
     }
 
@@ -326,6 +334,7 @@ def markdown(result: dict[str, Any]) -> str:
             )
     lines += _sampling_table(result.get("sampling"))
     lines += _stack_table(result.get("stack"), result.get("stack_skipped"))
+    lines += _start_up_table(result.get("start_up"))
     if result["errors"]:
         lines += ["", "Failed stages:", *(f"- {e}" for e in result["errors"])]
     return "\n".join(lines) + "\n"
@@ -372,6 +381,25 @@ def _stack_table(stack: dict[str, Any] | None, skipped: str | None) -> list[str]
         f"| TTFT p50 at concurrency 1, ms | {stack['ttft_p50_stack_ms']:.1f} | "
         f"{stack['ttft_p50_engine_ms']:.1f} | +{stack['ttft_p50_added_ms']:.1f} ms |",
     ]
+
+
+def _start_up_table(rows: list[dict[str, Any]] | None) -> list[str]:
+    """bench/start_up.py's runs: ready time and the first two requests after it."""
+    if not rows:
+        return []
+    lines = [
+        "",
+        "Start-up with empty kernel caches (8B shape, 4 layers; 512 + 8 tokens a request):",
+        "",
+        "| start-up prefill pass | ready s | first request ms | second request ms | first / second |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {'on' if r['prefill_warm_up'] else 'off'} | {r['ready_s']:.1f} | "
+            f"{r['first_ms']:.1f} | {r['second_ms']:.1f} | {r['first_ms'] / r['second_ms']:.1f} |"
+        )
+    return lines
 
 
 def _scaled(value: float | None) -> float | None:

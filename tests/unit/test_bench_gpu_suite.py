@@ -142,6 +142,23 @@ def test_report_has_the_stack_stage_or_why_it_was_skipped(suite: ModuleType) -> 
     assert "The service stack" not in skipped
 
 
+def test_report_has_the_start_up_stage(suite: ModuleType) -> None:
+    rows = [
+        {
+            "device": "GPU",
+            "backend": "auto",
+            "prefill_warm_up": True,
+            "layers": 4,
+            "ready_s": 55.64,
+            "first_ms": 106.17,
+            "second_ms": 14.0,
+        }
+    ]
+    table = suite.markdown(_result(start_up=rows))
+    assert "| on | 55.6 | 106.2 | 14.0 | 7.6 |" in table
+    assert "Start-up with empty kernel caches" not in suite.markdown(_result(start_up=None))
+
+
 def test_stack_stage_is_skipped_without_a_server_binary(
     suite: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
