@@ -348,6 +348,10 @@ def test_every_service_counts_what_the_responses_add_up_to(observed: Observed) -
     assert delta(w0, w1, "radixserve:batch_size_sum", **w) == completion_tokens
     pool = [k for k in w1 if k[0] == "radixserve:cache_config_info"]
     assert len(pool) == 1 and dict(pool[0][1])["page_size"] == "1" and w1[pool[0]] == 1
+    # Set once, when the worker got ready: it loaded a model, which takes some time.
+    start = [k for k in w1 if k[0] == "radixserve:worker_start_seconds"]
+    assert len(start) == 1 and dict(start[0][1]) == w and 0 < w1[start[0]] < 600
+    assert w0[start[0]] == w1[start[0]]
 
     t0, t1 = before["tokenizer"], after["tokenizer"]
     assert delta(t0, t1, "radixserve:tokenizer_prompt_tokens_total") == prompt_tokens

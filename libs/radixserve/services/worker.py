@@ -118,6 +118,7 @@ class WorkerService:
         self._grammar_waits: dict[str, asyncio.Task[None]] = {}
 
     async def start(self) -> None:
+        started = time.monotonic()
         self.ctx.spawn(self._heartbeats(), "heartbeats")  # "starting" while the model loads
         from radixserve.engine.engine import Engine
         from radixserve.worker.driver import EngineDriver
@@ -156,6 +157,8 @@ class WorkerService:
         self.ctx.spawn(self._stats(), "stats")
         self.ctx.spawn(self._watch_engine(), "watch-engine")
         await self.ctx.bus.subscribe(self.subjects.worker_all(self.worker_id), self._on_message)
+        metrics = self.telemetry.metrics
+        metrics.start_duration.labels(**metrics.label()).set(time.monotonic() - started)
         self.status = protocol.WorkerStatus.READY
         await self._heartbeat()
         self.ctx.on_drain(self._drain)

@@ -63,6 +63,12 @@ class WorkerMetrics:
             "1; the labels give the KV cache's page size and number of pages",
             ["worker", "page_size", "num_pages"],
         )
+        self.start_duration = _gauge(
+            r,
+            "worker_start_seconds",
+            "Seconds the worker took to get ready: model load and kernel builds",
+            w,
+        )
         self.prompt_tokens = _counter(r, "prompt_tokens", "Prompt tokens of finished requests", w)
         self.generation_tokens = _counter(r, "generation_tokens", "Tokens generated", w)
         self.cache_query_tokens = _counter(
