@@ -237,9 +237,8 @@ class ModelRunner:
         self.graphs = self._capture_graphs()
         if self.device.type == "cuda":
             self._warm_up_prefill()
-        if self.cascade and self.device.type == "cuda" and not self._cascade_captured():
-            self._warm_up_cascade()
-        if self.device.type == "cuda":
+            if self.cascade and not self._cascade_captured():
+                self._warm_up_cascade()
             sampler.warm_up(self.vocab_size, self.dtype, self.device)
             c = self.model_config
             self.attn.start_kernel_builds(
@@ -288,10 +287,7 @@ class ModelRunner:
         if self.context_len <= tokens:
             return
         row = self.req_pool.padding_row
-
-        def ints(*values: int) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=self.device)
-
+        ints = self._ints
         batch = ForwardBatch(
             mode=ForwardMode.EXTEND,
             input_ids=torch.zeros(tokens, dtype=torch.int64, device=self.device),
@@ -320,20 +316,16 @@ class ModelRunner:
         if self.context_len <= prefix:
             return
         row = self.req_pool.padding_row
-
-        def ints(value: int, second: int | None = None) -> torch.Tensor:
-            pair = [value, value if second is None else second]
-            return torch.tensor(pair, dtype=torch.int64, device=self.device)
-
+        ints = self._ints
         batch = ForwardBatch(
             mode=ForwardMode.DECODE,
-            input_ids=ints(0),
-            positions=ints(prefix),
-            out_cache_loc=ints(0),
-            req_pool_indices=ints(row),
-            seq_lens=ints(prefix + 1),
-            extend_prefix_lens=ints(prefix),
-            extend_seq_lens=ints(1),
+            input_ids=ints(0, 0),
+            positions=ints(prefix, prefix),
+            out_cache_loc=ints(0, 0),
+            req_pool_indices=ints(row, row),
+            seq_lens=ints(prefix + 1, prefix + 1),
+            extend_prefix_lens=ints(prefix, prefix),
+            extend_seq_lens=ints(1, 1),
             extend_start_loc=ints(0, 1),
             req_to_token=self.req_pool.req_to_token,
             kv_pool=self.kv_pool,
@@ -344,6 +336,10 @@ class ModelRunner:
         )
         self.attn.init_forward_metadata(batch)
         self.model(batch, self.attn)
+
+    def _ints(self, *values: int) -> torch.Tensor:
+        """An int64 tensor of `values` on the device (the warm-up passes' batches)."""
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
 
     def _kv_budget_tokens(self) -> int:
         if self.config.max_total_tokens is not None:
