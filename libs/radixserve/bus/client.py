@@ -26,9 +26,10 @@ survived. Messages published while disconnected are buffered (nats-py's
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -124,9 +125,10 @@ class Bus:
             try:
                 # NOTE: with unlimited reconnects nats-py's own first connect never gives
                 # up, so each attempt is bounded from outside and the client closed.
-                await asyncio.wait_for(self._connect_once(nc), s.connect_timeout_s)
+                await _bounded(self._connect_once(nc), s.connect_timeout_s)
             except BaseException:
-                await nc.close()
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(nc.close(), s.connect_timeout_s)
                 raise
             return nc
 
@@ -382,3 +384,25 @@ def _translate(exc: nats.errors.Error, action: str) -> Exception:
     if isinstance(exc, nats.errors.MaxPayloadError):
         return BusPayloadTooLarge(f"{action}: larger than the server's max_payload")
     return BusError(f"{action} failed: {exc!r}")
+
+
+async def _bounded(coro: Coroutine[Any, Any, None], timeout_s: float) -> None:
+    """`coro` within `timeout_s`, else TimeoutError once it has ended. Unlike
+    `asyncio.wait_for`, the cancellation is repeated until the task ends: nats-py's first
+    connect loops over its servers forever (sleeping between tries), and one
+    cancellation can be lost inside it (Python 3.11's `wait_for` swallows a cancellation
+    that races with its inner future finishing), which had a connect attempt hang."""
+    task = asyncio.ensure_future(coro)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout_s)
+        if done:
+            return task.result()
+        while not task.done():
+            task.cancel()
+            await asyncio.wait({task}, timeout=0.05)
+    finally:
+        task.cancel()  # this attempt was itself cancelled: the connect goes too (no-op if done)
+    error = None if task.cancelled() else task.exception()
+    if error is not None:
+        raise error
+    raise TimeoutError(f"no connection within {timeout_s}s")
