@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: run test lint format unit integration gpu check-packaging bench-engine-cpu bench-overhead bench-routing bench-gpu clean venv
+.PHONY: run test lint format unit integration gpu check-packaging bench-engine-cpu bench-overhead bench-online bench-routing bench-gpu clean venv
 
 venv: $(STAMP)
 
@@ -56,6 +56,10 @@ bench-engine-cpu: $(STAMP)
 
 bench-overhead: $(STAMP)
 	$(PY) bench/overhead.py $(ARGS)
+
+# One stack loaded at a ladder of request rates: TTFT, TPOT, ITL against the worker's steps.
+bench-online: $(STAMP)
+	$(PY) bench/online.py $(ARGS)
 
 # Cache-aware against least-load routing over 2 workers (shared-prefix load, the CPU).
 bench-routing: $(STAMP)
