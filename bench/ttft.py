@@ -124,6 +124,7 @@ def main() -> int:
     settings = {"on": [False], "off": [True], "both": [False, True]}[args.overlap]
     results = []
     for disable_overlap in settings:
+        started = time.perf_counter()
         engine = Engine(
             model_path=str(folder),
             load_format="dummy",
@@ -133,10 +134,14 @@ def main() -> int:
             disable_overlap_schedule=disable_overlap,
             **json.loads(args.engine_args),
         )
+        ready_s = time.perf_counter() - started
         gen = torch.Generator().manual_seed(0)
         rows = measure(engine, args.input_lens, args.reps, gen)
         overlap = "off" if disable_overlap else "on"
-        print(f"\n{torch.cuda.get_device_name()}, overlap {overlap}, backend {args.backend}")
+        print(
+            f"\n{torch.cuda.get_device_name()}, overlap {overlap}, backend {args.backend},"
+            f" engine ready in {ready_s:.1f} s"
+        )
         print(f"{'input':>6} {'TTFT ms':>8} {'prefill dev ms':>14} steps: host ms each")
         for row in rows:
             row["overlap"] = overlap

@@ -41,6 +41,10 @@ class EngineConfig:
     # None: by the device, as max_running_requests).
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int | None = None
+    # Prefill and mixed passes of up to this many tokens run as CUDA graphs too, piece
+    # by piece between the (eager) attention calls (graphs/piecewise.py): such passes
+    # are bound by the host's launches. 0: eager. Off with disable_cuda_graph.
+    piecewise_cuda_graph_max_tokens: int = 512
     # Overlap scheduling (CUDA only; the CPU has nothing to overlap): the host plans and
     # launches step N+1 while the device runs step N, reading step N's tokens one step late.
     disable_overlap_schedule: bool = False
@@ -106,6 +110,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.piecewise_cuda_graph_max_tokens < 0:
+            raise ValueError("piecewise_cuda_graph_max_tokens must be >= 0 (0: off)")
         if self.max_total_tokens is not None and self.max_total_tokens < 2:
             raise ValueError("max_total_tokens must be >= 2")
 

@@ -17,6 +17,7 @@ from radixserve.engine.config import EngineConfig
 from radixserve.engine.distributed import SINGLE, TPGroup, with_direct_nccl
 from radixserve.engine.forward_batch import ForwardBatch, ForwardMode, SharedPrefix
 from radixserve.engine.graphs.cuda_graph_runner import CudaGraphRunner
+from radixserve.engine.graphs.piecewise import PiecewiseGraphs
 from radixserve.engine.kvcache.pool import KVPool, ReqToTokenPool
 from radixserve.engine.model.config import ModelConfig
 from radixserve.engine.model.loader import load_model, resolve_dtype, resolve_model_path
@@ -235,8 +236,10 @@ class ModelRunner:
         )
         self.cascade = self.attn.supports_shared_prefix and not config.disable_cascade_attention
         self.graphs = self._capture_graphs()
+        self.piecewise: PiecewiseGraphs | None = None
         if self.device.type == "cuda":
             self._warm_up_prefill()
+            self.piecewise = self._capture_piecewise()
             if self.cascade and not self._cascade_captured():
                 self._warm_up_cascade()
             sampler.warm_up(self.vocab_size, self.dtype, self.device)
@@ -256,6 +259,14 @@ class ModelRunner:
         return CudaGraphRunner(
             self.model, self.attn, self.kv_pool, self.req_pool, max_bs, cascade=self.cascade
         )
+
+    def _capture_piecewise(self) -> PiecewiseGraphs | None:
+        """Prefill pieces, where decode graphs run (after the prefill warm-up built the
+        prefill kernels), unless their token limit is 0."""
+        max_tokens = self.config.piecewise_cuda_graph_max_tokens
+        if self.graphs is None or max_tokens == 0:
+            return None
+        return PiecewiseGraphs(self.model, self.attn, self.kv_pool, max_tokens)
 
     def _cascade_captured(self) -> bool:
         """Whether graph capture already compiled the cascade kernels."""
@@ -369,7 +380,7 @@ class ModelRunner:
 
     def close(self) -> None:
         """Drop the weights, the KV memory and the backend; free cached CUDA memory."""
-        for name in ("graphs", "model", "kv_pool", "req_pool", "attn"):
+        for name in ("graphs", "piecewise", "model", "kv_pool", "req_pool", "attn"):
             self.__dict__.pop(name, None)
         if self.tp.nccl is not None:  # after the graphs that captured its all-reduces
             self.tp.nccl.close()
@@ -382,5 +393,7 @@ class ModelRunner:
         captured graph replays it (the logits are then valid until the next forward)."""
         if self.graphs is not None and batch.logprob_rows is None and self.graphs.can_run(batch):
             return self.graphs.replay(batch)
+        if self.piecewise is not None and self.piecewise.can_run(batch):
+            return self.piecewise.run(batch)
         self.attn.init_forward_metadata(batch)
         return self.model(batch, self.attn)

@@ -41,6 +41,7 @@ from radixserve.engine.model.weights import StoredTensor, iter_safetensors
 if TYPE_CHECKING:
     from radixserve.engine.attention.base import AttentionBackend
     from radixserve.engine.forward_batch import ForwardBatch
+    from radixserve.engine.kvcache.pool import KVPool
 
 # Prompt logprobs: rows scored per head pass (bounds the float32 logits held at once).
 SCORE_ROWS_PER_PASS = 512
@@ -119,14 +120,12 @@ class LlamaAttention(nn.Module):
     def shard_sizes(self) -> list[int]:
         return [self.q_size, self.kv_size, self.kv_size]
 
-    def forward(
-        self,
-        qkv: torch.Tensor,
-        rotation: Rotation,
-        batch: ForwardBatch,
-        attn: AttentionBackend,
-    ) -> torch.Tensor:
-        """Attention over the qkv projection's output ([tokens, q + 2 kv]), then o_proj."""
+    def rotate_and_store(
+        self, qkv: torch.Tensor, rotation: Rotation, kv_pool: KVPool, loc: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+        """(q, k, v, stored) from the qkv projection's output ([tokens, q + 2 kv]): q and k
+        normed (Qwen3) and rotated. On the Triton path the rotary kernel also stores the
+        new K/V at `loc` (stored True: one launch fewer); else attention stores them."""
         num_tokens = qkv.shape[0]
         q, k, v = qkv.split(self.shard_sizes(), dim=-1)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
@@ -134,12 +133,27 @@ class LlamaAttention(nn.Module):
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        # On the Triton path the rotary kernel stores the new K/V too (one launch fewer).
-        write = batch.kv_pool.kv_write(self.layer_id, batch.out_cache_loc, v)
-        q, k, stored = apply_rotary_and_store(q, k, rotation, write)
+        q, k, stored = apply_rotary_and_store(
+            q, k, rotation, kv_pool.kv_write(self.layer_id, loc, v)
+        )
+        return q, k, v, stored
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        stored: bool,
+        batch: ForwardBatch,
+        attn: AttentionBackend,
+    ) -> torch.Tensor:
+        """Attention through the backend: [tokens, q_size]."""
         out = attn.forward(q, k, v, self.layer_id, batch, self.scale, kv_stored=stored)
-        out = linear(out.reshape(num_tokens, self.q_size), self.o_proj.weight, self.o_proj.bias)
-        return self.tp.all_reduce(out)
+        return out.reshape(q.shape[0], self.q_size)
+
+    def project_out(self, out: torch.Tensor) -> torch.Tensor:
+        """o_proj over the attention's output, summed over the ranks."""
+        return self.tp.all_reduce(linear(out, self.o_proj.weight, self.o_proj.bias))
 
 
 class LlamaMLP(nn.Module):
@@ -179,17 +193,40 @@ class LlamaDecoderLayer(nn.Module):
         attn: AttentionBackend,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(MLP output, residual stream before it); the stream is hidden + residual,
-        or the embeddings alone at the first layer (residual None). Each norm runs with
-        the projection after it (kernels/linear.py: one kernel at one token)."""
-        attn_in, mlp_in = self.self_attn.qkv_proj, self.mlp.gate_up_proj
-        norm = self.input_layernorm
-        qkv, residual = add_norm_linear(
-            hidden, residual, norm.weight, norm.eps, attn_in.weight, attn_in.bias
+        or the embeddings alone at the first layer (residual None). The parts before and
+        after attention are apart so that graphs can hold them (graphs/piecewise.py)."""
+        q, k, v, stored, residual = self.pre_attention(
+            hidden, residual, rotation, batch.kv_pool, batch.out_cache_loc
         )
-        hidden = self.self_attn(qkv, rotation, batch, attn)
-        norm = self.post_attention_layernorm
+        out = self.self_attn.attend(q, k, v, stored, batch, attn)
+        return self.post_attention(out, residual)
+
+    def pre_attention(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        rotation: Rotation,
+        kv_pool: KVPool,
+        loc: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool, torch.Tensor]:
+        """(q, k, v, stored, residual stream): the input norm with the residual add, the
+        qkv projection, rotary (and the K/V store at `loc` where the kernel does it).
+        Each norm runs with the projection after it (kernels/linear.py: one kernel at
+        one token)."""
+        norm, proj = self.input_layernorm, self.self_attn.qkv_proj
+        qkv, residual = add_norm_linear(
+            hidden, residual, norm.weight, norm.eps, proj.weight, proj.bias
+        )
+        return (*self.self_attn.rotate_and_store(qkv, rotation, kv_pool, loc), residual)
+
+    def post_attention(
+        self, out: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(MLP output, residual stream) from the attention's output [tokens, q_size]."""
+        hidden = self.self_attn.project_out(out)
+        norm, proj = self.post_attention_layernorm, self.mlp.gate_up_proj
         gate_up, residual = add_norm_linear(
-            hidden, residual, norm.weight, norm.eps, mlp_in.weight, mlp_in.bias
+            hidden, residual, norm.weight, norm.eps, proj.weight, proj.bias
         )
         return self.mlp(gate_up), residual
 
@@ -243,13 +280,28 @@ class LlamaForCausalLM(nn.Module):
         (what the head computes: a float32 copy would cost a pass over them that greedy
         rows never need; the sampler widens them where it computes on them), written
         into `logits_out` when given (the CUDA graphs' one shared output buffer)."""
-        if self.rotary is None:
-            raise RuntimeError("call init_rotary() (load_model does) before the first forward")
-        rotation = Rotation.of(self.rotary, batch.positions)
+        rotation = self.rotation(batch.positions)
         hidden = self.model.embed_tokens(batch.input_ids)
         residual: torch.Tensor | None = None
         for layer in self.model.layers:
             hidden, residual = layer(hidden, residual, rotation, batch, attn)
+        return self.finish(hidden, residual, batch, logits_out)
+
+    def rotation(self, positions: torch.Tensor) -> Rotation:
+        """The rotary input of a pass over tokens at `positions`."""
+        if self.rotary is None:
+            raise RuntimeError("call init_rotary() (load_model does) before the first forward")
+        return Rotation.of(self.rotary, positions)
+
+    def finish(
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        batch: ForwardBatch,
+        logits_out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """After the last layer: the prompt logprobs a batch asks for, then the logits
+        (forward's)."""
         if batch.logprob_rows is not None:
             batch.input_logprobs = self._score_rows(hidden, residual, batch)
         # The last add, norm and head only where logits are needed: per-token ops, so
