@@ -23,7 +23,10 @@ Runs, each stage in its own process (a failing stage is reported, the rest still
    GPU, `bash bench/device_carry.sh --stack` carries them);
 6. bench/start_up.py: start-up in a fresh process with empty kernel caches (the 8B shape
    cut to 4 layers): time to ready, then the first and the second request's latency (a
-   first request seconds long means a kernel was still built inside it).
+   first request seconds long means a kernel was still built inside it);
+7. bench/ttft.py: the in-process engine's time to first token on the 8B shape, one
+   request at a time on an idle engine (16 to 2048 prompt tokens), beside the prefill
+   step's own device time.
 
 Writes every stage's JSON, `suite.json` (all of it, with date, device and commit) and
 `suite.md` (the tables, each target met or not) to `--out`, and prints the tables.
@@ -182,6 +185,11 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
     argv = [str(BENCH / "start_up.py"), "--tokenizer", tokenizer, "--layers", "4"]
     argv += ["--json", str(path), "--engine-args", args.engine_args]
     start_up = stages.run("start-up", argv, path)
+    path = out / "ttft.json"
+    argv = [str(BENCH / "ttft.py"), "--tokenizer", tokenizer, "--overlap", "on"]
+    argv += ["--input-lens", "16", "128", "512", "2048", "--reps", "4" if args.quick else "10"]
+    argv += ["--json", str(path), "--engine-args", args.engine_args]
+    ttft = stages.run("ttft", argv, path)
     probe = next((r for r in one_batch if r is not None), None)
     return {
         "date": date.today().isoformat(),
@@ -202,6 +210,7 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
         "stack": stack,
         "stack_skipped": stack_skipped,
         "start_up": start_up,
+        "ttft": ttft,
         "errors": stages.errors,
     }
 
@@ -335,6 +344,7 @@ def markdown(result: dict[str, Any]) -> str:
     lines += _sampling_table(result.get("sampling"))
     lines += _stack_table(result.get("stack"), result.get("stack_skipped"))
     lines += _start_up_table(result.get("start_up"))
+    lines += _ttft_table(result.get("ttft"))
     if result["errors"]:
         lines += ["", "Failed stages:", *(f"- {e}" for e in result["errors"])]
     return "\n".join(lines) + "\n"
@@ -398,6 +408,25 @@ def _start_up_table(rows: list[dict[str, Any]] | None) -> list[str]:
         lines.append(
             f"| {'on' if r['prefill_warm_up'] else 'off'} | {r['ready_s']:.1f} | "
             f"{r['first_ms']:.1f} | {r['second_ms']:.1f} | {r['first_ms'] / r['second_ms']:.1f} |"
+        )
+    return lines
+
+
+def _ttft_table(rows: list[dict[str, Any]] | None) -> list[str]:
+    """bench/ttft.py's rows: the engine's time to first token by prompt length."""
+    if not rows:
+        return []
+    lines = [
+        "",
+        "Time to first token, in-process engine, one request at a time (8B shape):",
+        "",
+        "| prompt tokens | TTFT ms | prefill step, device ms | steps |",
+        "| --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['input_len']} | {r['ttft_ms']:.2f} | {r['first_step_device_ms']:.2f} | "
+            f"{r['steps']} |"
         )
     return lines
 

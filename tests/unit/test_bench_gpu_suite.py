@@ -159,6 +159,22 @@ def test_report_has_the_start_up_stage(suite: ModuleType) -> None:
     assert "Start-up with empty kernel caches" not in suite.markdown(_result(start_up=None))
 
 
+def test_report_has_the_ttft_stage(suite: ModuleType) -> None:
+    rows = [
+        {
+            "input_len": 128,
+            "ttft_ms": 6.954,
+            "steps": 2,
+            "step_host_ms": [3.3, 3.5],
+            "first_step_device_ms": 6.731,
+            "overlap": "on",
+        }
+    ]
+    table = suite.markdown(_result(ttft=rows))
+    assert "| 128 | 6.95 | 6.73 | 2 |" in table
+    assert "Time to first token" not in suite.markdown(_result(ttft=None))
+
+
 def test_stack_stage_is_skipped_without_a_server_binary(
     suite: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
