@@ -45,8 +45,8 @@ def scattered_slots(bs: int, context: int, device: torch.device) -> torch.Tensor
     return slots.to(torch.int32).to(device)
 
 
-def graph_time_ms(fn: Callable[[], None], reps: int) -> float:
-    """Median ms of one call, from replays of a graph that calls it LAYERS_PER_GRAPH times."""
+def graph_time_ms(fn: Callable[[], None], reps: int, calls: int = LAYERS_PER_GRAPH) -> float:
+    """Median ms of one call, from replays of a graph that calls it `calls` times."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -55,7 +55,7 @@ def graph_time_ms(fn: Callable[[], None], reps: int) -> float:
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(LAYERS_PER_GRAPH):
+        for _ in range(calls):
             fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
@@ -64,7 +64,7 @@ def graph_time_ms(fn: Callable[[], None], reps: int) -> float:
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) / LAYERS_PER_GRAPH)
+        times.append(start.elapsed_time(end) / calls)
     return statistics.median(times[2:])
 
 

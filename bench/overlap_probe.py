@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from decode_attention import graph_time_ms
 
 from radixserve.engine.attention.triton_ops.decode import decode_attention
 
@@ -144,27 +145,6 @@ class Probe:
         main.wait_stream(side)
 
 
-def graph_ms(fn: Callable[[], None], reps: int) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(reps):
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times[2:])
-
-
 def run_config(rows: int, context: int, reps: int, device: torch.device) -> None:
     probe = Probe(rows, context, device)
     side = torch.cuda.Stream(priority=0)
@@ -182,7 +162,7 @@ def run_config(rows: int, context: int, reps: int, device: torch.device) -> None
     got: dict[str, list[float]] = {}
     for _round in range(2):  # alternating, twice, so that drift shows
         for name, fn in modes.items():
-            got.setdefault(name, []).append(graph_ms(fn, reps))
+            got.setdefault(name, []).append(graph_time_ms(fn, reps, calls=1))
     seq = statistics.median(got["seq"])
     print(f"\nrows {rows}, context {context} (32 layers, ms; round 1 / round 2)")
     for name, ms in got.items():
