@@ -21,7 +21,7 @@ class ForwardMode(enum.Enum):
     # Every request adds one or more tokens after an optional cached prefix. Mixed
     # prefill+decode batches are EXTEND batches in which decode requests extend by 1.
     EXTEND = 1
-    # Every request adds exactly one token (the only mode CUDA graphs capture).
+    # Every request adds exactly one token (the mode decode CUDA graphs capture whole).
     DECODE = 2
 
 

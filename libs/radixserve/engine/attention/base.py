@@ -79,7 +79,7 @@ class AttentionBackend(ABC):
         """Write k/v to batch.kv_pool at batch.out_cache_loc (unless `kv_stored`: the
         caller has written them, e.g. the rotary kernel did), then attend."""
 
-    # -- CUDA graphs (decode only) -------------------------------------------------
+    # -- decode CUDA graphs (prefill pieces keep attention eager) -----------------
     def init_cuda_graph_state(self, max_bs: int, max_context_len: int) -> None:
         """Allocate the fixed metadata buffers for decode graphs of up to `max_bs` requests
         of up to `max_context_len` tokens each."""
