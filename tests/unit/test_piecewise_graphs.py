@@ -111,12 +111,17 @@ def test_padded_pieces_equal_eager_and_write_only_their_slots(tiny_llama_dir: Pa
     assert [pieces.padded_size(n) for n in (29, 9, 1)] == [32, 16, 8]
 
 
-def test_generation_through_the_pieces_equals_eager(tiny_llama_dir: Path) -> None:
-    # Chunks of 16 beside decoders; the passes over 24 tokens run eagerly.
+@pytest.mark.parametrize("model", ["llama", "qwen3"])
+def test_generation_through_the_pieces_equals_eager(
+    tiny_llama_dir: Path, tiny_qwen3_dir: Path, model: str
+) -> None:
+    # Chunks of 16 beside decoders; the passes over 24 tokens run eagerly. Qwen3: q/k
+    # norms inside the pieces, q/k/v/o biases, a tied head.
+    model_dir = tiny_llama_dir if model == "llama" else tiny_qwen3_dir
     prompts = make_prompts(1000, [5, 40, 3, 17], seed=4)
     options = {"chunked_prefill_size": 16}
-    eager = engine_outputs(_engine(tiny_llama_dir, **options), prompts, 6)
-    engine = _engine(tiny_llama_dir, debug_check_invariants=True, **options)
+    eager = engine_outputs(_engine(model_dir, **options), prompts, 6)
+    engine = _engine(model_dir, debug_check_invariants=True, **options)
     pieces = _static_pieces(engine, max_tokens=24)
     assert engine_outputs(engine, prompts, 6) == eager
     assert pieces.num_replays > 0
