@@ -233,6 +233,9 @@ def delta(before: Samples, after: Samples, name: str, **labels: str) -> float:
 # -- the tests -------------------------------------------------------------------------------
 
 
+FORWARD_PASSES = "radixserve:forward_passes_total"
+
+
 def completion(url: str, **body: Any) -> dict[str, Any]:
     response = httpx.post(
         f"{url}/v1/completions", json={"model": "test-model", **body}, timeout=60.0
@@ -352,6 +355,18 @@ def test_every_service_counts_what_the_responses_add_up_to(observed: Observed) -
     start = [k for k in w1 if k[0] == "radixserve:worker_start_seconds"]
     assert len(start) == 1 and dict(start[0][1]) == w and 0 < w1[start[0]] < 600
     assert w0[start[0]] == w1[start[0]]
+    # Forward passes by kind, from the engine's totals at each stats tick (1 s): on the
+    # CPU every pass is eager (graphs and pieces are CUDA's), at least one a step.
+    eager = {"kind": "eager", **w}
+    deadline = time.monotonic() + 10
+    while True:
+        passes = delta(w0, scrape(observed.metrics_urls["worker"])[0], FORWARD_PASSES, **eager)
+        if passes >= completion_tokens / n or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert passes >= completion_tokens / n
+    for kind in ("decode_graph", "prefill_pieces"):
+        assert value(w1, FORWARD_PASSES, kind=kind, **w) == 0
 
     t0, t1 = before["tokenizer"], after["tokenizer"]
     assert delta(t0, t1, "radixserve:tokenizer_prompt_tokens_total") == prompt_tokens

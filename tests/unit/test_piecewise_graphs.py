@@ -115,16 +115,22 @@ def test_padded_pieces_equal_eager_and_write_only_their_slots(tiny_llama_dir: Pa
 def test_generation_through_the_pieces_equals_eager(
     tiny_llama_dir: Path, tiny_qwen3_dir: Path, model: str
 ) -> None:
-    # Chunks of 16 beside decoders; the passes over 24 tokens run eagerly. Qwen3: q/k
-    # norms inside the pieces, q/k/v/o biases, a tied head.
+    # Chunks of 16 beside decoders run eagerly (past 12 tokens); the shorter prefills and
+    # the decode passes (no decode graphs here) through the pieces. Qwen3: q/k norms
+    # inside the pieces, q/k/v/o biases, a tied head.
     model_dir = tiny_llama_dir if model == "llama" else tiny_qwen3_dir
     prompts = make_prompts(1000, [5, 40, 3, 17], seed=4)
     options = {"chunked_prefill_size": 16}
     eager = engine_outputs(_engine(model_dir, **options), prompts, 6)
     engine = _engine(model_dir, debug_check_invariants=True, **options)
-    pieces = _static_pieces(engine, max_tokens=24)
+    pieces = _static_pieces(engine, max_tokens=12)
     assert engine_outputs(engine, prompts, 6) == eager
     assert pieces.num_replays > 0
+    # What the worker's forward_passes metric reads: the pieces' passes and the eager
+    # ones past their limit (no decode graphs here).
+    passes = engine.load().forward_passes
+    assert passes["prefill_pieces"] == pieces.num_replays
+    assert passes["eager"] > 0 and passes["decode_graph"] == 0
 
 
 def test_prompt_logprobs_through_the_pieces_equal_eager(tiny_llama_dir: Path) -> None:

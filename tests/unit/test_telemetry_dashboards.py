@@ -317,6 +317,14 @@ def test_dashboard_is_valid_grafana_dashboard_json(path: Path) -> None:
     panels = panels_of(dashboard)
     ids = [p["id"] for p in panels]
     assert len(ids) == len(set(ids)), "panel ids must be unique"
+    # No two panels on the same cells (a copy of a panel once sat on top of another).
+    cells: dict[tuple[int, int], str] = {}
+    for panel in panels:
+        grid = panel["gridPos"]
+        for x in range(grid["x"], grid["x"] + grid["w"]):
+            for y in range(grid["y"], grid["y"] + grid["h"]):
+                assert (x, y) not in cells, f"{panel['title']} overlaps {cells[x, y]}"
+                cells[x, y] = panel["title"]
     for panel in panels:
         grid = panel["gridPos"]
         assert grid["x"] + grid["w"] <= 24, panel["title"]

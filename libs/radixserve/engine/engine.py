@@ -18,7 +18,7 @@ import asyncio
 import threading
 import uuid
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -58,6 +58,8 @@ class EngineLoad:
     num_running_reqs: int
     num_queue_reqs: int
     kv: KVUsage
+    # Forward passes so far by kind (runner.FORWARD_PASS_KINDS): totals, not a window.
+    forward_passes: dict[str, int] = field(default_factory=dict)
 
 
 class Engine:
@@ -199,6 +201,7 @@ class Engine:
                 num_running_reqs=len(self.scheduler.holders()),
                 num_queue_reqs=len(self.scheduler.waiting),
                 kv=self.scheduler.usage(),
+                forward_passes=dict(self.runner.forward_passes),
             )
 
     # -- the convenience API ------------------------------------------------------

@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 # 100.9k (decode steps past 256 run eagerly), so the two move together
 # (docs/performance.md).
 LARGE_GPU_BYTES = 70 * 1024**3
+# How a forward pass runs: a decode CUDA graph's replay, the prefill pieces' replays
+# around eager attention, or eagerly.
+FORWARD_PASS_KINDS = ("decode_graph", "prefill_pieces", "eager")
 LARGE_GPU_BATCH = 512
 DEFAULT_BATCH = 256
 
@@ -237,6 +240,8 @@ class ModelRunner:
         self.cascade = self.attn.supports_shared_prefix and not config.disable_cascade_attention
         self.graphs = self._capture_graphs()
         self.piecewise: PiecewiseGraphs | None = None
+        # Forward passes so far by how they ran (the worker's forward_passes metric).
+        self.forward_passes = dict.fromkeys(FORWARD_PASS_KINDS, 0)
         if self.device.type == "cuda":
             self._warm_up_prefill()
             self.piecewise = self._capture_piecewise()
@@ -396,8 +401,11 @@ class ModelRunner:
         """Logits [batch_size, vocab] in the model's dtype; a decode batch that fits a
         captured graph replays it (the logits are then valid until the next forward)."""
         if self.graphs is not None and batch.logprob_rows is None and self.graphs.can_run(batch):
+            self.forward_passes["decode_graph"] += 1
             return self.graphs.replay(batch)
         if self.piecewise is not None and self.piecewise.can_run(batch):
+            self.forward_passes["prefill_pieces"] += 1
             return self.piecewise.run(batch)
+        self.forward_passes["eager"] += 1
         self.attn.init_forward_metadata(batch)
         return self.model(batch, self.attn)

@@ -89,6 +89,13 @@ class WorkerMetrics:
             "Requests the worker refused, by code",
             ["worker", "code"],
         )
+        self.forward_passes = _counter(
+            r,
+            "forward_passes",
+            "Forward passes by how they ran: decode_graph (a decode CUDA graph), "
+            "prefill_pieces (captured pieces around eager attention) or eager",
+            ["worker", "kind"],
+        )
         self.step_duration = _histogram(
             r, "step_duration_seconds", "One engine step (schedule, forward, sample)", STEP_BUCKETS
         )
@@ -169,6 +176,7 @@ class WorkerTelemetry:
         self._hit_rate = HitRateWindow()
         self._hit_total = 0  # the cache counters' values, for the hit-rate window
         self._query_total = 0
+        self._passes_seen: dict[str, int] = {}  # the engine's forward-pass totals, last tick
         # Engine-thread side (and `received`): spans and timing, under the lock.
         self._tracks: OrderedDict[str, _Track] = OrderedDict()
         self._lock = threading.Lock()
@@ -255,6 +263,11 @@ class WorkerTelemetry:
         self.metrics.token_usage.labels(**w).set(usage)
         rate = self._hit_rate.update(self._hit_total, self._query_total)
         self.metrics.cache_hit_rate.labels(**w).set(rate)
+        for kind, total in load.forward_passes.items():
+            # The engine keeps totals; the counter advances by what is new since the tick.
+            seen = self._passes_seen.get(kind, 0)
+            self.metrics.forward_passes.labels(kind=kind, **w).inc(max(total - seen, 0))
+            self._passes_seen[kind] = total
         return rate
 
     # -- the engine thread ----------------------------------------------------------------
