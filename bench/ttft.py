@@ -9,6 +9,7 @@ device (CUDA events around the first step: what TTFT cannot be below). `--profil
 prints torch.profiler's top host and device rows over one request at the first length.
 
     python bench/ttft.py --tokenizer DIR [--input-lens 128 512 2048 --overlap both]
+    python bench/ttft.py --tokenizer DIR --device cpu --shape tiny   # a CPU smoke run
 """
 
 from __future__ import annotations
@@ -34,21 +35,23 @@ from radixserve import Engine  # noqa: E402
 
 def one_request(engine: Engine, prompt: list[int]) -> dict[str, Any]:
     """Submit, step until the first token: TTFT, each step's host ms, the first step's
-    device ms. Then run the request out (two tokens) so the next starts from idle."""
+    device ms (CUDA; on the CPU its host ms). Then run the request out (two tokens) so
+    the next starts from idle."""
     params = {"max_new_tokens": 2, "ignore_eos": True, "temperature": 0}
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
+    cuda = engine.runner.device.type == "cuda"
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if cuda else []
+    _sync(cuda)
     t0 = time.perf_counter()
     rid = engine.submit(prompt, params)
     steps: list[float] = []
     ttft = None
     while ttft is None:
         s0 = time.perf_counter()
-        if not steps:
-            start.record()
+        if not steps and events:
+            events[0].record()
         outs = engine.step()
-        if not steps:
-            end.record()
+        if not steps and events:
+            events[1].record()
         steps.append(1e3 * (time.perf_counter() - s0))
         if any(o.rid == rid and o.new_token_ids for o in outs):
             ttft = 1e3 * (time.perf_counter() - t0)
@@ -57,8 +60,14 @@ def one_request(engine: Engine, prompt: list[int]) -> dict[str, Any]:
     while engine.has_work():
         engine.step()
     engine.forget(rid)
-    torch.cuda.synchronize()
-    return {"ttft_ms": ttft, "steps_ms": steps, "first_step_device_ms": start.elapsed_time(end)}
+    _sync(cuda)
+    device_ms = events[0].elapsed_time(events[1]) if events else steps[0]
+    return {"ttft_ms": ttft, "steps_ms": steps, "first_step_device_ms": device_ms}
+
+
+def _sync(cuda: bool) -> None:
+    if cuda:
+        torch.cuda.synchronize()
 
 
 def measure(engine: Engine, lens: list[int], reps: int, gen: torch.Generator) -> list[dict]:
@@ -116,11 +125,15 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--overlap", choices=["on", "off", "both"], default="both")
     ap.add_argument("--backend", default="auto")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument(
+        "--shape", choices=sorted(SHAPES), default="llama-3.1-8b", help="tiny: a CPU smoke run"
+    )
     ap.add_argument("--engine-args", default="{}", help="more Engine options, a JSON object")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
-    folder = write_model_folder(args.tokenizer, dict(SHAPES["llama-3.1-8b"]))
+    folder = write_model_folder(args.tokenizer, dict(SHAPES[args.shape]))
     settings = {"on": [False], "off": [True], "both": [False, True]}[args.overlap]
     results = []
     for disable_overlap in settings:
@@ -128,8 +141,8 @@ def main() -> int:
         engine = Engine(
             model_path=str(folder),
             load_format="dummy",
-            dtype="bfloat16",
-            device="cuda",
+            dtype="bfloat16" if args.device == "cuda" else "float32",
+            device=args.device,
             attention_backend=args.backend,
             disable_overlap_schedule=disable_overlap,
             **json.loads(args.engine_args),
@@ -138,9 +151,9 @@ def main() -> int:
         gen = torch.Generator().manual_seed(0)
         rows = measure(engine, args.input_lens, args.reps, gen)
         overlap = "off" if disable_overlap else "on"
+        name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
         print(
-            f"\n{torch.cuda.get_device_name()}, overlap {overlap}, backend {args.backend},"
-            f" engine ready in {ready_s:.1f} s"
+            f"\n{name}, overlap {overlap}, backend {args.backend}, engine ready in {ready_s:.1f} s"
         )
         print(f"{'input':>6} {'TTFT ms':>8} {'prefill dev ms':>14} steps: host ms each")
         for row in rows:
