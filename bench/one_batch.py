@@ -117,6 +117,22 @@ def write_model_folder(tokenizer_dir: Path, shape: dict[str, Any]) -> Path:
     return folder
 
 
+def dummy_engine(folder: Path, device: str, backend: str, **options: Any) -> Any:
+    """An Engine over `folder`'s shape with random weights (load_format dummy): bfloat16
+    on CUDA, float32 on the CPU. radixserve is imported here, once the caller has set
+    its environment (bench/start_up.py's empty kernel caches)."""
+    from radixserve import Engine
+
+    return Engine(
+        model_path=str(folder),
+        load_format="dummy",
+        dtype="bfloat16" if device == "cuda" else "float32",
+        device=device,
+        attention_backend=backend,
+        **options,
+    )
+
+
 def param_count(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 

@@ -36,7 +36,7 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
 from offline import SHAPES  # noqa: E402
-from one_batch import write_model_folder  # noqa: E402
+from one_batch import dummy_engine, write_model_folder  # noqa: E402
 
 
 def fresh_cache_env(root: Path) -> dict[str, str]:
@@ -52,7 +52,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     """One engine in this process: ready time, then two requests' latencies."""
     import torch
 
-    from radixserve import Engine
     from radixserve.engine.runner import ModelRunner
 
     if args.skip_prefill_warm_up:
@@ -62,14 +61,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         shape["num_hidden_layers"] = args.layers
     folder = write_model_folder(args.tokenizer, shape)
     started = time.perf_counter()
-    engine = Engine(
-        model_path=str(folder),
-        load_format="dummy",
-        dtype="bfloat16" if args.device == "cuda" else "float32",
-        device=args.device,
-        attention_backend=args.backend,
-        **json.loads(args.engine_args),
-    )
+    engine = dummy_engine(folder, args.device, args.backend, **json.loads(args.engine_args))
     ready_s = time.perf_counter() - started
     gen = torch.Generator().manual_seed(0)
     vocab = engine.runner.model_config.vocab_size

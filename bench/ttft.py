@@ -28,7 +28,7 @@ BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
 from offline import SHAPES  # noqa: E402
-from one_batch import write_model_folder  # noqa: E402
+from one_batch import dummy_engine, write_model_folder  # noqa: E402
 
 from radixserve import Engine  # noqa: E402
 
@@ -138,12 +138,10 @@ def main() -> int:
     results = []
     for disable_overlap in settings:
         started = time.perf_counter()
-        engine = Engine(
-            model_path=str(folder),
-            load_format="dummy",
-            dtype="bfloat16" if args.device == "cuda" else "float32",
-            device=args.device,
-            attention_backend=args.backend,
+        engine = dummy_engine(
+            folder,
+            args.device,
+            args.backend,
             disable_overlap_schedule=disable_overlap,
             **json.loads(args.engine_args),
         )

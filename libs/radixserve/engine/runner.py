@@ -33,11 +33,12 @@ log = logging.getLogger(__name__)
 # 100.9k (decode steps past 256 run eagerly), so the two move together
 # (docs/performance.md).
 LARGE_GPU_BYTES = 70 * 1024**3
+LARGE_GPU_BATCH = 512
+DEFAULT_BATCH = 256
+
 # How a forward pass runs: a decode CUDA graph's replay, the prefill pieces' replays
 # around eager attention, or eagerly.
 FORWARD_PASS_KINDS = ("decode_graph", "prefill_pieces", "eager")
-LARGE_GPU_BATCH = 512
-DEFAULT_BATCH = 256
 
 
 def batch_limit(device: torch.device) -> int:

@@ -138,12 +138,10 @@ class PiecewiseGraphs:
             # A larger pass may have left real slots here: padding writes slot 0 only.
             inputs[:, n:padded].zero_()
         self.attn.init_forward_metadata(batch)
+        q, k, v, attn_out = self._q[:n], self._k[:n], self._v[:n], self._attn_out[:n]
         for i, layer in enumerate(self.layers):
             self._piece(i, padded)
-            out = layer.self_attn.attend(
-                self._q[:n], self._k[:n], self._v[:n], self._stored, batch, self.attn
-            )
-            self._attn_out[:n].copy_(out)
+            attn_out.copy_(layer.self_attn.attend(q, k, v, self._stored, batch, self.attn))
         self._piece(len(self.layers), padded)
         self.num_replays += 1
         return self.model.finish(self._hidden[:n], self._residual[:n], batch)
