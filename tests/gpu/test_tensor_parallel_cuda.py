@@ -1,7 +1,7 @@
 """Tensor parallelism on two GPUs (NCCL): greedy tokens of an engine of two ranks equal
 one GPU's on the same float32 weights, on each attention backend, with decode CUDA graphs
-(their all-reduces, the vocabulary-parallel embeddings' included, and the head's
-all-gather captured) and without; the collectives call NCCL directly (engine/nccl.py).
+and prefill pieces (their all-reduces, the vocabulary-parallel embeddings' included, and
+the head's all-gather captured) and without; the collectives call NCCL directly (engine/nccl.py).
 FlashInfer runs half precision only, so its backend and `auto` (FlashInfer's prefill,
 Triton's decode) are checked in bfloat16 against Hugging Face in float32, as the one-GPU
 FlashInfer tests are. Skips below 2 GPUs."""
@@ -62,8 +62,10 @@ def test_two_gpus_generate_what_one_does(model_dir: Path, backend: str, graphs: 
         assert two.runner.model.lm_head.weight.shape[0] == two.runner.vocab_size // 2
         assert two.runner.model.model.embed_tokens.weight.shape[0] == two.runner.vocab_size // 2
         got = two.generate(input_ids=prompts, sampling_params=params)
-        # Prefill pieces stay off under tensor parallelism (not verified there yet).
-        assert two.runner.piecewise is None
+        # With graphs, the prefill (4 prompts, 150 tokens) ran on the captured pieces,
+        # their all-reduces captured on both ranks.
+        pieces = two.runner.piecewise
+        assert (pieces is not None and pieces.num_replays > 0) == graphs
     finally:
         two.shutdown()
     assert isinstance(expected, list) and isinstance(got, list)
@@ -108,6 +110,8 @@ def test_two_gpus_half_precision_match_hf(head128_dir: Path, backend: str, graph
         assert (engine.runner.graphs is not None) == graphs
         prompts = make_prompts(engine.runner.vocab_size, lengths, seed=5)
         ours = engine_outputs(engine, prompts[:5], 24) + engine_outputs(engine, prompts, 24)
+        pieces = engine.runner.piecewise  # the 16-token chunks and mixed passes ran on them
+        assert (pieces is not None and pieces.num_replays > 0) == graphs
     refs = hf_greedy(head128_dir, prompts[:5] + prompts, 24, device="cuda")
     for out, ref in zip(ours, refs, strict=True):
         assert_matches_reference(out, ref, tolerance=BF16_TIE_TOLERANCE)

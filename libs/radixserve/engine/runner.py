@@ -268,13 +268,11 @@ class ModelRunner:
 
     def _capture_piecewise(self) -> PiecewiseGraphs | None:
         """Prefill pieces, where decode graphs run (after the prefill warm-up built the
-        prefill kernels), unless their token limit is 0. Not under tensor parallelism
-        yet: its first two-GPU run did not finish in time (docs/performance.md)."""
+        prefill kernels), unless their token limit is 0. Under tensor parallelism every
+        rank captures the same pieces, their all-reduces included, as with the decode
+        graphs."""
         max_tokens = self.config.piecewise_cuda_graph_max_tokens
         if self.graphs is None or max_tokens == 0:
-            return None
-        if self.tp.size > 1:
-            log.info("prefill pieces are off under tensor parallelism; prefills run eagerly")
             return None
         return PiecewiseGraphs(self.model, self.attn, self.kv_pool, max_tokens)
 
