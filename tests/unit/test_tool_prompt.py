@@ -1,7 +1,9 @@
 """A chat with tools as the prompt the model sees (prep.tool_prompt through
 PromptTokenizer), with the real SmolLM2 tokenizer: its template knows no tools, so they
 are written into the conversation in the Hermes format; a template that reads `tools`
-gets them, the assistant's calls and the tool results as transformers passes them."""
+gets them, the assistant's calls and the tool results as transformers passes them.
+Strict tools get a structural tag in the call format the template asks for (Hermes,
+Mistral, Llama 3): its calls read back by api.tool_calls, compiled by xgrammar."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from radixserve.api.tool_calls import ToolCall, ToolCallStream, arguments_json, parse_tool_calls
 from radixserve.engine.model.tokenizer import load_tokenizer
 from radixserve.prep import PrepError, PromptTokenizer, tokenizer_id
 from radixserve.protocol import ChatMessage, ChatToolCall, SamplingParams, SubmitRequest
@@ -156,10 +159,10 @@ def test_strict_tools_get_a_structural_tag_in_the_hermes_format() -> None:
     ]
     for plain in unchanged:
         assert prompter.with_strict_tools(plain) is plain
-    # A template that reads tools but does not print <tool_call> (Llama 3's JSON form).
-    llama_like = _prompter("{% if tools %}{{ tools | tojson }}{% endif %}")
+    # A template that reads tools in none of the formats (no marker, no call format).
+    unknown = _prompter("{% if tools %}{{ tools | tojson }}{% endif %}")
     strict = _submit(tools=json.dumps(STRICT_TOOLS))
-    assert llama_like.with_strict_tools(strict) is strict
+    assert unknown.with_strict_tools(strict) is strict
 
 
 def test_the_structural_tag_holds_strict_calls_to_their_schema() -> None:
@@ -185,6 +188,205 @@ def test_the_structural_tag_holds_strict_calls_to_their_schema() -> None:
         '<tool_call>\n{"name": "delete_all", "arguments": {}}',
     ):
         assert not xgr.GrammarMatcher(compiled).accept_string(bad), bad
+
+
+# Excerpts of real templates, as they print the tools and an earlier call.
+# Mistral-7B-Instruct-v0.3 (Nemo and Small 2409 print "[TOOL_CALLS][", no space).
+MISTRAL_TEMPLATE = """
+{%- for message in messages %}
+    {%- if message["role"] == "user" %}
+        {%- if tools is not none and loop.first %}
+            {{- "[AVAILABLE_TOOLS] " + tools|tojson + "[/AVAILABLE_TOOLS]" }}
+        {%- endif %}
+        {{- "[INST] " + message["content"] + "[/INST]" }}
+    {%- elif message.tool_calls is defined and message.tool_calls is not none %}
+        {{- "[TOOL_CALLS] [" }}
+        {%- for tool_call in message.tool_calls %}
+            {%- set out = tool_call.function|tojson %}
+            {{- out[:-1] }}
+            {{- ', "id": "' + tool_call.id + '"}' }}
+            {%- if not loop.last %}{{- ", " }}{%- else %}{{- "]" + eos_token }}{%- endif %}
+        {%- endfor %}
+    {%- elif message["role"] == "tool" %}
+        {{- '[TOOL_RESULTS] {"content": ' + message.content|string + "}[/TOOL_RESULTS]" }}
+    {%- else %}
+        {{- message["content"] }}
+    {%- endif %}
+{%- endfor %}
+"""
+MISTRAL_NEMO_TEMPLATE = MISTRAL_TEMPLATE.replace('"[TOOL_CALLS] ["', '"[TOOL_CALLS]["')
+# Mistral Small 3.2 / Devstral: `[TOOL_CALLS]name[ARGS]{...}`, not an array (not read back).
+MISTRAL_ARGS_TEMPLATE = """
+{%- if tools %}{{- '[AVAILABLE_TOOLS]' + tools|tojson + '[/AVAILABLE_TOOLS]' }}{%- endif %}
+{%- for message in messages %}
+    {%- for tool in message.tool_calls or [] %}
+        {{- '[TOOL_CALLS]' + tool['function']['name'] + '[ARGS]' + tool['function']['arguments']|tojson }}
+    {%- endfor %}
+{%- endfor %}
+"""
+# Llama 3.2 (3.1 and 3.3 ask alike, and print `<|python_tag|>` for their built-in tools).
+LLAMA_TEMPLATE = """
+{%- if tools is not none %}
+    {{- "You have access to the following functions. To call a function, please respond with JSON for a function call." }}
+    {{- 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.' }}
+    {{- "Do not use variables.\n\n" }}
+    {%- for t in tools %}{{- t | tojson(indent=4) }}{{- "\n\n" }}{%- endfor %}
+{%- endif %}
+{%- for message in messages %}
+    {%- if not (message.role == 'ipython' or message.role == 'tool' or 'tool_calls' in message) %}
+        {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}
+    {%- elif 'tool_calls' in message %}
+        {%- set tool_call = message.tool_calls[0].function %}
+        {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}
+        {{- '{"name": "' + tool_call.name + '", ' }}
+        {{- '"parameters": ' }}
+        {{- tool_call.arguments | tojson }}
+        {{- "}" }}
+        {{- "<|eot_id|>" }}
+    {%- else %}
+        {{- "<|start_header_id|>ipython<|end_header_id|>\n\n" + message.content + "<|eot_id|>" }}
+    {%- endif %}
+{%- endfor %}
+"""
+# Llama 3.1's built-in tool calls: the tag alone marks the format.
+LLAMA_BUILTIN_TEMPLATE = """
+{%- for message in messages %}{%- if tools and message.tool_calls %}
+    {{- "<|python_tag|>" + message.tool_calls[0].function.name + ".call(" }}
+{%- endif %}{%- endfor %}
+"""
+
+
+def _structures(begin: str, end: str) -> list[dict[str, Any]]:
+    """The structures of STRICT_TOOLS in a format whose begin before the arguments is
+    `begin` (with NAME for the function's name)."""
+    return [
+        {"begin": begin.replace("NAME", "get_weather"), "schema": STRICT_WEATHER, "end": end},
+        {"begin": begin.replace("NAME", "now"), "schema": {"type": "object"}, "end": end},
+    ]
+
+
+FORMATS = {  # template -> the tag of STRICT_TOOLS
+    "mistral": (
+        MISTRAL_TEMPLATE,
+        {
+            "structures": _structures('[TOOL_CALLS] [{"name": "NAME", "arguments": ', "}]"),
+            "triggers": ["[TOOL_CALLS]"],
+        },
+    ),
+    "mistral-nemo": (
+        MISTRAL_NEMO_TEMPLATE,
+        {
+            "structures": _structures('[TOOL_CALLS][{"name": "NAME", "arguments": ', "}]"),
+            "triggers": ["[TOOL_CALLS]"],
+        },
+    ),
+    "llama": (
+        LLAMA_TEMPLATE,
+        {  # no marker of its own: each call's text through the tool's name
+            "structures": _structures('{"name": "NAME", "parameters": ', "}"),
+            "triggers": ['{"name": "get_weather"', '{"name": "now"'],
+        },
+    ),
+}
+FORMATS["llama-builtin"] = (LLAMA_BUILTIN_TEMPLATE, FORMATS["llama"][1])
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_strict_tools_get_a_structural_tag_in_the_templates_format(name: str) -> None:
+    template, expected = FORMATS[name]
+    req = _prompter(template).with_strict_tools(_submit(tools=json.dumps(STRICT_TOOLS)))
+    assert json.loads(req.sampling.structural_tag or "") == expected
+
+
+def test_a_template_in_none_of_the_formats_gets_no_tag() -> None:
+    strict = _submit(tools=json.dumps(STRICT_TOOLS))
+    assert _prompter(MISTRAL_ARGS_TEMPLATE).with_strict_tools(strict) is strict
+
+
+@pytest.mark.parametrize("name", ["mistral", "mistral-nemo", "llama"])
+def test_a_tags_begin_is_how_the_template_prints_an_earlier_call(name: str) -> None:
+    template, expected = FORMATS[name]
+    text = _text(_prompter(template), messages=CONVERSATION, tools=json.dumps(TOOLS))
+    begin = expected["structures"][0]["begin"]
+    assert f'{begin}{{"city": "Oslo"}}' in text
+
+
+def _call_text(tag: str, name: str, arguments: dict[str, Any]) -> str:
+    """What the tag's structure for `name` makes of `arguments`: begin + them + end."""
+    structure = next(
+        s for s in json.loads(tag)["structures"] if f'"name": {json.dumps(name)}' in s["begin"]
+    )
+    return f"{structure['begin']}{json.dumps(arguments)}{structure['end']}"
+
+
+def _tag(template: str | None) -> str:
+    req = _prompter(template).with_strict_tools(_submit(tools=json.dumps(STRICT_TOOLS)))
+    assert req.sampling.structural_tag is not None
+    return req.sampling.structural_tag
+
+
+# The answers a model may write with each format's structures: the calls and the content.
+ANSWERS = {
+    "hermes": (None, "Let me check. {weather} {now}", "Let me check."),
+    "mistral": (MISTRAL_TEMPLATE, "Let me check. {weather}{now}", "Let me check."),
+    "mistral-nemo": (MISTRAL_NEMO_TEMPLATE, "{weather}\n{now}", None),
+    "llama": (LLAMA_TEMPLATE, "{weather}; {now}", None),
+    "llama-tagged": (LLAMA_TEMPLATE, "<|python_tag|>{weather}\n{now}", None),
+}
+WEATHER_ARGS = {"city": "Rome", "days": 3}
+
+
+@pytest.mark.parametrize("name", list(ANSWERS))
+def test_a_structures_text_reads_back_as_the_call(name: str) -> None:
+    template, answer, content = ANSWERS[name]
+    tag = _tag(template)
+    text = answer.format(
+        weather=_call_text(tag, "get_weather", WEATHER_ARGS), now=_call_text(tag, "now", {})
+    )
+    expected = [
+        ToolCall("get_weather", arguments_json(WEATHER_ARGS)),
+        ToolCall("now", "{}"),
+    ]
+    names = ("get_weather", "now")
+    assert parse_tool_calls(text, names) == (content, expected)
+    for size in (1, 3, 7):  # streamed in small pieces, the same
+        stream = ToolCallStream(names)
+        shown, calls = "", []
+        for piece in [text[i : i + size] for i in range(0, len(text), size)]:
+            delta, new = stream.feed(piece)
+            shown, calls = shown + delta, calls + new
+        delta, new = stream.finish()
+        assert ((shown + delta).strip() or None, calls + new) == (content, expected)
+
+
+@pytest.mark.parametrize("name", ["mistral", "mistral-nemo", "llama"])
+def test_the_structural_tag_holds_strict_calls_to_their_schema_in_each_format(name: str) -> None:
+    import xgrammar as xgr
+
+    from radixserve.grammar import GrammarSource
+    from radixserve.grammar.compile import XGrammarCompiler
+
+    prompter = _prompter(FORMATS[name][0])
+    tag = _tag(FORMATS[name][0])
+    tokenizer = prompter.tokenizer
+    compiler = XGrammarCompiler.for_tokenizer(tokenizer, len(tokenizer))
+    compiled = compiler.compile(GrammarSource("structural_tag", tag))
+
+    def accepts(text: str) -> bool:
+        return bool(xgr.GrammarMatcher(compiled).accept_string(text))
+
+    call = _call_text(tag, "get_weather", WEATHER_ARGS)
+    matcher = xgr.GrammarMatcher(compiled)
+    assert matcher.accept_string(call)  # and the answer may end after it
+    assert matcher.accept_token(tokenizer.eos_token_id) and matcher.is_terminated()
+    assert accepts("Just text, no call.")
+    assert accepts(_call_text(tag, "now", {"zone": "UTC"}))  # not strict: any object
+    for bad in ({"city": "Paris", "days": 3}, {"city": "Rome", "days": 9}, {"city": "Rome"}):
+        assert not accepts(_call_text(tag, "get_weather", bad)), bad
+    if name == "llama":  # JSON that names no tool is prose
+        assert accepts('{"name": "Alice", "age": 3}')
+    else:  # after the marker, a call to one of the tools
+        assert not accepts(call.replace("get_weather", "delete_all"))
 
 
 def test_chat_template_kwargs_are_the_templates_variables() -> None:

@@ -11,12 +11,18 @@ them silently, so they are written into the conversation instead, in the Hermes 
 that `api.tool_calls` parses back: the tool list and how to call one in the system
 message, earlier calls as `<tool_call>` blocks, results as `<tool_response>` blocks in
 user messages (every template knows the user role).
+
+Tools marked `strict` get SGLang's structural tag (`strict_tools_tag`) in the format the
+model is asked to call in: Hermes, Mistral's `[TOOL_CALLS]` array or Llama's JSON
+(`_call_format`); a template in another format gets none (its calls are left free).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from radixserve.protocol import ChatMessage, ChatToolCall
@@ -53,26 +59,74 @@ def template_inputs(
     return rendered, None
 
 
+@dataclass(frozen=True)
+class _CallFormat:
+    """How a chat format writes one call around its arguments object: `opening`, then
+    `{"name": <the name as JSON>, "<key>": ` (`begin`), the arguments, then `end`. The
+    model is free until it writes `trigger` (the format's marker; empty where it has
+    none: then the call's own text through the name, `named`, so JSON in prose that
+    names no tool is left alone)."""
+
+    opening: str
+    key: str
+    end: str
+    trigger: str
+
+    def named(self, name: str) -> str:
+        return f'{self.opening}{{"name": {json.dumps(name)}'
+
+    def begin(self, name: str) -> str:
+        return f'{self.named(name)}, "{self.key}": '
+
+    def trigger_for(self, name: str) -> str:
+        return self.trigger or self.named(name)
+
+
+_HERMES = _CallFormat("<tool_call>\n", "arguments", "}\n</tool_call>", "<tool_call>")
+_LLAMA = _CallFormat("", "parameters", "}", "")
+# Mistral's templates print `[TOOL_CALLS] [` (v0.3) or `[TOOL_CALLS][` (Nemo) before the
+# array; those that print `[TOOL_CALLS]<name>[ARGS]` write calls another way.
+_MISTRAL_ARRAY = re.compile(r"\[TOOL_CALLS\] ?\[")
+# Llama 3.1+/3.2: the tag before a call, or the format the template asks calls in.
+_LLAMA_TEMPLATE = re.compile(r'<\|python_tag\|>|\{"name": function name, "parameters"')
+
+
+def _call_format(chat_template: Any) -> _CallFormat | None:
+    """The format the model is asked to write calls in, as `api.tool_calls` reads them
+    back: Hermes where the tools are written out (the template knows none) or the template
+    prints `<tool_call>`; Mistral's array where it prints `[TOOL_CALLS] [` (spaced as it
+    prints it); Llama's JSON where it prints `<|python_tag|>` or asks for
+    `{"name": function name, "parameters": ...}`; None for any other template."""
+    template = str(chat_template or "")
+    if not template_knows_tools(template) or "<tool_call>" in template:
+        return _HERMES
+    if mistral := _MISTRAL_ARRAY.search(template):
+        return _CallFormat(mistral.group(), "arguments", "}]", "[TOOL_CALLS]")
+    if _LLAMA_TEMPLATE.search(template):
+        return _LLAMA
+    return None
+
+
 def strict_tools_tag(chat_template: Any, tools_json: str | None) -> str | None:
     """SGLang's structural tag that holds calls of the tools marked `strict` (OpenAI's
     flag for arguments that follow the schema) to their schemas, while the model stays
-    free to answer in text: after `<tool_call>`, a call names one of the tools, a strict
-    one's arguments match its schema and another's are any object. Only where the model
-    is asked for the Hermes format (this module's written-out tools, or a template that
-    prints `<tool_call>`, as Qwen's); None otherwise or when no tool is strict."""
-    hermes = not template_knows_tools(chat_template) or "<tool_call>" in str(chat_template)
+    free to answer in text: once it writes the trigger of its format (`_call_format`), a
+    call names one of the tools, a strict one's arguments match its schema and another's
+    are any object. None when no tool is strict or the format is none of those."""
+    form = _call_format(chat_template)
     functions = [t["function"] for t in _tool_list(tools_json) if t.get("type") == "function"]
-    if not hermes or not any(f.get("strict") for f in functions):
+    if form is None or not any(f.get("strict") for f in functions):
         return None
     structures = [
         {
-            "begin": f'<tool_call>\n{{"name": {json.dumps(f["name"])}, "arguments": ',
+            "begin": form.begin(f["name"]),
             "schema": (f.get("parameters") if f.get("strict") else None) or {"type": "object"},
-            "end": "}\n</tool_call>",
+            "end": form.end,
         }
         for f in functions
     ]
-    return json.dumps({"structures": structures, "triggers": ["<tool_call>"]})
+    triggers = list(dict.fromkeys(form.trigger_for(f["name"]) for f in functions))
+    return json.dumps({"structures": structures, "triggers": triggers})
 
 
 def _tool_list(tools_json: str | None) -> list[dict[str, Any]]:
