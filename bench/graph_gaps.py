@@ -1,0 +1,149 @@
+"""Does capturing more CUDA graphs slow the replay of the decode graphs? A probe.
+
+On an H100 (docs/performance.md, "The quick suite with the prefill pieces; what the
+pieces cost decode") a decode step got 1-2% slower once the prefill pieces were captured
+in the process, with the same kernels: the GPU idled between the decode graph's kernels
+(~0.12 ms a step at batch 64). It stayed slow after the pieces were freed, and a second
+engine in a process was slow without pieces. This probe asks what the slowdown follows,
+one engine per process (8B shape, random bf16 weights, `auto` attention, the pieces off):
+
+1. the decode step at `--batch` (back-to-back steps, overlap on) and the GPU's idle time
+   inside the steps (profiler CUDA activity: busy time against the span);
+2. after capturing `--graphs` dummy graphs of `--nodes` small kernels each on a side
+   stream (kept alive, or freed with `--free`), the same again.
+
+Runs at `--graphs` 0, 1, 10, 100 and 330 tell whether the number of captured
+graphs, or of their kernels, matters; `--max-bs 512` against 64 whether a serving
+engine's own decode graphs (a graph per size to 512) already put it in the slow state.
+
+    python bench/graph_gaps.py --tokenizer DIR --graphs 0 10 330 --nodes 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH))
+
+from one_batch import LLAMA_31_8B, dummy_engine, write_model_folder  # noqa: E402
+
+
+def decode_steps(engine: Any, steps: int) -> float:
+    """Mean wall time of `steps` engine steps (ms), one sync at the end."""
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - started) / steps * 1e3
+
+
+def idle_per_step(engine: Any, steps: int) -> tuple[float, float, int]:
+    """(busy ms, idle ms, kernel boundaries with a gap) per step, from CUDA activity."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    spans = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
+    )
+    busy = idle = 0.0
+    gaps = 0
+    end = spans[0][0]
+    for start, stop in spans:
+        if start > end:
+            idle += start - end
+            gaps += 1
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    return busy / steps / 1e3, idle / steps / 1e3, gaps // steps
+
+
+def capture_dummies(graphs: int, nodes: int) -> list[torch.cuda.CUDAGraph]:
+    """`graphs` graphs of `nodes` elementwise kernels each, in their own memory pool."""
+    x = torch.zeros(4096, device="cuda")
+    stream = torch.cuda.Stream()
+    pool = torch.cuda.graph_pool_handle()
+    out = []
+    for _ in range(graphs):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            for _ in range(nodes):
+                x.add_(1.0)
+        out.append(graph)
+    torch.cuda.synchronize()
+    return out
+
+
+def measure(engine: Any, label: str, reps: int) -> dict[str, Any]:
+    walls = [decode_steps(engine, 20) for _ in range(reps)]
+    busy, idle, gaps = idle_per_step(engine, 10)
+    row = {"label": label, "step_ms": statistics.median(walls), "busy_ms": busy}
+    row |= {"idle_ms": idle, "gaps_per_step": gaps}
+    print(
+        f"{label:<28} step {row['step_ms']:.3f} ms  busy {busy:.3f}  idle {idle:.3f}  "
+        f"gaps/step {gaps}",
+        flush=True,
+    )
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokenizer", type=Path, required=True)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--max-bs", type=int, default=64, help="decode graphs up to this size")
+    ap.add_argument("--graphs", type=int, default=330, help="dummy graphs captured after")
+    ap.add_argument("--nodes", type=int, default=30, help="kernels in each dummy graph")
+    ap.add_argument("--free", action="store_true", help="free the dummies before timing")
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench/graph_gaps.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    folder = write_model_folder(args.tokenizer, dict(LLAMA_31_8B))
+    engine = dummy_engine(
+        folder,
+        "cuda",
+        "auto",
+        max_running_requests=max(args.batch, args.max_bs),
+        cuda_graph_max_bs=args.max_bs,
+        context_length=2048,
+        chunked_prefill_size=-1,
+        disable_radix_cache=True,
+        piecewise_cuda_graph_max_tokens=0,
+    )
+    steps_needed = 12 + 20 * args.reps * 2 + 20
+    params = {"max_new_tokens": steps_needed, "ignore_eos": True, "temperature": 0}
+    for i in range(args.batch):
+        engine.submit([11 + i] * 512, params)
+    for _ in range(12):  # the prefill and the first decode steps
+        engine.step()
+    measure(engine, f"decode graphs to {args.max_bs}", args.reps)
+    dummies = capture_dummies(args.graphs, args.nodes)
+    label = f"+{args.graphs} graphs x {args.nodes}"
+    if args.free:
+        dummies.clear()
+        gc.collect()
+        torch.cuda.empty_cache()
+        label += " (freed)"
+    measure(engine, label, args.reps)
+    engine.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
