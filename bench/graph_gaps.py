@@ -72,20 +72,71 @@ def idle_per_step(engine: Any, steps: int) -> tuple[float, float, int]:
     return busy / steps / 1e3, idle / steps / 1e3, gaps // steps
 
 
-def capture_dummies(graphs: int, nodes: int) -> list[torch.cuda.CUDAGraph]:
-    """`graphs` graphs of `nodes` elementwise kernels each, in their own memory pool."""
+def capture_dummies(
+    graphs: int, nodes: int, raw: bool, stream: Any = None, pool: Any = None
+) -> list[torch.cuda.CUDAGraph]:
+    """`graphs` graphs of `nodes` elementwise kernels each, in their own memory pool.
+
+    `raw` captures with `capture_begin`/`capture_end` on the side stream, without what
+    `torch.cuda.graph` does first (synchronize, empty the device and pinned-host caches).
+    """
     x = torch.zeros(4096, device="cuda")
-    stream = torch.cuda.Stream()
-    pool = torch.cuda.graph_pool_handle()
+    stream = stream or torch.cuda.Stream()
+    pool = pool or torch.cuda.graph_pool_handle()
     out = []
     for _ in range(graphs):
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=stream):
-            for _ in range(nodes):
-                x.add_(1.0)
+        if raw:
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                graph.capture_begin(pool)
+                for _ in range(nodes):
+                    x.add_(1.0)
+                graph.capture_end()
+        else:
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                for _ in range(nodes):
+                    x.add_(1.0)
         out.append(graph)
     torch.cuda.synchronize()
     return out
+
+
+def disturb(engine: Any, what: str, graphs: int, nodes: int) -> list[torch.cuda.CUDAGraph]:
+    """Do `what` between the two measurements; the graphs it captured (keep them alive)."""
+    decode = engine.runner.graphs
+    if what in ("same-stream", "same-pool", "same-both"):
+        stream = decode.capture_stream if what != "same-pool" else None
+        pool = decode.capture_pool if what != "same-stream" else None
+        return capture_dummies(graphs, nodes, False, stream, pool)
+    if what == "empty-cache":  # what torch.cuda.graph does before a capture, part 1
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        return []
+    if what == "host-empty-cache":  # part 2: the pinned host memory cache
+        torch.cuda.synchronize()
+        torch._C._host_emptyCache()
+        return []
+    return capture_dummies(graphs, nodes, raw=what == "raw-capture")
+
+
+def refresh(engine: Any, how: str) -> None:
+    """Try to undo the slowdown: upload every decode graph again to the stream that replays
+    them (driver `cuGraphUpload`), or capture the decode graphs again."""
+    decode = engine.runner.graphs
+    if how == "upload":
+        import ctypes
+
+        libcuda = ctypes.CDLL("libcuda.so.1")
+        stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+        for graph in decode._graphs.values():
+            rc = libcuda.cuGraphUpload(ctypes.c_void_p(graph.raw_cuda_graph_exec()), stream)
+            if rc != 0:
+                raise RuntimeError(f"cuGraphUpload failed: {rc}")
+    elif how == "recapture":
+        decode._graphs.clear()
+        decode._capture_all()
+    torch.cuda.synchronize()
 
 
 def measure(engine: Any, label: str, reps: int) -> dict[str, Any]:
@@ -109,7 +160,28 @@ def main() -> int:
     ap.add_argument("--graphs", type=int, default=330, help="dummy graphs captured after")
     ap.add_argument("--nodes", type=int, default=30, help="kernels in each dummy graph")
     ap.add_argument("--free", action="store_true", help="free the dummies before timing")
+    ap.add_argument(
+        "--what",
+        choices=(
+            "capture",
+            "raw-capture",
+            "empty-cache",
+            "host-empty-cache",
+            "same-stream",
+            "same-pool",
+            "same-both",
+        ),
+        default="capture",
+        help="between the measurements: capture the dummies (torch.cuda.graph), capture "
+        "them without its cache emptying, only empty the device or pinned-host cache, or "
+        "capture them on the decode graphs' stream, memory pool or both",
+    )
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument(
+        "--then",
+        choices=("upload", "recapture"),
+        help="afterwards, upload the decode graphs again or capture them again, and time",
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench/graph_gaps.py needs a CUDA GPU", file=sys.stderr)
@@ -126,21 +198,26 @@ def main() -> int:
         disable_radix_cache=True,
         piecewise_cuda_graph_max_tokens=0,
     )
-    steps_needed = 12 + 20 * args.reps * 2 + 20
+    steps_needed = 12 + (20 * args.reps + 10) * 3 + 20
     params = {"max_new_tokens": steps_needed, "ignore_eos": True, "temperature": 0}
     for i in range(args.batch):
         engine.submit([11 + i] * 512, params)
     for _ in range(12):  # the prefill and the first decode steps
         engine.step()
     measure(engine, f"decode graphs to {args.max_bs}", args.reps)
-    dummies = capture_dummies(args.graphs, args.nodes)
+    dummies = disturb(engine, args.what, args.graphs, args.nodes)
     label = f"+{args.graphs} graphs x {args.nodes}"
+    if args.what != "capture":
+        label = args.what if "cache" in args.what else f"{label} {args.what}"
     if args.free:
         dummies.clear()
         gc.collect()
         torch.cuda.empty_cache()
         label += " (freed)"
     measure(engine, label, args.reps)
+    if args.then:
+        refresh(engine, args.then)
+        measure(engine, f"then {args.then}", args.reps)
     engine.shutdown()
     return 0
 

@@ -225,6 +225,7 @@ class CudaGraphRunner:
         free_before = torch.cuda.mem_get_info(self.kv_pool.device)[0]
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.kv_pool.device)
+        self.capture_stream, self.capture_pool = stream, pool  # bench/graph_gaps.py reads them
         for bs in reversed(self.batch_sizes):
             for cascade in (False, True) if bs in self._cascade_batches else (False,):
                 batch = (self._cascade_batches if cascade else self._batches)[bs]
