@@ -80,7 +80,7 @@ def phase(stack: Stack, url: str, metrics_url: str, ns: Any) -> dict[str, Any]:
     started, cpu = time.perf_counter(), time.process_time()
     summary = asyncio.run(bench(ns))
     wall = time.perf_counter() - started
-    summary |= meter.report()
+    summary |= meter.report(summary.get("total_output_tokens", 0))
     summary["client_cpu"] = round((time.process_time() - cpu) / wall, 2)
     return summary
 

@@ -13,9 +13,10 @@ after the other in this process's run:
   streams through `openai` is slower than the stack it measures); with `--stream` the
   stack's requests are also sent streamed (one SSE chunk a token, as chat clients read
   them), with each request's time per output token after the first;
-- over each throughput phase, every service's CPU seconds per second and the worker's
-  steps (count, mean time and batch, share of the phase in steps), from /proc and the
-  worker's /metrics; `--sample DIR` also samples the services' Python stacks there.
+- over each throughput phase, every service's CPU seconds per second and per output
+  token (`cpu_us_per_token`) and the worker's steps (count, mean time and batch, share of
+  the phase in steps), from /proc and the worker's /metrics; `--sample DIR` also samples
+  the services' Python stacks there.
 
     .venv/bin/python bench/overhead.py               # embedded SmolLM2 on the CPU
     .venv/bin/python bench/overhead.py --requests 8  # a quick look
@@ -127,8 +128,9 @@ def worker_counters(metrics_url: str) -> dict[str, float]:
 
 class PhaseMeter:
     """Over one phase: each service's CPU seconds per wall second (a Python service near
-    1.0 is bound by the thread holding its GIL; the client processes are not counted),
-    and the worker's steps: how many, their mean time and batch."""
+    1.0 is bound by the thread holding its GIL; the client processes are not counted)
+    and per output token (us), and the worker's steps: how many, their mean time and
+    batch."""
 
     def __init__(self, stack: Stack, worker_metrics_url: str) -> None:
         self.pids = {s.name: s.process.pid for s in stack.services if s.process.pid is not None}
@@ -137,17 +139,17 @@ class PhaseMeter:
         self.counters = worker_counters(self.url)
         self.started = time.perf_counter()
 
-    def report(self) -> dict[str, Any]:
+    def report(self, tokens: int) -> dict[str, Any]:
         wall = time.perf_counter() - self.started
-        shares = {
-            name: round((cpu_seconds(pid) - self.start[name]) / wall, 2)
-            for name, pid in self.pids.items()
-        }
+        used = {name: cpu_seconds(pid) - self.start[name] for name, pid in self.pids.items()}
         now = worker_counters(self.url)
         d = {key: now[key] - self.counters[key] for key in now}
         steps = d["step_duration_seconds_count"]
         return {
-            "cpu_shares": shares,
+            "cpu_shares": {name: round(s / wall, 2) for name, s in used.items()},
+            "cpu_us_per_token": {
+                name: round(1e6 * s / max(tokens, 1), 1) for name, s in used.items()
+            },
             "worker_steps": int(steps),
             "worker_step_ms": round(1e3 * d["step_duration_seconds_sum"] / max(steps, 1), 2),
             "worker_batch": round(d["batch_size_sum"] / max(d["batch_size_count"], 1), 1),
@@ -263,12 +265,13 @@ def stack_load(
     barrier.wait(timeout=120)
     phase = meter()
     shards = [out.get(timeout=900) for _ in procs]
-    report = phase.report()
+    results = [r for _, _, rs in shards for r in rs]
+    tokens = sum(t for t, _ in results)
+    report = phase.report(tokens)
     for proc in procs:
         proc.join(10)
     wall = max(end for _, end, _ in shards) - min(start for start, _, _ in shards)
-    results = [r for _, _, rs in shards for r in rs]
-    return wall, sum(t for t, _ in results), [tpot for _, tpot in results], report
+    return wall, tokens, [tpot for _, tpot in results], report
 
 
 async def engine_ttft(engine: Engine, prompts: list[list[int]], output_len: int) -> list[float]:

@@ -148,7 +148,14 @@ async def test_a_request_no_tokenizer_acknowledges_is_503_not_a_wait_for_the_tim
             assert error["code"] == "tokenizer_unresponsive"
             assert "within 0.5 s" in error["message"]
             submit = submits.get_nowait()
-            abort = await asyncio.wait_for(aborts.get(), WAIT_S)
+
+            async def abort_of(rid: str) -> AbortRequest:
+                # The first request's abort may reach NATS after the subscription did.
+                while (abort := await aborts.get()).rid != rid:
+                    pass
+                return abort
+
+            abort = await asyncio.wait_for(abort_of(submit.rid), WAIT_S)
             assert abort.rid == submit.rid == refused.headers["x-request-id"]
     finally:
         await bus.close()
@@ -271,3 +278,40 @@ async def test_record_writer_writes_in_order_and_drops_when_redis_is_down(
         await asyncio.gather(task, return_exceptions=True)
         await dead.close()
     assert failures(metrics) == 5
+
+
+async def test_record_writes_queued_for_one_record_join(redis_url: str) -> None:
+    """A write of a record that still has one queued joins it: one Redis call, the same
+    record as the writes one after the other would leave."""
+    metrics = GatewayMetrics()
+    store = Store(StoreSettings(url=redis_url, key_prefix=f"test-{uuid.uuid4().hex[:8]}:"))
+    writer = RecordWriter(store, ttl_s=60, metrics=metrics)
+    writer.put("r1", {"state": "received", "n": 1, "received_at": 1.0})
+    writer.update("r1", {"state": "queued", "queued_at": 2.0})
+    writer.update("r1", {"worker": "w-0"})
+    writer.update("r2", {"state": "finished"})  # before its put: on its own, nothing
+    writer.put("r2", {"state": "received", "n": 2})  # ... and a put replaces it
+    writer.update("ghost", {"state": "finished"})
+    assert writer.pending == 3
+    task = asyncio.create_task(writer.run())
+    try:
+        assert await writer.flush(timeout_s=5.0)
+        writer.update("r1", {"state": "finished"})  # the first was taken: a write of its own
+        assert await writer.flush(timeout_s=5.0)
+        assert await writer.get("r1") == {
+            "id": "r1",
+            "state": "finished",
+            "n": 1,
+            "received_at": 1.0,
+            "queued_at": 2.0,
+            "worker": "w-0",
+        }
+        assert await writer.get("r2") == {"id": "r2", "state": "received", "n": 2}
+        assert await writer.get("ghost") is None
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        for rid in ("r1", "r2"):
+            await store.delete_request(rid)
+        await store.close()
+    assert failures(metrics) == 0

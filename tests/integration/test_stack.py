@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -222,6 +223,76 @@ def test_sixteen_concurrent_greedy_requests_equal_the_engine(
         return [r.json()["output_ids"] for r in replies]
 
     assert asyncio.run(run_all()) == [r["output_ids"] for r in reference]
+
+
+async def _streamed(http: httpx.AsyncClient, url: str, body: dict[str, Any]) -> list[Any]:
+    """A streamed answer's events as a client reads them: the JSON payloads, then [DONE]."""
+    events: list[Any] = []
+    async with http.stream("POST", url, json={**body, "stream": True}) as reply:
+        assert reply.status_code == 200
+        async for line in reply.aiter_lines():
+            if line:
+                assert line.startswith("data: "), line
+                events.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
+    return events
+
+
+def test_concurrent_streams_equal_their_answers_unstreamed(
+    stack: RunningStack, engine: Engine
+) -> None:
+    """Sixteen streams at once (the gateway then often has several tokens of a stream
+    queued, which go out as one write): each stream's events add up to its request's
+    unstreamed answer (and, for the token-id prompts, the engine's): the text, the
+    logprob tokens, the one finish reason, and the usage chunk last, before [DONE]."""
+    prompts = make_prompts(engine.runner.vocab_size, [6 + 5 * i for i in range(8)], seed=11)
+    params = {"temperature": 0, "max_new_tokens": 16}
+    reference = engine.generate(input_ids=prompts, sampling_params=params)
+    assert isinstance(reference, list)
+    common = {"model": stack.model, "temperature": 0, "max_tokens": 16}
+    bodies: list[tuple[str, dict[str, Any]]] = [
+        ("completions", {**common, "prompt": p, "logprobs": 1}) for p in prompts
+    ]
+    bodies += [
+        ("chat/completions", {**common, "messages": [{"role": "user", "content": f"Hi {i}"}]})
+        for i in range(8)
+    ]
+    for _, body in bodies[8:]:
+        body |= {"logprobs": True, "top_logprobs": 1}
+
+    async def run_all() -> tuple[list[Any], list[list[Any]]]:
+        async with httpx.AsyncClient(base_url=f"{stack.url}/v1", timeout=120) as http:
+            whole = [(await http.post(f"/{path}", json=body)).json() for path, body in bodies]
+            usage = {"stream_options": {"include_usage": True}}
+            streams = await asyncio.gather(
+                *(_streamed(http, f"/{path}", {**body, **usage}) for path, body in bodies)
+            )
+        return whole, list(streams)
+
+    whole, streams = asyncio.run(run_all())
+    for (path, _), answer, events in zip(bodies, whole, streams, strict=True):
+        *chunks, usage_chunk, done = events
+        assert done == "[DONE]"
+        assert usage_chunk["choices"] == [] and all(c["usage"] is None for c in chunks)
+        for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+            assert usage_chunk["usage"][key] == answer["usage"][key], key
+        choices = [c["choices"][0] for c in chunks]
+        assert all(len(c["choices"]) == 1 for c in chunks)
+        (expected,) = answer["choices"]
+        reasons = [c["finish_reason"] for c in choices]
+        assert reasons[-1] == expected["finish_reason"] and reasons.count(None) == len(reasons) - 1
+        if path == "completions":
+            text = "".join(c["text"] for c in choices)
+            tokens = [t for c in choices if c["logprobs"] for t in c["logprobs"]["tokens"]]
+            assert text == expected["text"] and tokens == expected["logprobs"]["tokens"]
+        else:
+            assert choices[0]["delta"] == {"role": "assistant", "content": ""}
+            text = "".join(c["delta"].get("content") or "" for c in choices)
+            tokens = [
+                e["token"] for c in choices if c["logprobs"] for e in c["logprobs"]["content"]
+            ]
+            assert text == expected["message"]["content"]
+            assert tokens == [e["token"] for e in expected["logprobs"]["content"]]
+    assert [w["choices"][0]["text"] for w in whole[:8]] == [r["text"] for r in reference]
 
 
 def test_request_record_is_kept(client: openai.OpenAI, stack: RunningStack) -> None:

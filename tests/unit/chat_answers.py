@@ -1,6 +1,6 @@
 """Chat plans and the text deltas that answer them, for the tests of chat answers (tool
 calls, reasoning): one plan of a body, one delta of a piece of text, or a whole answer
-of known tokens."""
+of known tokens; and streamed events read back as a client reads them."""
 
 from __future__ import annotations
 
@@ -60,3 +60,12 @@ def token_deltas(
             )
         )
     return deltas
+
+
+def sse_payloads(events: list[bytes]) -> list[dict[str, Any]]:
+    """Server-sent events (`data: <json>` and a blank line each) -> their JSON payloads."""
+    out = []
+    for raw in events:
+        assert raw.startswith(b"data: ") and raw.endswith(b"\n\n") and raw.count(b"\n\n") == 1
+        out.append(json.loads(raw[len(b"data: ") : -2]))
+    return out

@@ -17,7 +17,7 @@ from radixserve.api.mapping import GenerationPlan
 from radixserve.protocol import FinishReason
 from radixserve.services.gateway.settings import add_arguments, gateway_settings_from_args
 from radixserve.services.runtime import add_common_arguments
-from tests.unit.chat_answers import chat_plan, text_delta, token_deltas
+from tests.unit.chat_answers import chat_plan, sse_payloads, text_delta, token_deltas
 
 STOP = FinishReason(kind="stop")
 LENGTH = FinishReason(kind="length")
@@ -69,7 +69,8 @@ def test_streamed_reasoning_comes_as_reasoning_content_deltas() -> None:
     for i, piece in enumerate(pieces):
         update = assembly.apply(text_delta(piece, STOP if i == len(pieces) - 1 else None))
         assert update is not None
-        deltas += [c["choices"][0]["delta"] for c in streamer.chunks(update, 0.0)]
+        events = sse_payloads(streamer.events(update, 0.0))
+        deltas += [c["choices"][0]["delta"] for c in events]
     reasoning = "".join(d.get("reasoning_content", "") for d in deltas)
     content = "".join(d.get("content") or "" for d in deltas)
     assert reasoning.strip() == "Two and two." and content == "4"
@@ -128,9 +129,9 @@ def test_reasoning_tokens_of_n_choices_are_summed_and_streamed_as_in_the_body() 
     for delta in (d for step in zip_longest(*per_choice) for d in step if d is not None):
         update = assembly.apply(delta)
         assert update is not None
-        streamer.chunks(update, 0.0)
+        streamer.events(update, 0.0)
     assert assembly.done
-    (last,) = streamer.final(assembly)
+    (last,) = sse_payloads(streamer.final(assembly))
     assert last["choices"] == [] and last["usage"] == body_usage
 
 

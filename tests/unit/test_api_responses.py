@@ -23,7 +23,6 @@ from radixserve.api import (
     plan_chat,
     plan_completion,
     plan_generate,
-    sse,
 )
 from radixserve.api.errors import error_body, param_from_loc, retry_after_header
 from radixserve.api.openai_models import ChatCompletionRequest
@@ -36,6 +35,7 @@ from radixserve.protocol import (
     TopLogprobEntry,
     pack_tokens,
 )
+from tests.unit.chat_answers import sse_payloads
 
 STOP = FinishReason(kind="stop", matched="\n")
 LENGTH = FinishReason(kind="length")
@@ -247,16 +247,6 @@ def test_abort_error_is_a_server_error() -> None:
 # -- streams ---------------------------------------------------------------------------------
 
 
-def _events(chunks: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    # Through the SSE encoding and back, as a client would read them.
-    out = []
-    for chunk in chunks:
-        raw = sse(chunk)
-        assert raw.startswith(b"data: ") and raw.endswith(b"\n\n")
-        out.append(json.loads(raw[len(b"data: ") : -2]))
-    return out
-
-
 def test_chat_stream_chunks_and_usage() -> None:
     plan = _plan(
         "chat",
@@ -269,7 +259,7 @@ def test_chat_stream_chunks_and_usage() -> None:
     )
     assembly = Assembly(plan)
     streamer = make_streamer(plan, assembly, created=9)
-    chunks: list[dict[str, Any]] = []
+    chunks: list[bytes] = []
     for delta in [
         _delta("id-1", "He", index=0, completion=1),
         _delta("id-1", "Yo", index=1, completion=1),
@@ -279,9 +269,9 @@ def test_chat_stream_chunks_and_usage() -> None:
     ]:
         update = assembly.apply(delta)
         assert update is not None
-        chunks += streamer.chunks(update, 0.0)
+        chunks += streamer.events(update, 0.0)
     chunks += streamer.final(assembly)
-    events = _events(chunks)
+    events = sse_payloads(chunks)
     assert all(e["object"] == "chat.completion.chunk" and e["id"] == "id-1" for e in events)
     assert all(e["usage"] is None for e in events[:-1])
     per_choice: dict[int, list[dict[str, Any]]] = {0: [], 1: []}
@@ -304,7 +294,7 @@ def test_chat_stream_without_include_usage_has_no_usage_key() -> None:
     streamer = make_streamer(plan, assembly, created=0)
     update = assembly.apply(_delta("id-1", "a", finish=STOP))
     assert update is not None
-    chunks = streamer.chunks(update, 0.0) + streamer.final(assembly)
+    chunks = sse_payloads(streamer.events(update, 0.0) + streamer.final(assembly))
     assert chunks and all("usage" not in c for c in chunks)
 
 
@@ -322,7 +312,7 @@ def test_completion_stream_echo_and_running_offsets() -> None:
     ]:
         update = assembly.apply(delta)
         assert update is not None
-        for chunk in _events(streamer.chunks(update, 0.0)):
+        for chunk in sse_payloads(streamer.events(update, 0.0)):
             (choice,) = chunk["choices"]
             texts.append(choice["text"])
             offsets += choice["logprobs"]["text_offset"]
@@ -348,7 +338,7 @@ def test_generate_stream_is_cumulative() -> None:
     ]:
         update = assembly.apply(delta)
         assert update is not None
-        events += _events(streamer.chunks(update, 0.5))
+        events += sse_payloads(streamer.events(update, 0.5))
     assert [e["text"] for e in events] == ["a", "ab"]
     assert [e["output_ids"] for e in events] == [[1], [1, 2]]
     assert events[0]["meta_info"]["finish_reason"] is None

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from radixserve.api import Assembly, chat_completion, make_streamer
 from radixserve.api.mapping import GenerationPlan
 from radixserve.protocol import FinishReason
-from tests.unit.chat_answers import chat_plan, text_delta
+from tests.unit.chat_answers import chat_plan, sse_payloads, text_delta
 
 STOP = FinishReason(kind="stop")
 LENGTH = FinishReason(kind="length")
@@ -92,7 +92,7 @@ def _stream(plan: GenerationPlan, pieces: list[str]) -> list[dict[str, Any]]:
     for i, piece in enumerate(pieces):
         update = assembly.apply(text_delta(piece, STOP if i == len(pieces) - 1 else None))
         assert update is not None
-        for chunk in streamer.chunks(update, 0.0):
+        for chunk in sse_payloads(streamer.events(update, 0.0)):
             choices += chunk["choices"]
     return choices
 

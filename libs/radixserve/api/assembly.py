@@ -6,15 +6,17 @@
 
 Each (rid, choice) of the plan is one `ChoiceState`, addressed by its merged index.
 Counters in deltas are totals so far, so the latest value wins (a repeated or
-reordered delta cannot inflate usage); text, ids and logprobs are appended. With a
-reasoning parser (chat), each choice's reasoning tokens are counted here too, from
-each delta's text and token ids as they are appended (`ReasoningTokens`), so the
-streamed usage and the whole body's agree.
+reordered delta cannot inflate usage); text, ids (packed, as they came: unpacked only
+when asked for) and logprobs are appended. With a reasoning parser (chat), each
+choice's reasoning tokens are counted here too, from each delta's text and token ids
+as they are appended (`ReasoningTokens`), so the streamed usage and the whole body's
+agree.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from radixserve.api.mapping import GenerationPlan
 from radixserve.api.reasoning import ReasoningTokens
@@ -24,6 +26,7 @@ from radixserve.protocol import (
     PromptLogprobEntries,
     TextDelta,
     num_tokens,
+    unpack_tokens,
 )
 
 
@@ -35,7 +38,7 @@ class ChoiceState:
     rid: str
     prompt_index: int
     text: str = ""
-    token_ids: list[int] = field(default_factory=list)
+    packed_ids: bytearray = field(default_factory=bytearray)  # the token ids, packed int32
     logprobs: list[LogprobEntry] = field(default_factory=list)
     prompt_logprobs: PromptLogprobEntries | None = None
     finish: FinishReason | None = None
@@ -46,6 +49,10 @@ class ChoiceState:
     @property
     def finished(self) -> bool:
         return self.finish is not None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return unpack_tokens(self.packed_ids)
 
     @property
     def reasoning_tokens(self) -> int:
@@ -64,8 +71,7 @@ class Usage:
         return self.prompt_tokens + self.completion_tokens
 
 
-@dataclass(frozen=True)
-class ChoiceUpdate:
+class ChoiceUpdate(NamedTuple):
     """What one delta changed: its choice (after the change) and the delta itself."""
 
     choice: ChoiceState
@@ -84,13 +90,16 @@ class Assembly:
     def __init__(self, plan: GenerationPlan) -> None:
         self.plan = plan
         self.choices: list[ChoiceState] = []
+        self._prompts = [_PromptCounters() for _ in plan.rids]
+        # A delta's (rid, index) -> its choice and its prompt's counters.
+        self._slots: dict[tuple[str, int], tuple[ChoiceState, _PromptCounters]] = {}
         for prompt_index, rid in enumerate(plan.rids):
             for choice in range(plan.n):
                 state = ChoiceState(plan.choice_index(prompt_index, choice), rid, prompt_index)
                 if plan.reasoning is not None:
                     state.reasoning_counter = ReasoningTokens(plan.reasoning)
                 self.choices.append(state)
-        self._prompts = [_PromptCounters() for _ in plan.rids]
+                self._slots[rid, choice] = (state, self._prompts[prompt_index])
         self._unfinished = len(self.choices)
 
     @property
@@ -99,19 +108,20 @@ class Assembly:
 
     def apply(self, delta: TextDelta) -> ChoiceUpdate | None:
         """Fold `delta` into its choice; None when it belongs to no unfinished choice."""
-        prompt_index = self.plan.prompt_index(delta.rid)
-        if prompt_index is None or not 0 <= delta.index < self.plan.n:
+        slot = self._slots.get((delta.rid, delta.index))
+        if slot is None:
             return None
-        choice = self.choices[self.plan.choice_index(prompt_index, delta.index)]
-        if choice.finished:
+        choice, counters = slot
+        if choice.finish is not None:
             return None  # a late or repeated final delta
-        counters = self._prompts[prompt_index]
-        counters.prompt_tokens = max(counters.prompt_tokens, delta.prompt_tokens)
-        counters.cached_tokens = max(counters.cached_tokens, delta.cached_tokens)
-        choice.completion_tokens = max(choice.completion_tokens, delta.completion_tokens)
+        if delta.prompt_tokens > counters.prompt_tokens:
+            counters.prompt_tokens = delta.prompt_tokens
+        if delta.cached_tokens > counters.cached_tokens:
+            counters.cached_tokens = delta.cached_tokens
+        if delta.completion_tokens > choice.completion_tokens:
+            choice.completion_tokens = delta.completion_tokens
         choice.text += delta.text
-        if delta.token_ids:
-            choice.token_ids.extend(delta.token_ids_list)
+        choice.packed_ids += delta.token_ids
         if choice.reasoning_counter is not None:
             last = delta.finish_reason is not None
             choice.reasoning_counter.feed(delta.text, num_tokens(delta.token_ids), last)

@@ -21,7 +21,6 @@ import json
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cached_property
 from typing import Any, Literal
 
 import msgspec
@@ -87,10 +86,6 @@ class GenerationPlan:
     reasoning: ReasoningFormat | None = None
     separate_reasoning: bool = True
 
-    @cached_property
-    def _prompt_indexes(self) -> dict[str, int]:
-        return {s.rid: i for i, s in enumerate(self.submits)}
-
     @property
     def rids(self) -> tuple[str, ...]:
         return tuple(s.rid for s in self.submits)
@@ -98,9 +93,6 @@ class GenerationPlan:
     @property
     def num_choices(self) -> int:
         return len(self.submits) * self.n
-
-    def prompt_index(self, rid: str) -> int | None:
-        return self._prompt_indexes.get(rid)
 
     @property
     def reasoning_apart(self) -> ReasoningFormat | None:

@@ -172,7 +172,7 @@ def generate_output(
             meta.update(input_logprobs(choice.prompt_logprobs, with_top))
     output: dict[str, Any] = {
         "text": choice.text,
-        "output_ids": list(choice.token_ids),
+        "output_ids": choice.token_ids,
         "meta_info": meta,
     }
     if plan.batch:

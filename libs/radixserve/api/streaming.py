@@ -1,10 +1,13 @@
-"""Server-sent event payloads for streamed answers, one `ChoiceUpdate` at a time.
+"""Server-sent events for streamed answers, one `ChoiceUpdate` at a time.
 
     streamer = make_streamer(plan, assembly, created)
-    for payload in streamer.chunks(update, elapsed_s):   # dicts; `responses.sse` encodes
-        yield sse(payload)
-    for payload in streamer.final(assembly): ...          # e.g. the usage chunk
-    yield SSE_DONE
+    events = streamer.events(update, elapsed_s)   # encoded: b"data: {...}\n\n" each
+    events = streamer.final(assembly)             # e.g. the usage chunk
+    ... SSE_DONE
+
+An OpenAI chunk's fields around its `choices` (id, object, created, model, and with
+usage asked for `"usage": null`) are the same in every chunk of an answer: they are
+encoded once, and each chunk encodes only its choices.
 
 - chat: a first chunk with `role`, then `delta.content` chunks (and with tools a
   `delta.tool_calls` chunk per call), then a chunk with the finish reason and an
@@ -21,6 +24,8 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+import msgspec
+
 from radixserve.api.assembly import Assembly, ChoiceUpdate
 from radixserve.api.chat_tools import ToolStream
 from radixserve.api.logprobs import (
@@ -35,14 +40,15 @@ from radixserve.api.responses import (
     chat_finish_reason,
     generate_output,
     openai_finish_reason,
+    sse,
     usage_body,
 )
 
 
 class Streamer(Protocol):
-    def chunks(self, update: ChoiceUpdate, elapsed_s: float) -> list[dict[str, Any]]: ...
+    def events(self, update: ChoiceUpdate, elapsed_s: float) -> list[bytes]: ...
 
-    def final(self, assembly: Assembly) -> list[dict[str, Any]]: ...
+    def final(self, assembly: Assembly) -> list[bytes]: ...
 
 
 class _OpenAIStreamer:
@@ -52,25 +58,20 @@ class _OpenAIStreamer:
         self.plan = plan
         self.created = created
         self._started: set[int] = set()  # choices that got their first chunk
+        fields = {"id": plan.response_id, "object": self.object_name, "created": created}
+        fields["model"] = plan.model
+        # `data: {"id":...,"model":...,"choices":` and what follows the choices.
+        self._head = b"data: " + msgspec.json.encode(fields)[:-1] + b',"choices":'
+        self._tail = b',"usage":null}\n\n' if plan.include_usage else b"}\n\n"
 
-    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        chunk: dict[str, Any] = {
-            "id": self.plan.response_id,
-            "object": self.object_name,
-            "created": self.created,
-            "model": self.plan.model,
-            "choices": choices,
-        }
-        if self.plan.include_usage:
-            chunk["usage"] = None
-        return chunk
+    def _chunk(self, choices: list[dict[str, Any]]) -> bytes:
+        return self._head + msgspec.json.encode(choices) + self._tail
 
-    def final(self, assembly: Assembly) -> list[dict[str, Any]]:
+    def final(self, assembly: Assembly) -> list[bytes]:
         if not self.plan.include_usage:
             return []
-        last = self._chunk([])
-        last["usage"] = usage_body(assembly.usage())
-        return [last]
+        usage = msgspec.json.encode(usage_body(assembly.usage()))
+        return [self._head + b'[],"usage":' + usage + b"}\n\n"]
 
 
 class ChatStreamer(_OpenAIStreamer):
@@ -84,10 +85,10 @@ class ChatStreamer(_OpenAIStreamer):
         self._reasoning: dict[int, ReasoningStream] = {}
         self._tools: dict[int, ToolStream] = {}
 
-    def chunks(self, update: ChoiceUpdate, elapsed_s: float) -> list[dict[str, Any]]:
+    def events(self, update: ChoiceUpdate, elapsed_s: float) -> list[bytes]:
         index = update.choice.index
         delta = update.delta
-        out: list[dict[str, Any]] = []
+        out: list[bytes] = []
         if index not in self._started:
             self._started.add(index)
             out.append(self._choice(index, {"role": "assistant", "content": ""}, None, None))
@@ -142,7 +143,7 @@ class ChatStreamer(_OpenAIStreamer):
         delta: dict[str, Any],
         logprobs: dict[str, Any] | None,
         finish_reason: str | None,
-    ) -> dict[str, Any]:
+    ) -> bytes:
         return self._chunk(
             [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]
         )
@@ -155,7 +156,7 @@ class CompletionStreamer(_OpenAIStreamer):
         super().__init__(plan, created)
         self._offsets: dict[int, int] = {}  # per choice: text_offset of its next token
 
-    def chunks(self, update: ChoiceUpdate, elapsed_s: float) -> list[dict[str, Any]]:
+    def events(self, update: ChoiceUpdate, elapsed_s: float) -> list[bytes]:
         choice, delta = update.choice, update.delta
         text = delta.text
         if choice.index not in self._started:
@@ -192,13 +193,13 @@ class GenerateStreamer:
         self.plan = plan
         self.assembly = assembly
 
-    def chunks(self, update: ChoiceUpdate, elapsed_s: float) -> list[dict[str, Any]]:
+    def events(self, update: ChoiceUpdate, elapsed_s: float) -> list[bytes]:
         delta = update.delta
         if not delta.text and not delta.token_ids and delta.finish_reason is None:
             return []
-        return [generate_output(self.plan, self.assembly, update.choice, elapsed_s)]
+        return [sse(generate_output(self.plan, self.assembly, update.choice, elapsed_s))]
 
-    def final(self, assembly: Assembly) -> list[dict[str, Any]]:
+    def final(self, assembly: Assembly) -> list[bytes]:
         return []
 
 

@@ -1,16 +1,24 @@
-"""The FastAPI app of one gateway: routes, OpenAI error bodies, X-Request-Id.
+"""The ASGI app of one gateway: routes, OpenAI error bodies, X-Request-Id.
 
     app = create_app(state)     # state: GatewayState (bus, hub, records, metrics, ...)
 
 Bodies are parsed by `radixserve.api.parse_body` (pydantic, strict) rather than by
 FastAPI's parameter injection, so every validation error is the OpenAI 400 with
 `param`; FastAPI's own 422 and Starlette's HTTP errors are rewritten in that shape too.
+
+A POST to a generation endpoint (`GENERATION_PATHS`) is served ahead of FastAPI
+(`GenerationRoutes`): it skips FastAPI's routing and middleware, which a streamed
+answer would otherwise pass each of its parts through (four calls a token). The
+answers are the same: `handle_generation` puts X-Request-Id on each of them, and a
+failure it did not expect gets the 500 that FastAPI's handler gives. The same paths
+are FastAPI routes too, for every other method (405) and the OpenAPI schema.
 """
 
 from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -18,7 +26,7 @@ from starlette.exceptions import HTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from radixserve.api import ApiError
+from radixserve.api import ApiError, Endpoint
 from radixserve.api.errors import INVALID_REQUEST, SERVER_ERROR, error_body, param_from_loc
 from radixserve.bus import BusError, BusNoResponders, BusTimeout
 from radixserve.protocol import FlushCacheReply, FlushCacheRequest, ProtocolError, decode, encode
@@ -32,6 +40,12 @@ from radixserve.services.gateway.state import GatewayState
 from radixserve.telemetry.metrics import CONTENT_TYPE
 
 log = logging.getLogger(__name__)
+
+GENERATION_PATHS: dict[str, Endpoint] = {
+    "/v1/chat/completions": "chat",
+    "/v1/completions": "completion",
+    "/generate": "generate",
+}
 
 
 class RequestIdMiddleware:
@@ -57,23 +71,53 @@ class RequestIdMiddleware:
         await self.app(scope, receive, send_with_id)
 
 
-def create_app(state: GatewayState) -> FastAPI:
+class GenerationRoutes:
+    """POST to a generation path -> `handle_generation`, before `app` (FastAPI) sees it;
+    any other request -> `app`."""
+
+    def __init__(self, state: GatewayState, app: ASGIApp) -> None:
+        self.state = state
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        endpoint = None
+        if scope["type"] == "http" and scope["method"] == "POST":
+            endpoint = GENERATION_PATHS.get(scope["path"])
+        if endpoint is None:
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope, receive)
+        try:
+            response = await handle_generation(self.state, request, endpoint)
+        except Exception as exc:
+            response = internal_error(request, exc)
+            response.headers[REQUEST_ID_HEADER] = uuid.uuid4().hex
+        await response(scope, receive, send)
+
+
+def internal_error(request: Request, exc: Exception) -> Response:
+    """The 500 of a failure no handler expected (logged with its traceback)."""
+    log.error("unhandled error on %s: %r", request.url.path, exc, exc_info=exc)
+    return json_response(error_body("internal server error", SERVER_ERROR, None, None), 500)
+
+
+def _generation(
+    state: GatewayState, endpoint: Endpoint
+) -> Callable[[Request], Awaitable[Response]]:
+    async def generation(request: Request) -> Response:
+        return await handle_generation(state, request, endpoint)
+
+    return generation
+
+
+def create_app(state: GatewayState) -> ASGIApp:
     app = FastAPI(title="radixserve gateway", docs_url=None, redoc_url=None)
     app.add_middleware(RequestIdMiddleware)
     _add_error_handlers(app)
     settings = state.settings
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await handle_generation(state, request, "chat")
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await handle_generation(state, request, "completion")
-
-    @app.post("/generate")
-    async def generate(request: Request) -> Response:
-        return await handle_generation(state, request, "generate")
+    for path, endpoint in GENERATION_PATHS.items():
+        app.add_api_route(path, _generation(state, endpoint), methods=["POST"], name=endpoint)
 
     def model_card() -> dict[str, object]:
         return {
@@ -154,7 +198,7 @@ def create_app(state: GatewayState) -> FastAPI:
             )
         return json_response(record, headers={REQUEST_ID_HEADER: rid})
 
-    return app
+    return GenerationRoutes(state, app)
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -179,8 +223,7 @@ def _add_error_handlers(app: FastAPI) -> None:
         )
 
     async def unexpected_error(request: Request, exc: Exception) -> Response:
-        log.error("unhandled error on %s: %r", request.url.path, exc, exc_info=exc)
-        return json_response(error_body("internal server error", SERVER_ERROR, None, None), 500)
+        return internal_error(request, exc)
 
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(HTTPException, http_error)

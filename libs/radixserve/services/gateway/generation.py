@@ -4,6 +4,11 @@ A streamed request waits for its first event before answering, so an error that
 comes before any token (400 context length, 429 queue full, 503 no worker, ...)
 still gets its own HTTP status and headers; an error after the first chunk is sent
 as an SSE `{"error": ...}` event, which the OpenAI clients raise.
+
+A stream writes the events of every update already there when it gets its turn as
+one body part (one socket write), each update still its own event(s) in order; it
+never waits for more. The last events ([DONE] and what comes with it) go out with the
+end of the body.
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ class SSEResponse(StreamingResponse):
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers},
         )
+        self._parts = content
         self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -75,6 +81,19 @@ class SSEResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._on_close()
+
+    async def stream_response(self, send: Send) -> None:
+        """Starlette's, but a part that ends with [DONE] also ends the body (one write
+        where Starlette sends an empty last part after it)."""
+        await send(
+            {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+        )
+        more = True
+        async for part in self._parts:
+            more = not part.endswith(SSE_DONE)
+            await send({"type": "http.response.body", "body": part, "more_body": more})
+        if more:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 # A body this many times the bus's max_payload cannot fit in it, even after JSON escapes
@@ -121,7 +140,7 @@ async def handle_generation(state: GatewayState, request: Request, endpoint: End
             await run.stop_watching()
             streaming = True
             return SSEResponse(
-                _stream(run, first),
+                stream_parts(run, first),
                 on_close=lambda: run.close(client_gone=True),
                 headers={REQUEST_ID_HEADER: response_id},
             )
@@ -134,7 +153,7 @@ async def handle_generation(state: GatewayState, request: Request, endpoint: End
         return error_response(exc, response_id)
     except ClientDisconnected:
         run.close(client_gone=True)
-        return Response(status_code=499)  # no one reads it
+        return Response(status_code=499, headers={REQUEST_ID_HEADER: response_id})  # unread
     finally:
         if not streaming:
             run.close(client_gone=True)  # cancelled: the server is stopping or the client left
@@ -178,24 +197,30 @@ def _final_body(run: Inflight) -> Any:
     return generate_result(plan, assembly, run.elapsed())
 
 
-async def _stream(run: Inflight, first: ChoiceUpdate) -> AsyncIterator[bytes]:
+async def stream_parts(run: Inflight, first: ChoiceUpdate) -> AsyncIterator[bytes]:
+    """The answer's SSE events as the parts of the response body: the events of an
+    update and of every one already there behind it make one part, then it waits for the
+    next. The last part ends with [DONE], after the usage chunk (or an error event)."""
     streamer = make_streamer(run.plan, run.assembly, int(time.time()))
+    events: list[bytes] = []  # built, not sent yet
     try:
-        update = first
+        update: ChoiceUpdate | None = first
         while True:
+            if update is None:
+                if events:
+                    yield b"".join(events)
+                    events.clear()
+                update = await run.next_update()
             _check_aborted(run.plan, update)
-            for payload in streamer.chunks(update, run.elapsed()):
-                yield sse(payload)
+            events += streamer.events(update, run.elapsed())
             if run.assembly.done:
                 break
-            update = await run.next_update()
-        for payload in streamer.final(run.assembly):
-            yield sse(payload)
+            update = run.ready_update()
+        events += streamer.final(run.assembly)
         run.close()
-        yield SSE_DONE
+        yield b"".join([*events, SSE_DONE])
     except ApiError as exc:
         run.close(exc)
-        yield sse(exc.body())
-        yield SSE_DONE
+        yield b"".join([*events, sse(exc.body()), SSE_DONE])
     finally:
         run.close(client_gone=True)  # a no-op unless the stream was cut short

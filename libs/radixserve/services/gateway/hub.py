@@ -2,11 +2,12 @@
 
     hub = Hub(subjects, gateway_id)
     await bus.subscribe(subjects.gateway_all(gateway_id), hub.on_message)
-    queue = hub.register(plan.rids)        # before publishing the SubmitRequests
-    event = await queue.get()              # TextDelta | RequestError | ClientGone | RequestLost
+    mailbox = hub.register(plan.rids)      # before publishing the SubmitRequests
+    await mailbox.wait()                   # until an event is there
+    event = mailbox.take()                 # TextDelta | RequestError | ClientGone | ...
     hub.unregister(plan.rids)
 
-Delivery never blocks: each waiting request has an unbounded queue (its producer is
+Delivery never blocks: each waiting request has an unbounded mailbox (its producer is
 the bus, whose rate the detokenizer's batching already bounds). Messages for a rid
 nobody waits on (a request already answered or aborted) are dropped.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -42,24 +44,65 @@ class RequestLost:
     scheduler saw its rids end long ago, yet their end never arrived here."""
 
 
-HubEvent = TextDelta | RequestError | ClientGone | RequestLost
+@dataclass(frozen=True)
+class DeadlinePassed:
+    """Put on a request's mailbox by its timer (gateway/inflight.py) at its deadline."""
+
+
+HubFailure = RequestError | ClientGone | RequestLost | DeadlinePassed  # each ends the request
+HubEvent = TextDelta | HubFailure
+
+
+class Mailbox:
+    """One HTTP request's events in arrival order, for its one reader (made in its loop).
+
+    Lighter than an `asyncio.Queue` on the per-token path: a put appends and wakes the
+    reader if it waits; the reader takes what is there without waiting (`take`, None
+    when empty), so it can handle every event that arrived together before it writes."""
+
+    def __init__(self) -> None:
+        self._events: deque[HubEvent] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        # Looked up once: on Python 3.11 each get_running_loop() is a getpid() syscall.
+        self._loop = asyncio.get_running_loop()
+
+    def put(self, event: HubEvent) -> None:
+        self._events.append(event)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def take(self) -> HubEvent | None:
+        return self._events.popleft() if self._events else None
+
+    def empty(self) -> bool:
+        return not self._events
+
+    async def wait(self) -> None:
+        """Until an event is there (at once if one is)."""
+        while not self._events:
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
 
 
 class Hub:
     def __init__(self, subjects: Subjects, gateway_id: str) -> None:
         self._deltas_subject = subjects.gateway_deltas(gateway_id)
         self._errors_subject = subjects.gateway_errors(gateway_id)
-        self._waiting: dict[str, asyncio.Queue[HubEvent]] = {}
+        self._waiting: dict[str, Mailbox] = {}
         self.dropped = 0  # messages for no waiting rid (late, or after an abort)
 
-    def register(self, rids: Iterable[str]) -> asyncio.Queue[HubEvent]:
-        """One queue for all the rids of one HTTP request."""
-        queue: asyncio.Queue[HubEvent] = asyncio.Queue()
+    def register(self, rids: Iterable[str]) -> Mailbox:
+        """One mailbox for all the rids of one HTTP request."""
+        mailbox = Mailbox()
         for rid in rids:
             if rid in self._waiting:
                 raise ValueError(f"rid {rid!r} is already waiting")
-            self._waiting[rid] = queue
-        return queue
+            self._waiting[rid] = mailbox
+        return mailbox
 
     def unregister(self, rids: Iterable[str]) -> None:
         for rid in rids:
@@ -71,11 +114,11 @@ class Hub:
         return len(self._waiting)
 
     def deliver(self, rid: str, event: HubEvent) -> bool:
-        queue = self._waiting.get(rid)
-        if queue is None:
+        mailbox = self._waiting.get(rid)
+        if mailbox is None:
             self.dropped += 1
             return False
-        queue.put_nowait(event)
+        mailbox.put(event)
         return True
 
     async def on_message(self, msg: BusMsg) -> None:

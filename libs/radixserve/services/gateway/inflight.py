@@ -4,6 +4,7 @@
     await run.submit()                      # record + SubmitRequest(s) on {p}.tokenize, acked
     while not run.assembly.done:
         update = await run.next_update()    # ApiError (bus error, 504), ClientDisconnected
+        more = run.ready_update()           # the next one if already there, else None
     run.close()                             # metrics, record, hub; aborts what still runs
 
 `close` is synchronous and idempotent, so a streaming response can call it from a
@@ -23,7 +24,13 @@ from opentelemetry.context import Context
 from radixserve.api import ApiError, Assembly, ChoiceUpdate, GenerationPlan
 from radixserve.bus import BusError, BusNoResponders, BusPayloadTooLarge, BusTimeout
 from radixserve.protocol import RequestError, TextDelta, encode, num_tokens
-from radixserve.services.gateway.hub import ClientGone, HubEvent, RequestLost
+from radixserve.services.gateway.hub import (
+    ClientGone,
+    DeadlinePassed,
+    HubFailure,
+    Mailbox,
+    RequestLost,
+)
 from radixserve.services.gateway.state import GatewayState
 from radixserve.store import FieldValue
 from radixserve.telemetry.gateway_trace import RequestTrace
@@ -47,11 +54,14 @@ class Inflight:
         self.plan = plan
         self.assembly = Assembly(plan)
         self.started = time.monotonic()
-        self.deadline = self.started + state.settings.request_timeout_s
         self.first_token_at: float | None = None
         self.token_times = TokenTimes(self.started)
         self.trace = RequestTrace(plan, trace_parent)  # the request's root span
-        self._queue: asyncio.Queue[HubEvent] = state.hub.register(plan.rids)
+        self._mailbox: Mailbox = state.hub.register(plan.rids)
+        # One timer for the whole request (not one per wait): DeadlinePassed at its deadline.
+        self._deadline = asyncio.get_running_loop().call_later(
+            state.settings.request_timeout_s, self._mailbox.put, DeadlinePassed()
+        )
         self._watcher: asyncio.Task[None] | None = None
         self._closed = False
         # Rids another service already failed (RequestError): nothing left to abort there.
@@ -117,45 +127,50 @@ class Inflight:
 
     # -- receiving ------------------------------------------------------------------------
     async def next_update(self) -> ChoiceUpdate:
-        """The next delta that changed a choice. Raises ApiError for a bus error or the
-        deadline (504), ClientDisconnected when the disconnect watcher saw the client go."""
-        while True:
-            remaining = self.deadline - time.monotonic()
-            if remaining <= 0:
-                raise ApiError.timeout(self.state.settings.request_timeout_s)
-            try:
-                event = await asyncio.wait_for(self._queue.get(), remaining)
-            except TimeoutError:
-                raise ApiError.timeout(self.state.settings.request_timeout_s) from None
-            self.heard_at = time.monotonic()
-            if isinstance(event, RequestLost):
-                raise ApiError.unavailable(
-                    "the request was lost on its way back (it is no longer running, but "
-                    "its end never reached the gateway); retry",
-                    "request_lost",
-                )
-            if isinstance(event, RequestError):
-                self._failed_rids.add(event.rid)
-                raise self.plan.client_error(ApiError.from_request_error(event))
-            if isinstance(event, ClientGone):
-                raise ClientDisconnected()
+        """The next delta that changed a choice, waiting for it if none is there. Raises
+        ApiError for a bus error or the deadline (504), ClientDisconnected when the
+        disconnect watcher saw the client go."""
+        while (update := self.ready_update()) is None:
+            await self._mailbox.wait()
+        return update
+
+    def ready_update(self) -> ChoiceUpdate | None:
+        """As `next_update`, without waiting: None when no such delta is there yet."""
+        while (event := self._mailbox.take()) is not None:
+            now = self.heard_at = time.monotonic()
+            if not isinstance(event, TextDelta):
+                raise self._failure(event)
             if event.worker_id:
                 self.state.records.update(self.rid, {"worker": event.worker_id})
             update = self.assembly.apply(event)
-            if update is None:
-                continue
-            self._tokens_arrived(event)
-            return update
+            if update is not None:
+                self._tokens_arrived(event, now)
+                return update
+        return None
+
+    def _failure(self, event: HubFailure) -> Exception:
+        """What an event other than a delta ends the request with."""
+        if isinstance(event, RequestError):
+            self._failed_rids.add(event.rid)
+            return self.plan.client_error(ApiError.from_request_error(event))
+        if isinstance(event, ClientGone):
+            return ClientDisconnected()
+        if isinstance(event, RequestLost):
+            return ApiError.unavailable(
+                "the request was lost on its way back (it is no longer running, but "
+                "its end never reached the gateway); retry",
+                "request_lost",
+            )
+        return ApiError.timeout(self.state.settings.request_timeout_s)
 
     async def run_to_end(self) -> None:
         while not self.assembly.done:
             await self.next_update()
 
-    def _tokens_arrived(self, delta: TextDelta) -> None:
+    def _tokens_arrived(self, delta: TextDelta, now: float) -> None:
         count = num_tokens(delta.token_ids)
         if not (count or delta.text):
             return
-        now = time.monotonic()
         ttft_s, per_token_s = self.token_times.on_tokens((delta.rid, delta.index), count, now)
         if ttft_s is not None:
             self._first_token(now)
@@ -171,15 +186,15 @@ class Inflight:
     # -- the lost-request check ---------------------------------------------------------------
     def silent_since(self) -> float | None:
         """Since when nothing came for this request: None while an event waits in its
-        queue, before the tokenizer took it, or once it is closed."""
-        if self._closed or self.heard_at is None or not self._queue.empty():
+        mailbox, before the tokenizer took it, or once it is closed."""
+        if self._closed or self.heard_at is None or not self._mailbox.empty():
             return None
         return self.heard_at
 
     def report_lost(self) -> None:
         """Fail the request as lost (503); `close` then aborts its unfinished rids, in
         case they still run somewhere."""
-        self._queue.put_nowait(RequestLost())
+        self._mailbox.put(RequestLost())
 
     # -- the client -------------------------------------------------------------------------
     def watch_disconnect(self, receive: Any) -> None:
@@ -189,7 +204,7 @@ class Inflight:
             while True:
                 message = await receive()
                 if message.get("type") == "http.disconnect":
-                    self._queue.put_nowait(ClientGone())
+                    self._mailbox.put(ClientGone())
                     return
 
         self._watcher = asyncio.create_task(watch(), name=f"disconnect-{self.rid}")
@@ -214,6 +229,7 @@ class Inflight:
             return
         self._closed = True
         state = self.state
+        self._deadline.cancel()
         if self._watcher is not None:
             self._watcher.cancel()
         state.hub.unregister(self.plan.rids)

@@ -9,8 +9,10 @@
 Every write goes through one bounded queue drained by one task, so Redis being slow
 or down never delays a token: a full queue or a failed write is dropped, counted in
 `radixserve:store_write_failures_total` and logged at most every few seconds. Writes
-of one record stay in order (one drainer); an update of a record whose `put` was
-lost writes nothing (`Store.update_request` only touches an existing record).
+of one record stay in order (one drainer), and a write of a record that still has one
+in the queue joins it (one Redis call for both, with what the later one says winning);
+an update of a record whose `put` was lost writes nothing (`Store.update_request` only
+touches an existing record).
 
 Record fields (all strings in Redis; `get` turns the numeric ones back into numbers):
 `state` (received/queued/running/finished/failed), `endpoint`, `model`, `stream`,
@@ -40,11 +42,18 @@ _FLOAT_FIELDS = frozenset({"received_at", "queued_at", "first_token_at", "finish
 _LOG_EVERY_S = 10.0
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Write:
     rid: str
-    fields: Mapping[str, FieldValue]
+    fields: dict[str, FieldValue]
     create: bool  # put (replace) vs update (only if it exists)
+
+    def join(self, later: _Write) -> None:
+        """Become this write followed by `later` (a put replaces what came before it)."""
+        if later.create:
+            self.fields, self.create = later.fields, True
+        else:
+            self.fields.update(later.fields)
 
 
 class RecordWriter:
@@ -62,6 +71,7 @@ class RecordWriter:
         self.metrics = metrics
         self.write_timeout_s = write_timeout_s
         self._queue: asyncio.Queue[_Write] = asyncio.Queue(maxsize=max_pending)
+        self._queued: dict[str, _Write] = {}  # the writes in the queue, by record
         self._last_log = 0.0
         self._unlogged = 0
 
@@ -73,10 +83,16 @@ class RecordWriter:
         self._enqueue(_Write(rid, dict(fields), create=False))
 
     def _enqueue(self, write: _Write) -> None:
+        queued = self._queued.get(write.rid)
+        if queued is not None:
+            queued.join(write)
+            return
         try:
             self._queue.put_nowait(write)
         except asyncio.QueueFull:
             self._failed(write.rid, "the record queue is full (Redis slow or down?)")
+            return
+        self._queued[write.rid] = write
 
     @property
     def pending(self) -> int:
@@ -87,6 +103,7 @@ class RecordWriter:
         """Drain forever (a supervised task); one write at a time, each bounded."""
         while True:
             write = await self._queue.get()
+            del self._queued[write.rid]  # what comes for the record now is a new write
             try:
                 await asyncio.wait_for(self._write(write), self.write_timeout_s)
             except asyncio.CancelledError:
