@@ -126,6 +126,56 @@ def test_invalid_mistral_stays_content_verbatim(text: str) -> None:
     assert parse(text) == (text, [])
 
 
+@pytest.mark.parametrize(
+    "text",
+    [
+        '[{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+        ' [ {"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}", "id": "a1"} ]\n',
+    ],
+)
+def test_mistral_array_without_its_special_marker(text: str) -> None:
+    # Mistral's tokenizers make [TOOL_CALLS] a special token: skipped, the array is left.
+    assert parse(text) == (None, [ToolCall("get_weather", '{"city": "Paris"}')])
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '[{"name": "search", "arguments": {"q": "a"}}, {"name": "calc_2"}]',
+        # strict calls: one an array; their markers skipped
+        ' [{"name": "search", "arguments": {"q": "a"}}] [{"name": "calc_2"}]',
+        '[{"name": "search", "arguments": {"q": "a"}}]\n[{"name": "calc_2"}]',
+    ],
+)
+def test_mistral_bare_arrays_of_several_calls(text: str) -> None:
+    assert parse(text) == (None, [ToolCall("search", '{"q": "a"}'), ToolCall("calc_2", "{}")])
+
+
+def test_mistral_strict_calls_with_their_markers() -> None:
+    text = '[TOOL_CALLS] [{"name": "search", "arguments": {}}][TOOL_CALLS] [{"name": "calc_2"}]'
+    assert parse(text) == (None, [ToolCall("search", "{}"), ToolCall("calc_2", "{}")])
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '[{"name": "search", "arguments": {}}] and then some words',  # not the whole answer
+        'Calls: [{"name": "search", "arguments": {}}]',
+        '[{"name": "search"}, {"name": "nope"}]',  # one bad: all content
+        '[{"name": "search"}, 3]',
+        '[{"name": "search"}] [{"name": "nope"}]',  # a second array that is not calls
+        '[{"name": "search"}] {"name": "calc_2"}',
+        '[{"name": "search", "arguments": {"q":',  # cut off
+        "[{}]",
+        "[]",
+        "[1, 2]",
+        "[see the docs](https://example.com)",
+    ],
+)
+def test_not_a_bare_array_stays_content(text: str) -> None:
+    assert parse(text) == (text, [])
+
+
 # -- Llama 3.x -----------------------------------------------------------------------------
 
 
@@ -142,7 +192,9 @@ def test_llama_one_call(text: str) -> None:
     assert parse(text) == (None, [ToolCall("get_weather", '{"city": "Paris"}')])
 
 
-@pytest.mark.parametrize("separator", [";", "; ", "\n", " ;\n", "\n\n"])
+@pytest.mark.parametrize(
+    "separator", [";", "; ", "\n", " ;\n", "\n\n", ";<|python_tag|>", "\n<|python_tag|> "]
+)
 def test_llama_several_calls(separator: str) -> None:
     text = separator.join(['{"name": "search", "parameters": {"q": "a;b"}}', '{"name": "calc_2"}'])
     assert parse(text) == (None, [ToolCall("search", '{"q": "a;b"}'), ToolCall("calc_2", "{}")])

@@ -6,8 +6,9 @@
     sent = followed.sent(calls)  # how many of the calls read whole were sent already
 
 `api.tool_calls.ToolCallStream` holds back text that may be calls until it is decided: a
-Hermes `<tool_call>` block until it closes, a Mistral `[TOOL_CALLS]` array and a Llama
-answer (one that opens with `{` or `<|python_tag|>`) until the answer ends. An agent's call
+Hermes `<tool_call>` block until it closes, a Mistral `[TOOL_CALLS]` array, a Llama
+answer (one that opens with `{` or `<|python_tag|>`) and a bare array (one that opens with
+`[{`) until the answer ends. An agent's call
 can carry a long argument (a file's contents), so the chat stream shows each call as it
 comes, as OpenAI streams `function.arguments`: once a call object reads
 `{"name": "<one of the tools>", "arguments": {` (or `"parameters": {`, which the reader

@@ -12,9 +12,12 @@ Three formats are recognised, always:
 
 - Hermes / Qwen: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number of
   blocks among content; a last block left open counts when its JSON parses.
-- Mistral: `[TOOL_CALLS]` then a JSON array of such objects.
+- Mistral: `[TOOL_CALLS]` then a JSON array of such objects; or the whole answer is that
+  array alone (Mistral's tokenizers make `[TOOL_CALLS]` a special token, which the
+  default `skip_special_tokens` leaves out of the text).
 - Llama 3.x: the whole answer (after an optional `<|python_tag|>`) is one or more objects
-  `{"name": ..., "parameters": {...}}` separated by `;` or newlines.
+  `{"name": ..., "parameters": {...}}` separated by `;` or newlines (each may follow a
+  `<|python_tag|>` of its own, as Llama writes them with special tokens shown).
 
 A call is a call only when its JSON parses, is an object with a `name` among the tools
 and arguments that are an object (or a string holding one); anything else stays in the
@@ -23,7 +26,7 @@ normalised to `json.dumps(args, ensure_ascii=False, separators=(", ", ": "))`.
 
 The stream decides nothing it might have to take back: it emits content up to the first
 possible marker, holds a trailing prefix of one, holds a `<tool_call>` block until it
-closes and everything after `[TOOL_CALLS]` (or an answer opening with `{` or
+closes and everything after `[TOOL_CALLS]` (or an answer opening with `{`, `[{` or
 `<|python_tag|>`) until `finish()`. Whatever the split into deltas, its calls and joined
 content (stripped) equal `parse_tool_calls` on the whole text. What it holds that may be
 calls is `held_calls` (with the `CallLayout` of its format), for a caller that shows the
@@ -44,7 +47,7 @@ _MISTRAL = "[TOOL_CALLS]"
 _PYTHON_TAG = "<|python_tag|>"
 _MARKER = re.compile(f"{re.escape(_OPEN)}|{re.escape(_MISTRAL)}")
 _NONSPACE = re.compile(r"\S")
-_LLAMA_SEPARATOR = re.compile(r"\s*[;\n]\s*")
+_LLAMA_SEPARATOR = re.compile(rf"\s*[;\n]\s*(?:{re.escape(_PYTHON_TAG)}\s*)?")
 _SEPARATORS = (", ", ": ")
 JSON_SPACE = r"[ \t\n\r]*"  # whitespace where JSON allows it (Python's \s allows more)
 
@@ -75,9 +78,16 @@ class CallLayout:
 HERMES = CallLayout(re.compile(re.escape(_OPEN) + r"\s*"), closing=_CLOSE)
 MISTRAL = CallLayout(
     re.compile(re.escape(_MISTRAL) + r"\s*\[" + JSON_SPACE),
-    re.compile(f"{JSON_SPACE},{JSON_SPACE}"),
+    # `,` in an array, or one array's end and the next's start (strict calls, one an array)
+    re.compile(rf"{JSON_SPACE}(?:,|\]{JSON_SPACE}(?:{re.escape(_MISTRAL)}\s*)?\[){JSON_SPACE}"),
 )
 LLAMA = CallLayout(re.compile(rf"\s*(?:{re.escape(_PYTHON_TAG)})?\s*"), _LLAMA_SEPARATOR)
+# A Mistral array whose `[TOOL_CALLS]` was a special token left out of the text.
+BARE_ARRAY = CallLayout(re.compile(r"\s*\[" + JSON_SPACE), MISTRAL.between)
+# An answer that opens with this may be a bare array of calls; one that is only the
+# start of it may still become one.
+_BARE_OPENING = re.compile(r"\[" + JSON_SPACE + r"\{")
+_BARE_START = re.compile(r"\[" + JSON_SPACE + r"\Z")
 
 
 @dataclass(frozen=True)
@@ -216,6 +226,30 @@ def _llama(text: str, names: Collection[str]) -> list[ToolCall] | None:
     return None
 
 
+def _bare_array(text: str, names: Collection[str]) -> list[ToolCall] | None:
+    """The whole answer as Mistral arrays of calls without their markers (one or more,
+    as strict calls write one an array), or None when any of it is something else."""
+    body = text.strip()
+    if not _BARE_OPENING.match(body):
+        return None
+    calls: list[ToolCall] = []
+    pos = 0
+    while pos < len(body):
+        if not body.startswith("[", pos):
+            return None
+        try:
+            value, pos = _DECODER.raw_decode(body, pos)
+        except (ValueError, RecursionError):
+            return None
+        found = [_call(item, names) for item in value] if isinstance(value, list) else []
+        if not found or any(call is None for call in found):
+            return None
+        calls += [call for call in found if call is not None]
+        gap = _NONSPACE.search(body, pos)
+        pos = gap.start() if gap else len(body)
+    return calls
+
+
 def _split(segments: list[Segment]) -> tuple[str, list[ToolCall]]:
     content = "".join(s for s in segments if isinstance(s, str))
     return content, [s for s in segments if isinstance(s, ToolCall)]
@@ -225,6 +259,8 @@ def parse_tool_calls(text: str, tool_names: Collection[str]) -> tuple[str | None
     """A finished answer -> (content, calls): the text outside the calls, stripped (None
     when nothing is left), and the calls in the order written."""
     calls = _llama(text, tool_names)
+    if calls is None:
+        calls = _bare_array(text, tool_names)
     if calls is not None:
         return None, calls
     content, calls = _split(_scan(text, tool_names, final=True)[0])
@@ -237,8 +273,9 @@ class ToolCallStream:
     def __init__(self, tool_names: Collection[str]) -> None:
         self._names = frozenset(tool_names)
         self._held = ""  # text not yet emitted
-        # start: nothing but whitespace (or a `<|python_tag|>` prefix) seen yet;
-        # whole: the answer opens like Llama JSON, decided at finish(); scan: otherwise.
+        # start: nothing but whitespace (or a `<|python_tag|>` or `[` prefix) seen yet;
+        # whole: the answer opens like Llama JSON or a bare array, decided at finish();
+        # scan: otherwise.
         self._mode: Literal["start", "whole", "scan"] = "start"
         self._shown = False  # some content was emitted: whitespace is no longer leading
         self._fed = 0  # characters of the answer fed so far
@@ -257,10 +294,11 @@ class ToolCallStream:
     @property
     def held_calls(self) -> HeldCalls | None:
         """What the stream holds back because it may be calls (a `<tool_call>` block not
-        closed yet, a `[TOOL_CALLS]` array, an answer that opens like Llama's), for a caller
-        that shows them as they are written; None when it holds none."""
+        closed yet, a `[TOOL_CALLS]` array, an answer that opens like Llama's or like a
+        bare array), for a caller that shows them as they are written; None when it holds
+        none."""
         if self._mode == "whole":
-            layout = LLAMA
+            layout = BARE_ARRAY if self._held.lstrip().startswith("[") else LLAMA
         elif self._mode == "scan" and self._held.startswith(_OPEN):
             layout = HERMES
         elif self._mode == "scan" and self._held.startswith(_MISTRAL):
@@ -288,8 +326,8 @@ class ToolCallStream:
 def _opening(text: str) -> Literal["start", "whole", "scan"]:
     """How an answer that begins with `text` must be streamed, if that is known yet."""
     head = text.lstrip()
-    if head.startswith(("{", _PYTHON_TAG)):
+    if head.startswith(("{", _PYTHON_TAG)) or _BARE_OPENING.match(head):
         return "whole"
-    if not head or _PYTHON_TAG.startswith(head):
+    if not head or _PYTHON_TAG.startswith(head) or _BARE_START.match(head):
         return "start"
     return "scan"
