@@ -69,6 +69,20 @@ def test_stream_holds_mistral_and_llama_until_finish() -> None:
     assert stream.finish() == ("{not a call} ok", [])
 
 
+def test_stream_holds_a_named_call_until_finish() -> None:
+    stream = ToolCallStream(TOOLS)
+    assert stream.feed("sea") == ("", [])  # may be the start of `search{`
+    assert stream.feed('rch{"q": 1}') == ("", [])
+    assert stream.held_calls is None  # no call object to follow: it comes whole
+    assert stream.finish() == ("", [ToolCall("search", '{"q": 1}')])
+    stream = ToolCallStream(TOOLS)
+    assert stream.feed("sea") == ("", [])
+    assert stream.feed("rch the web") == ("search the web", [])
+    stream = ToolCallStream(TOOLS)
+    assert stream.feed('Ok [TOOL_CALLS]search[ARGS]{"q": 1}') == ("Ok ", [])
+    assert stream.finish() == ("", [ToolCall("search", '{"q": 1}')])
+
+
 def test_stream_holds_a_bare_array_until_finish() -> None:
     stream = ToolCallStream(TOOLS)
     assert stream.feed(" [") == ("", [])  # undecided: a bare array may follow
@@ -286,7 +300,20 @@ def _mistral(draw: st.DrawFn) -> Case:
             obj["id"] = draw(st.text("abcXYZ019", min_size=9, max_size=9))
         objs.append(obj)
         calls += new
-    if draw(st.booleans()):  # the marker a special token, skipped: the array alone
+    form = draw(st.sampled_from(["array", "bare array", "named", "bare named"]))
+    if form.endswith("named"):  # newer models: `[TOOL_CALLS]name[ARGS]{...}` a call
+        marker, args_tag = ("", "") if form == "bare named" else ("[TOOL_CALLS]", "[ARGS]")
+        if marker:
+            args_tag = draw(st.sampled_from(["[ARGS]", "[CALL_ID]x1Y2z3W4v[ARGS]", "[ARGS] "]))
+        else:
+            before = draw(st.sampled_from(["", " ", "\n"]))
+        between = draw(st.sampled_from(["", " ", "\n"])) if not marker else ""
+        text = before + between.join(
+            marker + obj["name"] + args_tag + json.dumps(json.loads(c.arguments))
+            for obj, c in zip(objs, calls, strict=True)
+        )
+        return text, (before.strip() or None) if marker else None, calls
+    if form == "bare array":  # the marker a special token, skipped: the array alone
         before = draw(st.sampled_from(["", " ", "\n"]))
         if draw(st.booleans()):  # strict calls: one an array
             between = draw(st.sampled_from(["", " ", "\n"]))
@@ -331,6 +358,7 @@ def test_generated_texts_parse_and_stream_as_built(case: Case, data: st.DataObje
 
 
 _MESSY = [*_FRAGMENTS, *MARKERS, "<|python_tag|>", ";", '{"name": "search"}', "]"]
+_MESSY += ["search", "calc_2{}", "[ARGS]", '{"q": 1}']
 _MESSY += ['[{"name": "calc_2", "arguments": {}}]', '{"name": "nope"}', '"arguments": "{}"}']
 
 

@@ -176,6 +176,36 @@ def test_not_a_bare_array_stays_content(text: str) -> None:
     assert parse(text) == (text, [])
 
 
+@pytest.mark.parametrize(
+    ("text", "content"),
+    [
+        ('Looking.[TOOL_CALLS]search[ARGS]{"q": "a"}[TOOL_CALLS]calc_2[ARGS]{}', "Looking."),
+        ('search{"q": "a"}calc_2{}', None),
+        ('search{"q": "a"}\ncalc_2{}', None),
+    ],
+)
+def test_mistral_named_calls_one_after_another(text: str, content: str | None) -> None:
+    assert parse(text) == (content, [ToolCall("search", '{"q": "a"}'), ToolCall("calc_2", "{}")])
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[TOOL_CALLS]nope[ARGS]{}",  # unknown name
+        '[TOOL_CALLS]search[ARGS]{"q":',  # cut off
+        "[TOOL_CALLS]search[ARGS][1]",  # arguments not an object
+        '[TOOL_CALLS]search[ARGS]"x"',
+        'search{"q": 1} and some words',  # not the whole answer
+        'Try search{"q": 1}',
+        'search {"q": 1}',  # bare: the name right before the brace, or prose
+        "nope{}",
+        "search{}; calc_2{}",
+    ],
+)
+def test_not_a_named_call_stays_content(text: str) -> None:
+    assert parse(text) == (text, [])
+
+
 # -- Llama 3.x -----------------------------------------------------------------------------
 
 
@@ -186,9 +216,15 @@ def test_not_a_bare_array_stays_content(text: str) -> None:
         '  \n{"name": "get_weather", "arguments": {"city": "Paris"}}\n',
         '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}',
         '<|python_tag|> {"name": "get_weather", "parameters": "{\\"city\\": \\"Paris\\"}"}',
+        # Mistral's named calls (newer models), with their special tokens or without
+        '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}',
+        '[TOOL_CALLS]get_weather[CALL_ID]a1B2c3D4e[ARGS] {"city": "Paris"}',
+        '[TOOL_CALLS] get_weather{"city": "Paris"}',
+        'get_weather{"city": "Paris"}',
+        ' \nget_weather{"city":"Paris"}\n',
     ],
 )
-def test_llama_one_call(text: str) -> None:
+def test_llama_or_named_one_call(text: str) -> None:
     assert parse(text) == (None, [ToolCall("get_weather", '{"city": "Paris"}')])
 
 

@@ -215,7 +215,7 @@ MISTRAL_TEMPLATE = """
 {%- endfor %}
 """
 MISTRAL_NEMO_TEMPLATE = MISTRAL_TEMPLATE.replace('"[TOOL_CALLS] ["', '"[TOOL_CALLS]["')
-# Mistral Small 3.2 / Devstral: `[TOOL_CALLS]name[ARGS]{...}`, not an array (not read back).
+# Mistral Small 3.2 / Devstral: `[TOOL_CALLS]name[ARGS]{...}` a call, not an array.
 MISTRAL_ARGS_TEMPLATE = """
 {%- if tools %}{{- '[AVAILABLE_TOOLS]' + tools|tojson + '[/AVAILABLE_TOOLS]' }}{%- endif %}
 {%- for message in messages %}
@@ -289,6 +289,10 @@ FORMATS = {  # template -> the tag of STRICT_TOOLS
     ),
 }
 FORMATS["llama-builtin"] = (LLAMA_BUILTIN_TEMPLATE, FORMATS["llama"][1])
+FORMATS["mistral-named"] = (
+    MISTRAL_ARGS_TEMPLATE,
+    {"structures": _structures("[TOOL_CALLS]NAME[ARGS]", ""), "triggers": ["[TOOL_CALLS]"]},
+)
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
@@ -298,12 +302,7 @@ def test_strict_tools_get_a_structural_tag_in_the_templates_format(name: str) ->
     assert json.loads(req.sampling.structural_tag or "") == expected
 
 
-def test_a_template_in_none_of_the_formats_gets_no_tag() -> None:
-    strict = _submit(tools=json.dumps(STRICT_TOOLS))
-    assert _prompter(MISTRAL_ARGS_TEMPLATE).with_strict_tools(strict) is strict
-
-
-@pytest.mark.parametrize("name", ["mistral", "mistral-nemo", "llama"])
+@pytest.mark.parametrize("name", ["mistral", "mistral-nemo", "mistral-named", "llama"])
 def test_a_tags_begin_is_how_the_template_prints_an_earlier_call(name: str) -> None:
     template, expected = FORMATS[name]
     text = _text(_prompter(template), messages=CONVERSATION, tools=json.dumps(TOOLS))
@@ -314,7 +313,9 @@ def test_a_tags_begin_is_how_the_template_prints_an_earlier_call(name: str) -> N
 def _call_text(tag: str, name: str, arguments: dict[str, Any]) -> str:
     """What the tag's structure for `name` makes of `arguments`: begin + them + end."""
     structure = next(
-        s for s in json.loads(tag)["structures"] if f'"name": {json.dumps(name)}' in s["begin"]
+        s
+        for s in json.loads(tag)["structures"]
+        if f'"name": {json.dumps(name)}' in s["begin"] or s["begin"].endswith(f"]{name}[ARGS]")
     )
     return f"{structure['begin']}{json.dumps(arguments)}{structure['end']}"
 
@@ -332,6 +333,7 @@ ANSWERS = {
     "mistral-nemo": (MISTRAL_NEMO_TEMPLATE, "{weather}\n{now}", None),
     "llama": (LLAMA_TEMPLATE, "{weather}; {now}", None),
     "llama-tagged": (LLAMA_TEMPLATE, "<|python_tag|>{weather}\n{now}", None),
+    "mistral-named": (MISTRAL_ARGS_TEMPLATE, "Let me check. {weather}{now}", "Let me check."),
 }
 WEATHER_ARGS = {"city": "Rome", "days": 3}
 
@@ -359,7 +361,7 @@ def test_a_structures_text_reads_back_as_the_call(name: str) -> None:
         assert ((shown + delta).strip() or None, calls + new) == (content, expected)
 
 
-@pytest.mark.parametrize("name", ["mistral", "mistral-nemo", "llama"])
+@pytest.mark.parametrize("name", ["mistral", "mistral-nemo", "mistral-named", "llama"])
 def test_the_structural_tag_holds_strict_calls_to_their_schema_in_each_format(name: str) -> None:
     import xgrammar as xgr
 
@@ -408,3 +410,63 @@ def test_continue_final_message_leaves_the_assistants_prefix_open() -> None:
     assert text.endswith('<|im_start|>assistant\n{"answer": ')
     closed = _text(prompter, messages=[*CONVERSATION[:2], prefix])
     assert closed.endswith('{"answer": <|im_end|>\n<|im_start|>assistant\n')
+
+
+# -- special-token markers ---------------------------------------------------------------
+
+
+def _mistral_prompter(template: str = MISTRAL_ARGS_TEMPLATE) -> PromptTokenizer:
+    """The real tokenizer with Mistral's call markers as special tokens, as its own have."""
+    prompter = _prompter(template)
+    prompter.tokenizer.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]", "[ARGS]"]})
+    return PromptTokenizer(prompter.tokenizer, 4096, prompter.tokenizer_id)
+
+
+@pytest.mark.parametrize("template", [MISTRAL_ARGS_TEMPLATE, MISTRAL_TEMPLATE])
+def test_free_calls_keep_special_markers_in_the_text(template: str) -> None:
+    prompter = _mistral_prompter(template)
+    req = prompter.with_call_markers(_submit(tools=json.dumps(TOOLS)))
+    assert req.sampling.skip_special_tokens is False
+    assert req.sampling.spaces_between_special_tokens is False
+    # Then a strict tool's tag on top (the tokenizer service's order): both hold.
+    both = prompter.with_strict_tools(
+        prompter.with_call_markers(_submit(tools=json.dumps(STRICT_TOOLS)))
+    )
+    assert both.sampling.skip_special_tokens is False and both.sampling.structural_tag
+
+
+def test_special_markers_are_dropped_as_usual_otherwise() -> None:
+    mistral = _mistral_prompter()
+    unchanged = [
+        (mistral, _submit()),  # no tools
+        # a grammar of its own (a forced call's schema)
+        (mistral, _submit(tools=json.dumps(TOOLS), sampling=SamplingParams(json_schema="{}"))),
+        (_prompter(MISTRAL_ARGS_TEMPLATE), _submit(tools=json.dumps(TOOLS))),  # not special
+        (_prompter(LLAMA_TEMPLATE), _submit(tools=json.dumps(TOOLS))),  # no marker
+        (_prompter(), _submit(tools=json.dumps(TOOLS))),  # Hermes written out, not special
+    ]
+    for prompter, req in unchanged:
+        assert prompter.with_call_markers(req) is req
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_named_calls_read_back_from_the_tokens_either_way(skip: bool) -> None:
+    from radixserve.detok.incremental import batch_decode
+
+    tokenizer = _mistral_prompter().tokenizer
+    calls = '[TOOL_CALLS]get_weather[ARGS]{"city": "Rome", "days": 3}[TOOL_CALLS]now[ARGS]{}'
+    ids = tokenizer.encode(calls, add_special_tokens=False)
+    assert tokenizer.convert_tokens_to_ids("[TOOL_CALLS]") in ids
+    (text,) = batch_decode(
+        tokenizer, [ids], skip_special_tokens=skip, spaces_between_special_tokens=False
+    )
+    assert ("[TOOL_CALLS]" in text) is not skip
+    expected = [ToolCall("get_weather", arguments_json(WEATHER_ARGS)), ToolCall("now", "{}")]
+    assert parse_tool_calls(text, ("get_weather", "now")) == (None, expected)
+    # Content before the calls reads back only with the markers kept.
+    prose = tokenizer.encode("Let me check. ", add_special_tokens=False)
+    (text,) = batch_decode(
+        tokenizer, [prose + ids], skip_special_tokens=skip, spaces_between_special_tokens=False
+    )
+    content, found = parse_tool_calls(text, ("get_weather", "now"))
+    assert (content, found) == (("Let me check.", expected) if not skip else (text, []))

@@ -8,7 +8,8 @@
 `api.tool_calls.ToolCallStream` holds back text that may be calls until it is decided: a
 Hermes `<tool_call>` block until it closes, a Mistral `[TOOL_CALLS]` array, a Llama
 answer (one that opens with `{` or `<|python_tag|>`) and a bare array (one that opens with
-`[{`) until the answer ends. An agent's call
+`[{`) until the answer ends (Mistral's named calls, `[TOOL_CALLS]name[ARGS]{...}` or
+`name{...}`, have no call object to follow: they arrive whole). An agent's call
 can carry a long argument (a file's contents), so the chat stream shows each call as it
 comes, as OpenAI streams `function.arguments`: once a call object reads
 `{"name": "<one of the tools>", "arguments": {` (or `"parameters": {`, which the reader

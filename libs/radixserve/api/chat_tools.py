@@ -9,7 +9,7 @@
 - "auto": the model sees the tools (`SubmitRequest.tools`, rendered by the chat
   template) and may answer in text or call them in its own format, which
   `api.tool_calls` recognises (Hermes / Qwen `<tool_call>`, Mistral `[TOOL_CALLS]`
-  arrays, with the marker or without, Llama 3 JSON);
+  arrays and named calls, with their markers or without, Llama 3 JSON);
 - "required": the answer is constrained (a JSON schema, the grammar hop) to a JSON array
   of `{"name", "arguments"}` calls of the given tools (one with `parallel_tool_calls`
   false);

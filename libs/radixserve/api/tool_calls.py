@@ -14,7 +14,9 @@ Three formats are recognised, always:
   blocks among content; a last block left open counts when its JSON parses.
 - Mistral: `[TOOL_CALLS]` then a JSON array of such objects; or the whole answer is that
   array alone (Mistral's tokenizers make `[TOOL_CALLS]` a special token, which the
-  default `skip_special_tokens` leaves out of the text).
+  default `skip_special_tokens` leaves out of the text). Newer Mistral models write each
+  call as `[TOOL_CALLS]name[ARGS]{...}` (with `[CALL_ID]id` before `[ARGS]` on some);
+  with their special tokens left out, the whole answer is `name{...}`, one after another.
 - Llama 3.x: the whole answer (after an optional `<|python_tag|>`) is one or more objects
   `{"name": ..., "parameters": {...}}` separated by `;` or newlines (each may follow a
   `<|python_tag|>` of its own, as Llama writes them with special tokens shown).
@@ -46,6 +48,12 @@ _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
 _MISTRAL = "[TOOL_CALLS]"
 _PYTHON_TAG = "<|python_tag|>"
 _MARKER = re.compile(f"{re.escape(_OPEN)}|{re.escape(_MISTRAL)}")
+# A call in Mistral's named form after its `[TOOL_CALLS]`, through its arguments' `{`.
+_NAMED = re.compile(
+    r"\s*([A-Za-z0-9_.\-]+)\s*(?:\[CALL_ID\]\s*[A-Za-z0-9]+\s*)?(?:\[ARGS\])?\s*(?=\{)"
+)
+# The same with its special tokens left out: the name right before the `{`.
+_BARE_NAMED = re.compile(r"([A-Za-z0-9_.\-]+)(?=\{)")
 _NONSPACE = re.compile(r"\S")
 _LLAMA_SEPARATOR = re.compile(rf"\s*[;\n]\s*(?:{re.escape(_PYTHON_TAG)}\s*)?")
 _SEPARATORS = (", ", ": ")
@@ -148,10 +156,29 @@ def _hermes(text: str, start: int, names: Collection[str]) -> tuple[Segment, int
     return (call or text[start:stop]), stop
 
 
+def _named_call(
+    text: str, pos: int, head: re.Pattern[str], names: Collection[str]
+) -> tuple[ToolCall, int] | None:
+    """A call in Mistral's named form at `pos` (`head`: through its name), and its end."""
+    match = head.match(text, pos)
+    if match is None:
+        return None
+    try:
+        args, end = _DECODER.raw_decode(text, match.end())
+    except (ValueError, RecursionError):
+        return None
+    call = _call({"name": match.group(1), "arguments": args}, names)
+    return None if call is None else (call, end)
+
+
 def _mistral(text: str, start: int, names: Collection[str]) -> tuple[list[Segment], int]:
-    """`[TOOL_CALLS]` at `start` and its array: (calls, end), or the marker as content."""
+    """`[TOOL_CALLS]` at `start` and its array or named call: (calls, end), or the marker
+    as content."""
     after = start + len(_MISTRAL)
     begin = _NONSPACE.search(text, after)
+    if begin is not None and text[begin.start()] != "[":
+        named = _named_call(text, after, _NAMED, names)
+        return ([named[0]], named[1]) if named else ([_MISTRAL], after)
     try:
         value, end = _DECODER.raw_decode(text, begin.start() if begin else after)
     except (ValueError, RecursionError):
@@ -250,6 +277,22 @@ def _bare_array(text: str, names: Collection[str]) -> list[ToolCall] | None:
     return calls
 
 
+def _bare_named(text: str, names: Collection[str]) -> list[ToolCall] | None:
+    """The whole answer as Mistral's named calls without their special tokens
+    (`name{...}`, one after another), or None when any of it is something else."""
+    body = text.strip()
+    calls: list[ToolCall] = []
+    pos = 0
+    while pos < len(body) or not calls:
+        named = _named_call(body, pos, _BARE_NAMED, names)
+        if named is None:
+            return None
+        calls.append(named[0])
+        gap = _NONSPACE.search(body, named[1])
+        pos = gap.start() if gap else len(body)
+    return calls
+
+
 def _split(segments: list[Segment]) -> tuple[str, list[ToolCall]]:
     content = "".join(s for s in segments if isinstance(s, str))
     return content, [s for s in segments if isinstance(s, ToolCall)]
@@ -261,6 +304,8 @@ def parse_tool_calls(text: str, tool_names: Collection[str]) -> tuple[str | None
     calls = _llama(text, tool_names)
     if calls is None:
         calls = _bare_array(text, tool_names)
+    if calls is None:
+        calls = _bare_named(text, tool_names)
     if calls is not None:
         return None, calls
     content, calls = _split(_scan(text, tool_names, final=True)[0])
@@ -285,7 +330,7 @@ class ToolCallStream:
         self._held += delta
         self._fed += len(delta)
         if self._mode == "start":
-            self._mode = _opening(self._held)
+            self._mode = _opening(self._held, self._names)
         if self._mode != "scan":
             return "", []
         segments, self._held = _scan(self._held, self._names, final=False)
@@ -297,8 +342,11 @@ class ToolCallStream:
         closed yet, a `[TOOL_CALLS]` array, an answer that opens like Llama's or like a
         bare array), for a caller that shows them as they are written; None when it holds
         none."""
-        if self._mode == "whole":
-            layout = BARE_ARRAY if self._held.lstrip().startswith("[") else LLAMA
+        head = self._held.lstrip()
+        if self._mode == "whole" and head.startswith("["):
+            layout = BARE_ARRAY
+        elif self._mode == "whole" and head.startswith(("{", _PYTHON_TAG)):
+            layout = LLAMA
         elif self._mode == "scan" and self._held.startswith(_OPEN):
             layout = HERMES
         elif self._mode == "scan" and self._held.startswith(_MISTRAL):
@@ -323,11 +371,15 @@ class ToolCallStream:
         return content, calls
 
 
-def _opening(text: str) -> Literal["start", "whole", "scan"]:
+def _opening(text: str, names: Collection[str]) -> Literal["start", "whole", "scan"]:
     """How an answer that begins with `text` must be streamed, if that is known yet."""
     head = text.lstrip()
     if head.startswith(("{", _PYTHON_TAG)) or _BARE_OPENING.match(head):
         return "whole"
+    if (named := _BARE_NAMED.match(head)) and named.group(1) in names:
+        return "whole"  # `name{`: Mistral's named call, its special tokens left out
     if not head or _PYTHON_TAG.startswith(head) or _BARE_START.match(head):
+        return "start"
+    if any(f"{name}{{".startswith(head) for name in names):
         return "start"
     return "scan"

@@ -13,8 +13,9 @@ message, earlier calls as `<tool_call>` blocks, results as `<tool_response>` blo
 user messages (every template knows the user role).
 
 Tools marked `strict` get SGLang's structural tag (`strict_tools_tag`) in the format the
-model is asked to call in: Hermes, Mistral's `[TOOL_CALLS]` array or Llama's JSON
-(`_call_format`); a template in another format gets none (its calls are left free).
+model is asked to call in: Hermes, Mistral's `[TOOL_CALLS]` array or named call
+(`[TOOL_CALLS]name[ARGS]{...}`) or Llama's JSON (`_call_format`); a template in another
+format gets none (its calls are left free).
 """
 
 from __future__ import annotations
@@ -82,29 +83,55 @@ class _CallFormat:
         return self.trigger or self.named(name)
 
 
+@dataclass(frozen=True)
+class _NamedCallFormat:
+    """Mistral's newer calls (Small 3.2, Devstral): `[TOOL_CALLS]<name>[ARGS]`, then the
+    arguments object, nothing after it."""
+
+    end: str = ""
+    trigger: str = "[TOOL_CALLS]"
+
+    def begin(self, name: str) -> str:
+        return f"[TOOL_CALLS]{name}[ARGS]"
+
+    def trigger_for(self, name: str) -> str:
+        return self.trigger
+
+
 _HERMES = _CallFormat("<tool_call>\n", "arguments", "}\n</tool_call>", "<tool_call>")
 _LLAMA = _CallFormat("", "parameters", "}", "")
 # Mistral's templates print `[TOOL_CALLS] [` (v0.3) or `[TOOL_CALLS][` (Nemo) before the
-# array; those that print `[TOOL_CALLS]<name>[ARGS]` write calls another way.
+# array; newer ones `[TOOL_CALLS]`, the name, then `[ARGS]` before the arguments.
 _MISTRAL_ARRAY = re.compile(r"\[TOOL_CALLS\] ?\[")
+_MISTRAL_NAMED = re.compile(r"\[TOOL_CALLS\].*\[ARGS\]", re.DOTALL)
 # Llama 3.1+/3.2: the tag before a call, or the format the template asks calls in.
 _LLAMA_TEMPLATE = re.compile(r'<\|python_tag\|>|\{"name": function name, "parameters"')
 
 
-def _call_format(chat_template: Any) -> _CallFormat | None:
+def _call_format(chat_template: Any) -> _CallFormat | _NamedCallFormat | None:
     """The format the model is asked to write calls in, as `api.tool_calls` reads them
     back: Hermes where the tools are written out (the template knows none) or the template
     prints `<tool_call>`; Mistral's array where it prints `[TOOL_CALLS] [` (spaced as it
-    prints it); Llama's JSON where it prints `<|python_tag|>` or asks for
+    prints it), its named calls where it prints `[TOOL_CALLS]` and, after it, `[ARGS]`;
+    Llama's JSON where it prints `<|python_tag|>` or asks for
     `{"name": function name, "parameters": ...}`; None for any other template."""
     template = str(chat_template or "")
     if not template_knows_tools(template) or "<tool_call>" in template:
         return _HERMES
     if mistral := _MISTRAL_ARRAY.search(template):
         return _CallFormat(mistral.group(), "arguments", "}]", "[TOOL_CALLS]")
+    if _MISTRAL_NAMED.search(template):
+        return _NamedCallFormat()
     if _LLAMA_TEMPLATE.search(template):
         return _LLAMA
     return None
+
+
+def call_marker(chat_template: Any) -> str | None:
+    """The marker the template's call format opens each call with (`<tool_call>`,
+    `[TOOL_CALLS]`); None for a format without one (Llama's JSON) or an unknown format."""
+    form = _call_format(chat_template)
+    return (form.trigger or None) if form is not None else None
 
 
 def strict_tools_tag(chat_template: Any, tools_json: str | None) -> str | None:

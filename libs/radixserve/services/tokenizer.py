@@ -301,7 +301,8 @@ class _Tokenizer:
     async def _tokenize(self, req: SubmitRequest) -> TokenizedRequest:
         from radixserve.prep import grammar_spec, tokenized_request
 
-        req = self.prompter.with_strict_tools(req)
+        # Markers first: the strict tools' tag is a grammar, which the markers' check skips.
+        req = self.prompter.with_strict_tools(self.prompter.with_call_markers(req))
         spec = grammar_spec(req.sampling)
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
