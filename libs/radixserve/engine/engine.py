@@ -272,11 +272,27 @@ class Engine:
             self.forget(group.rid)
 
     def chat(
-        self, messages: list[dict[str, str]], sampling_params: dict[str, Any] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        sampling_params: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
-        ids = apply_chat_template(self.tokenizer, messages)
-        out = self.generate(input_ids=ids, sampling_params=sampling_params)
+        """One answer to `messages` (OpenAI's chat messages), rendered with the model's
+        chat template. With `tools` (OpenAI's function tools, which the model may call
+        as it likes) the answer's calls are read back as the gateway reads them:
+        `tool_calls` (OpenAI's entries) and `content` (the text beside them) join `text`
+        (engine/chat.py)."""
+        if not tools:
+            ids = apply_chat_template(self.tokenizer, messages)
+            out = self.generate(input_ids=ids, sampling_params=sampling_params)
+            assert isinstance(out, dict)
+            return out
+        from radixserve.engine.chat import add_tool_calls, chat_prompt  # prep and api
+
+        ids, params = chat_prompt(self.tokenizer, messages, tools, sampling_params)
+        out = self.generate(input_ids=ids, sampling_params=params)
         assert isinstance(out, dict)
+        add_tool_calls(out, tools)
         return out
 
     # -- KV events: the prefix cache's changes, for cache-aware routing -----------------

@@ -23,7 +23,12 @@ from radixserve.engine.model.config import ModelConfig
 from radixserve.engine.model.tokenizer import apply_chat_template, load_tokenizer
 from radixserve.prep.errors import CONTEXT_LENGTH_EXCEEDED, PrepError
 from radixserve.prep.grammar import grammar_spec
-from radixserve.prep.tool_prompt import call_marker, strict_tools_tag, template_inputs
+from radixserve.prep.tool_prompt import (
+    keeps_special_markers,
+    special_tokens,
+    strict_tools_tag,
+    template_inputs,
+)
 from radixserve.protocol import SubmitRequest
 
 if TYPE_CHECKING:
@@ -91,7 +96,7 @@ class PromptTokenizer:
         self.tokenizer_id = tokenizer_id
         # len(): the base vocabulary plus added special tokens, every id the model can see.
         self.vocab_size = len(tokenizer)
-        self._specials: frozenset[str] | None = None  # `_special_tokens`, built once
+        self._specials = special_tokens(tokenizer)
 
     def prepare(self, req: SubmitRequest) -> PromptIds:
         """The prompt's ids, checked to fit the context with `max_new_tokens` (CPU-bound:
@@ -143,21 +148,13 @@ class PromptTokenizer:
         sampling = req.sampling
         if not req.tools or not sampling.skip_special_tokens or grammar_spec(sampling) is not None:
             return req
-        marker = call_marker(getattr(self.tokenizer, "chat_template", None))
-        if marker is None or marker not in self._special_tokens():
+        template = getattr(self.tokenizer, "chat_template", None)
+        if not keeps_special_markers(template, self._specials):
             return req
         kept = msgspec.structs.replace(
             sampling, skip_special_tokens=False, spaces_between_special_tokens=False
         )
         return msgspec.structs.replace(req, sampling=kept)
-
-    def _special_tokens(self) -> frozenset[str]:
-        """The texts of the tokenizer's special tokens (those `skip_special_tokens` drops)."""
-        if self._specials is None:
-            added = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
-            specials = {t.content for t in added.values() if getattr(t, "special", False)}
-            self._specials = frozenset(specials | set(self.tokenizer.all_special_tokens))
-        return self._specials
 
     def check_vocab(self, prompt: PromptIds) -> None:
         """Every id must name a token of this model (ids from the client are not trusted)."""

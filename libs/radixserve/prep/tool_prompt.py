@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,11 +127,20 @@ def _call_format(chat_template: Any) -> _CallFormat | _NamedCallFormat | None:
     return None
 
 
-def call_marker(chat_template: Any) -> str | None:
-    """The marker the template's call format opens each call with (`<tool_call>`,
-    `[TOOL_CALLS]`); None for a format without one (Llama's JSON) or an unknown format."""
+def keeps_special_markers(chat_template: Any, specials: Collection[str]) -> bool:
+    """Whether an answer that may call tools freely must keep special tokens in its text:
+    the marker the template's call format opens each call with (`<tool_call>`,
+    `[TOOL_CALLS]`) is one of `specials` (as Mistral's tokenizers make `[TOOL_CALLS]`),
+    without which `api.tool_calls` cannot tell calls from the content before them."""
     form = _call_format(chat_template)
-    return (form.trigger or None) if form is not None else None
+    return form is not None and bool(form.trigger) and form.trigger in specials
+
+
+def special_tokens(tokenizer: Any) -> frozenset[str]:
+    """The texts of a tokenizer's special tokens (those `skip_special_tokens` drops)."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    specials = {token.content for token in added.values() if getattr(token, "special", False)}
+    return frozenset(specials | set(tokenizer.all_special_tokens))
 
 
 def strict_tools_tag(chat_template: Any, tools_json: str | None) -> str | None:
