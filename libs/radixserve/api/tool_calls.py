@@ -350,6 +350,9 @@ class ToolCallStream:
         elif self._mode == "scan" and self._held.startswith(_OPEN):
             layout = HERMES
         elif self._mode == "scan" and self._held.startswith(_MISTRAL):
+            after = self._held[len(_MISTRAL) :].lstrip()
+            if after and not after.startswith("["):
+                return None  # a named call: no call object to follow, it comes whole
             layout = MISTRAL
         else:
             return None
