@@ -15,9 +15,11 @@ from hypothesis import strategies as st
 
 from radixserve.api.tool_calls import (
     BARE_ARRAY,
+    BARE_NAMED,
     HERMES,
     LLAMA,
     MISTRAL,
+    MISTRAL_NAMED,
     HeldCalls,
     ToolCall,
     ToolCallStream,
@@ -73,16 +75,18 @@ def test_stream_holds_a_named_call_until_finish() -> None:
     stream = ToolCallStream(TOOLS)
     assert stream.feed("sea") == ("", [])  # may be the start of `search{`
     assert stream.feed('rch{"q": 1}') == ("", [])
-    assert stream.held_calls is None  # no call object to follow: it comes whole
+    held = stream.held_calls
+    assert held is not None and held.layout is BARE_NAMED and held.start == 0
     assert stream.finish() == ("", [ToolCall("search", '{"q": 1}')])
     stream = ToolCallStream(TOOLS)
     assert stream.feed("sea") == ("", [])
     assert stream.feed("rch the web") == ("search the web", [])
     stream = ToolCallStream(TOOLS)
     assert stream.feed("Ok [TOOL_CALLS] ") == ("Ok ", [])
-    assert stream.held_calls is not None  # an array may follow
+    assert stream.held_calls is None  # an array or a named call: not known yet
     assert stream.feed('search[ARGS]{"q": 1}') == ("", [])
-    assert stream.held_calls is None
+    held = stream.held_calls
+    assert held is not None and held.layout is MISTRAL_NAMED and held.start == 3
     assert stream.finish() == ("", [ToolCall("search", '{"q": 1}')])
 
 
@@ -158,8 +162,11 @@ def _obj(name: str, args: dict[str, Any], key: str = "arguments", **extra: str) 
         f"{_obj('calc_2', {'x': _FILE}, 'parameters')}",
         f"{_obj('calc_2', {'x': _FILE})}\n{_obj('search', _LONG, 'parameters')};\n"
         f"{_obj('calc_2', {})}",
+        f"On it.[TOOL_CALLS]search[ARGS]{json.dumps(_LONG)}"
+        f"[TOOL_CALLS]calc_2[CALL_ID]a1B2c3D4e[ARGS]{json.dumps({'x': _FILE})}",
+        f"search{json.dumps(_LONG)}\ncalc_2{json.dumps({'x': _FILE})}calc_2{{}}",
     ],
-    ids=["hermes", "mistral", "llama", "llama-newlines"],
+    ids=["hermes", "mistral", "llama", "llama-newlines", "mistral-named", "bare-named"],
 )
 def test_long_arguments_stream_in_pieces_as_they_are_written(text: str) -> None:
     content, calls = parse(text)

@@ -7,18 +7,19 @@
 
 `api.tool_calls.ToolCallStream` holds back text that may be calls until it is decided: a
 Hermes `<tool_call>` block until it closes, a Mistral `[TOOL_CALLS]` array, a Llama
-answer (one that opens with `{` or `<|python_tag|>`) and a bare array (one that opens with
-`[{`) until the answer ends (Mistral's named calls, `[TOOL_CALLS]name[ARGS]{...}` or
-`name{...}`, have no call object to follow: they arrive whole). An agent's call
-can carry a long argument (a file's contents), so the chat stream shows each call as it
-comes, as OpenAI streams `function.arguments`: once a call object reads
-`{"name": "<one of the tools>", "arguments": {` (or `"parameters": {`, which the reader
-takes in every format), an entry with the call's id and name, then the arguments object's
-text piece by piece, up to the brace that closes it (found by a scan that knows JSON
-strings, each character read once). The held text's `CallLayout` says where the first call
-object begins and what separates one from the next (`,` in a Mistral array, `;` or a
-newline between Llama objects), so the calls of one array or answer are announced one
-after another, each once the one before it has closed.
+answer (one that opens with `{` or `<|python_tag|>`), a bare array (one that opens with
+`[{`) and Mistral's named calls (`[TOOL_CALLS]name[ARGS]{...}`, or `name{...}` without
+their special tokens) until the answer ends. An agent's call can carry a long argument
+(a file's contents), so the chat stream shows each call as it comes, as OpenAI streams
+`function.arguments`: once a call object reads `{"name": "<one of the tools>",
+"arguments": {` (or `"parameters": {`, which the reader takes in every format; a named
+call: once its name reaches its arguments' `{`, the layout's `named` pattern), an entry
+with the call's id and name, then the arguments object's text piece by piece, up to the
+brace that closes it (found by a scan that knows JSON strings, each character read once).
+The held text's `CallLayout` says where the first call object begins and what separates
+one from the next (`,` in a Mistral array, `;` or a newline between Llama objects,
+`[TOOL_CALLS]` between named calls), so the calls of one array or answer are announced
+one after another, each once the one before it has closed.
 
 The pieces joined are the arguments as the model wrote them; the whole call, read when the
 held text is decided, says the same in normalised form (and is not sent again). A call
@@ -48,6 +49,8 @@ _HEAD = re.compile(
 )
 # Past this much text without the next call's head, the rest is left to arrive whole.
 _HEAD_WINDOW = 256
+# What may still become a named call's `[ARGS]` or `[CALL_ID]` (the `{` still to come).
+_NAMED_MARKS = ("[ARGS]", "[CALL_ID]")
 
 
 @dataclass(frozen=True)
@@ -101,9 +104,11 @@ class _Call:
     index: int
     name: str
     arguments_start: int  # where in the held text its arguments begin
-    brackets: _Brackets  # from the call object's `{`
+    brackets: _Brackets  # from the call object's `{` (a named call's: its arguments')
     sent: int  # where the arguments not sent yet begin
+    named: bool = False  # the call object is its arguments (Mistral's named form)
     complete: bool = False  # its arguments object closed: all of it was sent
+    end: int = 0  # where its arguments object ends, once complete
 
 
 class FollowedCalls:
@@ -133,16 +138,17 @@ class FollowedCalls:
                 out.append(ArgumentsPiece(call.index, call.name, ""))
                 next_index += 1
             if not call.complete:
-                end = call.brackets.close(text, 1)  # the arguments object's own brace
+                # The arguments object's own brace (a named call's object is its arguments).
+                end = call.brackets.close(text, 0 if call.named else 1)
                 upto = len(text) if end is None else end
                 if upto > call.sent:
                     out.append(ArgumentsPiece(call.index, None, text[call.sent : upto]))
                     call.sent = upto
                 if end is None:
                     break
-                call.complete = True
+                call.complete, call.end = True, end
                 self._complete.append((call.name, text[call.arguments_start : end]))
-            end = call.brackets.close(text, 0)  # the call object's
+            end = call.end if call.named else call.brackets.close(text, 0)  # the call object's
             if end is None:
                 break
             self._call, self._next, self._gap = None, end, self._layout.between
@@ -177,17 +183,25 @@ class FollowedCalls:
         return text
 
     def _announce(self, text: str, index: int) -> _Call | None:
-        """The next call, once its object reads `{"name": <a tool>, "arguments": {`."""
+        """The next call, once its object reads `{"name": <a tool>, "arguments": {` (a
+        named call: once its name, and what its layout puts between, reach the `{`)."""
         assert self._gap is not None
         gap = self._gap.match(text, self._next)
-        head = _HEAD.match(text, gap.end()) if gap else None
+        named = self._layout.named
+        head = (named or _HEAD).match(text, gap.end()) if gap else None
         if gap is None or head is None:
             self._done = len(text) - self._next > _HEAD_WINDOW
             return None
         start = head.end()
         if start == len(text):
             return None  # the arguments' first character is still to come
+        if named is not None and text[start] != "{":
+            rest = text[start:]
+            if any(mark.startswith(rest) for mark in _NAMED_MARKS):
+                return None  # `[ARGS]` (or `[CALL_ID]`) still being written
         if head.group(1) not in self._names or text[start] != "{":
             self._done = True
             return None
+        if named is not None:
+            return _Call(index, head.group(1), start, _Brackets(start), sent=start, named=True)
         return _Call(index, head.group(1), start, _Brackets(gap.end()), sent=start)

@@ -49,11 +49,11 @@ _MISTRAL = "[TOOL_CALLS]"
 _PYTHON_TAG = "<|python_tag|>"
 _MARKER = re.compile(f"{re.escape(_OPEN)}|{re.escape(_MISTRAL)}")
 # A call in Mistral's named form after its `[TOOL_CALLS]`, through its arguments' `{`.
-_NAMED = re.compile(
-    r"\s*([A-Za-z0-9_.\-]+)\s*(?:\[CALL_ID\]\s*[A-Za-z0-9]+\s*)?(?:\[ARGS\])?\s*(?=\{)"
-)
+_NAMED_HEAD = r"\s*([A-Za-z0-9_.\-]+)\s*(?:\[CALL_ID\]\s*[A-Za-z0-9]+\s*)?(?:\[ARGS\])?\s*"
+_NAMED = re.compile(_NAMED_HEAD + r"(?=\{)")
 # The same with its special tokens left out: the name right before the `{`.
-_BARE_NAMED = re.compile(r"([A-Za-z0-9_.\-]+)(?=\{)")
+_BARE_NAMED_HEAD = r"([A-Za-z0-9_.\-]+)"
+_BARE_NAMED = re.compile(_BARE_NAMED_HEAD + r"(?=\{)")
 _NONSPACE = re.compile(r"\S")
 _LLAMA_SEPARATOR = re.compile(rf"\s*[;\n]\s*(?:{re.escape(_PYTHON_TAG)}\s*)?")
 _SEPARATORS = (", ", ": ")
@@ -76,11 +76,14 @@ class CallLayout:
     """Where a format's call objects lie in the text held for them, as the readers below
     take them: what comes before the first object's `{`, what between one object's `}` and
     the next one's `{` (None: one call), and the marker that ends the held text (None: it
-    ends with the answer)."""
+    ends with the answer). `named`: the format writes a call as its name, then its
+    arguments object (Mistral's named form): the pattern through the name (group 1) up to
+    that object's `{`; None: a call is a JSON object with its name and arguments."""
 
     opening: re.Pattern[str]
     between: re.Pattern[str] | None = None
     closing: str | None = None
+    named: re.Pattern[str] | None = None
 
 
 HERMES = CallLayout(re.compile(re.escape(_OPEN) + r"\s*"), closing=_CLOSE)
@@ -90,6 +93,14 @@ MISTRAL = CallLayout(
     re.compile(rf"{JSON_SPACE}(?:,|\]{JSON_SPACE}(?:{re.escape(_MISTRAL)}\s*)?\[){JSON_SPACE}"),
 )
 LLAMA = CallLayout(re.compile(rf"\s*(?:{re.escape(_PYTHON_TAG)})?\s*"), _LLAMA_SEPARATOR)
+# Mistral's named calls: `[TOOL_CALLS]name[ARGS]{...}` each, or `name{...}` each with their
+# special tokens left out.
+MISTRAL_NAMED = CallLayout(
+    re.compile(re.escape(_MISTRAL)),
+    re.compile(r"\s*" + re.escape(_MISTRAL)),
+    named=re.compile(_NAMED_HEAD),
+)
+BARE_NAMED = CallLayout(re.compile(r"\s*"), re.compile(r"\s*"), named=re.compile(_BARE_NAMED_HEAD))
 # A Mistral array whose `[TOOL_CALLS]` was a special token left out of the text.
 BARE_ARRAY = CallLayout(re.compile(r"\s*\[" + JSON_SPACE), MISTRAL.between)
 # An answer that opens with this may be a bare array of calls; one that is only the
@@ -347,13 +358,15 @@ class ToolCallStream:
             layout = BARE_ARRAY
         elif self._mode == "whole" and head.startswith(("{", _PYTHON_TAG)):
             layout = LLAMA
+        elif self._mode == "whole":
+            layout = BARE_NAMED
         elif self._mode == "scan" and self._held.startswith(_OPEN):
             layout = HERMES
         elif self._mode == "scan" and self._held.startswith(_MISTRAL):
             after = self._held[len(_MISTRAL) :].lstrip()
-            if after and not after.startswith("["):
-                return None  # a named call: no call object to follow, it comes whole
-            layout = MISTRAL
+            if not after:
+                return None  # an array or a named call: not known yet
+            layout = MISTRAL if after.startswith("[") else MISTRAL_NAMED
         else:
             return None
         return HeldCalls(layout, self._fed - len(self._held), self._held)
