@@ -26,6 +26,7 @@ from transformers import PreTrainedTokenizerBase
 from radixserve.api.chat_tools import tool_call_body
 from radixserve.api.tool_calls import parse_tool_calls
 from radixserve.engine.model.tokenizer import apply_chat_template
+from radixserve.engine.sampling.params import GRAMMAR_FIELDS
 from radixserve.prep.tool_prompt import (
     keeps_special_markers,
     special_tokens,
@@ -33,8 +34,6 @@ from radixserve.prep.tool_prompt import (
     template_inputs,
 )
 from radixserve.protocol import ChatMessage, ChatToolCall
-
-_GRAMMARS = ("regex", "json_schema", "ebnf", "structural_tag")
 
 
 def chat_prompt(
@@ -49,7 +48,7 @@ def chat_prompt(
     rendered, template_tools = template_inputs(template, chat_messages(messages), tools_json)
     ids = apply_chat_template(tokenizer, rendered, template_tools)
     params = dict(sampling_params or {})
-    if tools_json is None or any(params.get(key) for key in _GRAMMARS):
+    if tools_json is None or any(params.get(key) for key in GRAMMAR_FIELDS):
         return ids, params
     tag = strict_tools_tag(template, tools_json)
     if tag is not None:

@@ -18,7 +18,7 @@ import torch
 # Below this temperature dividing the logits can overflow float32; SGLang treats it as greedy too.
 GREEDY_TEMPERATURE = 1e-6
 MAX_TOP_LOGPROBS = 20
-_GRAMMAR_FIELDS = ("regex", "json_schema", "ebnf", "structural_tag")
+GRAMMAR_FIELDS = ("regex", "json_schema", "ebnf", "structural_tag")
 
 
 @dataclass(frozen=True)
@@ -141,7 +141,7 @@ class SamplingParams:
             _check(not bad_ids, "logit_bias", f"ids must be in [0, {vocab_size})", bad_ids)
             bad = [v for v in self.logit_bias.values() if not -100 <= v <= 100]
             _check(not bad, "logit_bias", "values must be in [-100, 100]", bad)
-        grammars = [name for name in _GRAMMAR_FIELDS if getattr(self, name) is not None]
+        grammars = [name for name in GRAMMAR_FIELDS if getattr(self, name) is not None]
         _check(
             len(grammars) <= 1,
             grammars[-1] if grammars else "regex",
