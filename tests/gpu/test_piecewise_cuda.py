@@ -131,3 +131,17 @@ def test_half_precision_first_tokens(half_dir: Path, vocab: int, backend: str) -
         for token in top_got.keys() & top_want.keys():
             assert top_got[token] == pytest.approx(top_want[token], abs=0.05)
         assert len(top_got.keys() & top_want.keys()) >= 4
+
+
+def test_shutdown_destroys_graphs_a_caller_still_holds(tiny_dir: Path, vocab: int) -> None:
+    """Under tensor parallelism a live graph holding an all-reduce made the group's
+    teardown wait forever; shutdown now destroys the graphs whoever holds them."""
+    engine = _engine(tiny_dir, 64)
+    pieces, graphs = engine.runner.piecewise, engine.runner.graphs
+    assert pieces is not None and graphs is not None
+    prompts = make_prompts(vocab, [5, 9], seed=3)
+    engine.generate(input_ids=prompts, sampling_params=greedy_params(4))
+    assert pieces.num_replays > 0 and graphs.num_replays > 0
+    engine.shutdown()
+    assert not pieces._graphs and not graphs._graphs
+    assert graphs.max_bs == 0 and pieces.max_tokens == 0  # nothing runs on them now

@@ -64,7 +64,7 @@ def test_two_gpus_generate_what_one_does(model_dir: Path, backend: str, graphs: 
         got = two.generate(input_ids=prompts, sampling_params=params)
         # With graphs, the prefill (4 prompts, 150 tokens) ran on the captured pieces,
         # their all-reduces captured on both ranks.
-        pieces = two.runner.piecewise
+        pieces = two.runner.piecewise  # held through shutdown, which must still end
         assert (pieces is not None and pieces.num_replays > 0) == graphs
     finally:
         two.shutdown()

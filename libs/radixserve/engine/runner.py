@@ -388,7 +388,11 @@ class ModelRunner:
 
     def close(self) -> None:
         """Drop the weights, the KV memory and the backend; free cached CUDA memory."""
-        for name in ("graphs", "piecewise", "model", "kv_pool", "req_pool", "attn"):
+        for name in ("graphs", "piecewise"):  # destroyed even if a caller holds them
+            holder = self.__dict__.pop(name, None)
+            if holder is not None:
+                holder.close()
+        for name in ("model", "kv_pool", "req_pool", "attn"):
             self.__dict__.pop(name, None)
         if self.tp.nccl is not None:  # after the graphs that captured its all-reduces
             self.tp.nccl.close()

@@ -133,6 +133,17 @@ class CudaGraphRunner:
                 self._run(self._cascade_batches[self.cascade_sizes[-1]], cascade=True)
 
     # -- replay -------------------------------------------------------------------
+    def close(self) -> None:
+        """Destroy the captured graphs now, whoever still holds this runner: a graph
+        holding a collective keeps its communicator busy, and tearing the tensor-parallel
+        group down then waits for it forever. Nothing runs on the graphs afterwards."""
+        for graph in self._graphs.values():
+            graph.reset()
+        self._graphs.clear()
+        self._batches.clear()
+        self._cascade_batches.clear()
+        self.max_bs = 0  # can_run: nothing from now on
+
     def can_run(self, batch: ForwardBatch) -> bool:
         """Decode batches of up to max_bs requests; cascade (shared-prefix) ones where
         their size has a cascade variant."""

@@ -114,6 +114,14 @@ class PiecewiseGraphs:
             with torch.inference_mode():  # what capture would have learnt (stored)
                 self._run_pieces(self.buckets[0])
 
+    def close(self) -> None:
+        """Destroy the captured pieces now, whoever still holds them (see
+        CudaGraphRunner.close: their all-reduces would hold the tensor-parallel group)."""
+        for graph in self._graphs.values():
+            graph.reset()
+        self._graphs.clear()
+        self.max_tokens = 0  # can_run: nothing from now on
+
     def can_run(self, batch: ForwardBatch) -> bool:
         return 0 < batch.num_tokens <= self.max_tokens
 
