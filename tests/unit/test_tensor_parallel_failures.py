@@ -4,6 +4,10 @@ tests keep an engine of two ranks for the whole module)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -40,3 +44,23 @@ def test_a_lost_rank_stops_the_engine_and_one_engine_runs_at_a_time(
         assert isinstance(out, dict) and len(out["output_ids"]) == 2
     finally:
         again.shutdown()
+
+
+def test_a_script_without_a_main_guard_fails_at_once(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """The ranks are spawned and import the caller's main module; without `if __name__ ==
+    '__main__':` rank 1 dies importing it. Rank 0 says so at once instead of waiting out
+    the group's rendezvous (10 minutes)."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "from radixserve import Engine\n"
+        f"Engine({str(tiny_llama_dir)!r}, tp_size=2, device='cpu', dtype='float32', "
+        "max_total_tokens=4096)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=240, env=env
+    )
+    assert done.returncode != 0
+    assert "rank 1 exited" in done.stderr and "__main__" in done.stderr, done.stderr[-2000:]
+    assert time.monotonic() - started < 200

@@ -40,7 +40,9 @@ from radixserve.engine.sched.scheduler import Runner, Scheduler, StepOutput
 
 log = logging.getLogger(__name__)
 
-STARTUP_TIMEOUT_S = 600.0  # a rank loading its shard of a large model
+# A rank process reaching run_rank (spawned: it imports torch and the caller's main
+# module first). The collectives after it have their own timeout.
+START_TIMEOUT_S = 120.0
 
 
 class RankLost(RuntimeError):
@@ -143,26 +145,58 @@ def build_scheduler(
 
 
 def start_ranks(
-    config: EngineConfig, init_method: str
+    config: EngineConfig, init_method: str, timeout_s: float = START_TIMEOUT_S
 ) -> list[multiprocessing.process.BaseProcess]:
-    """Start ranks 1 .. tp_size - 1 (each joins the group at `init_method`)."""
+    """Start ranks 1 .. tp_size - 1 (each joins the group at `init_method`) and wait
+    until each runs: one that exits first (its main module failed to import, say) is an
+    error now, not a wait in the group's rendezvous for its timeout."""
     context = multiprocessing.get_context("spawn")  # no forked CUDA or thread state
     kwargs = dataclasses.asdict(config)
     ranks: list[multiprocessing.process.BaseProcess] = []
-    for rank in range(1, config.tp_size):
-        proc = context.Process(
-            target=run_rank,
-            args=(kwargs, rank, init_method, os.getpid()),
-            name=f"radixserve-tp{rank}",
-            daemon=True,
-        )
-        proc.start()
-        ranks.append(proc)
+    started: list[Any] = []  # multiprocessing Events: set by each rank as it starts
+    try:
+        for rank in range(1, config.tp_size):
+            started.append(context.Event())
+            proc: multiprocessing.process.BaseProcess = context.Process(
+                target=run_rank,
+                args=(kwargs, rank, init_method, os.getpid(), started[-1]),
+                name=f"radixserve-tp{rank}",
+                daemon=True,
+            )
+            proc.start()
+            ranks.append(proc)
+        _wait_started(ranks, started, timeout_s)
+    except BaseException:
+        for proc in ranks:
+            proc.kill()
+        raise
     return ranks
 
 
-def run_rank(kwargs: dict[str, Any], rank: int, init_method: str, parent_pid: int) -> None:
+def _wait_started(
+    ranks: list[multiprocessing.process.BaseProcess], started: list[Any], timeout_s: float
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    for rank, (proc, event) in enumerate(zip(ranks, started, strict=True), start=1):
+        while not event.wait(0.1):
+            if not proc.is_alive():
+                raise RuntimeError(
+                    f"tensor-parallel rank {rank} exited (code {proc.exitcode}) before it "
+                    "started; its error is above. The ranks are spawned processes that "
+                    "import the caller's main module: a script that starts a "
+                    "tensor-parallel Engine must do so under `if __name__ == '__main__':`"
+                )
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"tensor-parallel rank {rank} did not start within {timeout_s:.0f} s"
+                )
+
+
+def run_rank(
+    kwargs: dict[str, Any], rank: int, init_method: str, parent_pid: int, started: Any
+) -> None:
     """A rank other than 0: build its shard, then replay rank 0's commands until "stop"."""
+    started.set()  # the main module imported: start_ranks stops watching for an early exit
     _exit_with_parent(parent_pid)
     config = EngineConfig.from_kwargs(**kwargs)
     torch.manual_seed(config.random_seed)
