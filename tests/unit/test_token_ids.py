@@ -24,11 +24,14 @@ def test_integer_sequences_become_lists_of_python_ints(ids: object) -> None:
     [
         ([], "empty"),
         ([1.0, 2.0], "integers"),  # floats were truncated by int() before: now refused
+        ([1, 2.0], "integers"),  # a float after an int
+        ([np.float64(1.0)], "integers"),
         ([True, False], "integers"),
         (["1", "2"], "integers"),
         ([[1, 2], [3, 4]], "flat"),
         ([[1, 2], [3]], "list of token ids"),
         ([2**70], "integers"),  # past int64: numpy's object dtype
+        ([1, -(2**70)], "integers"),
         ([-1, 4], r"\[0, 100\)"),
         ([4, 100], r"\[0, 100\)"),
     ],
@@ -36,3 +39,9 @@ def test_integer_sequences_become_lists_of_python_ints(ids: object) -> None:
 def test_bad_ids_are_refused_with_a_clear_error(ids: object, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         checked_token_ids(ids, vocab_size=100)  # type: ignore[arg-type]
+
+
+def test_numpy_ints_in_a_list_and_ints_beside_bools_are_accepted() -> None:
+    assert checked_token_ids([np.int64(3), np.int32(4)], vocab_size=10) == [3, 4]
+    assert checked_token_ids((1, True, 2), vocab_size=10) == [1, True, 2]  # as numpy did
+    assert checked_token_ids([True, 2], vocab_size=10) == [True, 2]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,12 +73,12 @@ class SamplingParams:
             return cls()
         if not isinstance(values, Mapping):
             raise ValueError(f"sampling_params must be an object, got {type(values).__name__}")
-        known = {f.name: f for f in dataclasses.fields(cls)}
+        defaults = _DEFAULTS
         kwargs: dict[str, Any] = {}
         for key, value in values.items():
-            if key not in known:
+            if key not in defaults:
                 raise ValueError(f"unknown sampling parameter {key!r}")
-            if value is None and _default_of(known[key]) is not None:
+            if value is None and defaults[key] is not None:
                 continue  # JSON clients send null for "not set"
             kwargs[key] = value
         return cls(**kwargs)
@@ -150,12 +150,11 @@ class SamplingParams:
         )
 
     def _validate_types(self) -> None:
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            expected = _EXPECTED_TYPES[f.name]
-            if not _has_type(value, expected):
+        for name, has_type, expected in _TYPE_CHECKS:
+            value = getattr(self, name)
+            if not has_type(value):
                 raise ValueError(
-                    f"sampling parameter {f.name!r} must be {expected}, "
+                    f"sampling parameter {name!r} must be {expected}, "
                     f"got {type(value).__name__} ({value!r})"
                 )
 
@@ -177,6 +176,11 @@ def _default_of(f: dataclasses.Field[Any]) -> Any:
     if f.default_factory is not dataclasses.MISSING:
         return f.default_factory()
     return None
+
+
+# Each field's default, by name: built once (parameters are read per request, and
+# dataclasses.fields is slow).
+_DEFAULTS: dict[str, Any] = {f.name: _default_of(f) for f in dataclasses.fields(SamplingParams)}
 
 
 def _check(ok: bool, name: str, rule: str, value: object) -> None:
@@ -232,24 +236,44 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _has_type(value: object, expected: str) -> bool:
+def _is_finite_number(value: object) -> bool:
+    # NaN and inf compare false against every range, so reject them here.
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)  # type: ignore[arg-type]
+
+
+def _is_str_list(value: object) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
+def _is_int_list(value: object) -> bool:
+    return isinstance(value, list) and all(_is_int(v) for v in value)
+
+
+def _is_bias(value: object) -> bool:
+    return isinstance(value, dict) and all(
+        _is_int(k) and _is_finite_number(v) for k, v in value.items()
+    )
+
+
+_CHECKERS: dict[str, Callable[[object], bool]] = {
+    "int": _is_int,
+    "float": _is_finite_number,
+    "bool": lambda value: isinstance(value, bool),
+    "str": lambda value: isinstance(value, str),
+    "list[str]": _is_str_list,
+    "list[int]": _is_int_list,
+    "bias": _is_bias,
+}
+
+
+def _type_check(expected: str) -> Callable[[object], bool]:
     if expected.endswith("?"):
-        return value is None or _has_type(value, expected[:-1])
-    if expected == "int":
-        return _is_int(value)
-    if expected == "float":
-        # NaN and inf compare false against every range, so reject them here.
-        return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)  # type: ignore[arg-type]
-    if expected == "bool":
-        return isinstance(value, bool)
-    if expected == "str":
-        return isinstance(value, str)
-    if expected == "list[str]":
-        return isinstance(value, list) and all(isinstance(v, str) for v in value)
-    if expected == "list[int]":
-        return isinstance(value, list) and all(_is_int(v) for v in value)
-    if expected == "bias":
-        return isinstance(value, dict) and all(
-            _is_int(k) and _has_type(v, "float") for k, v in value.items()
-        )
-    raise AssertionError(f"unknown expected type {expected}")
+        check = _CHECKERS[expected[:-1]]
+        return lambda value: value is None or check(value)
+    return _CHECKERS[expected]
+
+
+# (field, its check, what it must be), in field order: built once.
+_TYPE_CHECKS = tuple(
+    (name, _type_check(expected), expected) for name, expected in _EXPECTED_TYPES.items()
+)
