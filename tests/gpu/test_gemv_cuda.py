@@ -43,9 +43,9 @@ def _norm_weight(dtype: torch.dtype) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens", [1, 2, 16])
+@pytest.mark.parametrize("tokens", [1, 2, 16, 32])
 def test_projections_match_the_unfused_path(dtype: torch.dtype, tokens: int) -> None:
-    """One token: the fused GEMVs; 2-16 (16-bit): the norm or activation kernel, then
+    """One token: the fused GEMVs; 2-32 (16-bit): the norm or activation kernel, then
     the few-token GEMV; float32 beyond one token: cuBLAS."""
     x = cases.randn((tokens, HIDDEN), dtype, CUDA, seed=1)
     residual = cases.randn((tokens, HIDDEN), dtype, CUDA, seed=2)

@@ -139,7 +139,7 @@ ROWS_DTYPES = list(TENSOR_CORE_DTYPES)
 
 @pytest.mark.parametrize("dtype", ROWS_DTYPES)
 @pytest.mark.parametrize(("n", "k"), SHAPES)
-@pytest.mark.parametrize("m", [2, 5, 16])
+@pytest.mark.parametrize("m", [2, 5, 16, 27])
 @pytest.mark.parametrize("bias", [False, True])
 def test_rows(dtype: torch.dtype, n: int, k: int, m: int, bias: bool) -> None:
     """The few-token GEMV: every token's row against the float64 sum (the tokens past m

@@ -12,8 +12,9 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 TENSOR_CORE_DTYPES = (torch.bfloat16, torch.float16)
 # Up to this many tokens the projections run the few-token GEMV (kernels/linear.py): one
 # decode step's projections of the 8B shape at 2-16 tokens took 5.39-5.45 ms against
-# cuBLAS's 5.71-5.93 (bench/gemv_rows.py, H100, docs/performance.md).
-GEMV_MAX_ROWS = 16
+# cuBLAS's 5.71-5.93, at 24-32 tokens 5.59 against 5.80-5.84 (bench/gemv_rows.py, H100;
+# decode steps of 24 and 32 requests 2-3% shorter, docs/performance.md).
+GEMV_MAX_ROWS = 32
 
 
 def use_triton(x: torch.Tensor) -> bool:

@@ -1,5 +1,5 @@
 """Linear layers of a few tokens (GEMV): one token with the op before it fused in, and
-2-16 tokens on the tensor cores (`gemv_rows_triton`, after the op's own kernel; its
+2-32 tokens on the tensor cores (`gemv_rows_triton`, after the op's own kernel; its
 single pass over each weight serves every token, with no split-K reduce kernel).
 
 At one token a projection is a stream over its weight, so the RMSNorm (with the residual
@@ -242,7 +242,7 @@ def _gemv_rows_kernel(
 def _rows_config(n: int, k: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, warps, stages) for a few tokens over an [n, k] weight.
 
-    From `bench/gemv_rows.py` on the H100 (Llama-3.1-8B shapes, 1-16 tokens, in a CUDA
+    From `bench/gemv_rows.py` on the H100 (Llama-3.1-8B shapes, 1-32 tokens, in a CUDA
     graph; the best option was the same at every token count, within 0.5 us): long rows
     (down, k = 14336) and the head stream best as 32 rows x 512, qkv and gate_up as 64 x
     128, o (n = 4096) as 64 or 32 x 256 alike. Fewer weight rows take smaller blocks, so
