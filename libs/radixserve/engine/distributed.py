@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import socket
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -30,6 +31,7 @@ from radixserve.engine.nccl import NcclComm, NcclError
 log = logging.getLogger(__name__)
 # Longer than any one step: a collective that waits this long means a rank is gone.
 COLLECTIVE_TIMEOUT = timedelta(seconds=600)
+TEARDOWN_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -161,8 +163,34 @@ def tp_group_active() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def destroy_tp_group(tp: TPGroup) -> None:
-    if tp.nccl is not None:
-        tp.nccl.close()
-    if tp.size > 1 and dist.is_initialized():
-        dist.destroy_process_group()
+def destroy_tp_group(tp: TPGroup, timeout_s: float = TEARDOWN_TIMEOUT_S) -> None:
+    """Close the group's communicators, waiting at most `timeout_s`: a collective that
+    cannot finish (a rank lost in the middle of one) can hold NCCL's teardown forever,
+    and a shutdown must end. Past the timeout the teardown is left running in a daemon
+    thread, logged, and this process cannot start another tensor-parallel engine."""
+
+    def teardown() -> None:
+        if tp.nccl is not None:
+            tp.nccl.close()
+        if tp.size > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            teardown()
+        except BaseException as exc:  # handed to the caller below
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name="tp-teardown", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        log.warning(
+            "the tensor-parallel group did not shut down within %.0f s (a collective that "
+            "cannot finish: a rank lost in the middle of one?); left behind",
+            timeout_s,
+        )
+    elif failure:
+        raise failure[0]

@@ -202,6 +202,7 @@ def run_rank(
     torch.manual_seed(config.random_seed)
     device = resolve_device(config.device)
     tp = init_tp_group(rank, config.tp_size, init_method, device)
+    runner: ModelRunner | None = None
     try:
         runner = ModelRunner(config, tp)
         tokenizer = load_tokenizer(runner.model_path)
@@ -212,6 +213,8 @@ def run_rank(
         while _apply(tp.broadcast_object(None), scheduler, grammars):
             pass
     finally:
+        if runner is not None:  # its graphs' captured all-reduces would hold the teardown
+            runner.close()
         destroy_tp_group(tp)
 
 
