@@ -14,11 +14,11 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 
 import torch
 import triton
 import triton.language as tl
+from decode_attention import graph_time_ms
 from gemms import SHAPES
 from one_batch import measure_matmul
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -88,31 +88,6 @@ CONFIGS = [
 ]
 
 
-def graph_ms(fn, reps: int) -> float:
-    """Median time of one replay of a graph holding `fn`'s launches."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--m", type=int, nargs="+", default=[256, 384, 476, 512])
@@ -138,7 +113,7 @@ def main() -> None:
                 for w in weights:
                     torch.matmul(x, w.t(), out=out)
 
-            torch_ms = graph_ms(torch_chain, args.reps)
+            torch_ms = graph_time_ms(torch_chain, args.reps, calls=1)
             timed = []
             for config in CONFIGS:
                 try:
@@ -154,7 +129,7 @@ def main() -> None:
                     for w in weights:
                         tma_gemm(x, w, out, config)
 
-                timed.append((graph_ms(chain, args.reps), config))
+                timed.append((graph_time_ms(chain, args.reps, calls=1), config))
             timed.sort()
             row = {
                 "m": m,
