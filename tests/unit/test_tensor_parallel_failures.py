@@ -4,6 +4,7 @@ tests keep an engine of two ranks for the whole module)."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from radixserve import Engine
-from radixserve.engine.tensor_parallel import RankLost, ReplicatedScheduler
+from radixserve.engine.tensor_parallel import RankLost, ReplicatedScheduler, _wait_started
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -64,3 +65,15 @@ def test_a_script_without_a_main_guard_fails_at_once(tiny_llama_dir: Path, tmp_p
     assert done.returncode != 0
     assert "rank 1 exited" in done.stderr and "__main__" in done.stderr, done.stderr[-2000:]
     assert time.monotonic() - started < 200
+
+
+def test_a_rank_that_never_starts_is_an_error_after_the_timeout() -> None:
+    context = multiprocessing.get_context("spawn")
+    proc = context.Process(target=time.sleep, args=(60,), daemon=True)
+    proc.start()
+    try:
+        with pytest.raises(RuntimeError, match="rank 1 did not start within 1 s"):
+            _wait_started([proc], [context.Event()], timeout_s=1.0)
+    finally:
+        proc.kill()
+        proc.join(10)
