@@ -129,18 +129,6 @@ def test_invalid_mistral_stays_content_verbatim(text: str) -> None:
 @pytest.mark.parametrize(
     "text",
     [
-        '[{"name": "get_weather", "arguments": {"city": "Paris"}}]',
-        ' [ {"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}", "id": "a1"} ]\n',
-    ],
-)
-def test_mistral_array_without_its_special_marker(text: str) -> None:
-    # Mistral's tokenizers make [TOOL_CALLS] a special token: skipped, the array is left.
-    assert parse(text) == (None, [ToolCall("get_weather", '{"city": "Paris"}')])
-
-
-@pytest.mark.parametrize(
-    "text",
-    [
         '[{"name": "search", "arguments": {"q": "a"}}, {"name": "calc_2"}]',
         # strict calls: one an array; their markers skipped
         ' [{"name": "search", "arguments": {"q": "a"}}] [{"name": "calc_2"}]',
@@ -222,6 +210,9 @@ def test_not_a_named_call_stays_content(text: str) -> None:
         '[TOOL_CALLS] get_weather{"city": "Paris"}',
         'get_weather{"city": "Paris"}',
         ' \nget_weather{"city":"Paris"}\n',
+        # Mistral's tokenizers make [TOOL_CALLS] a special token: skipped, the array is left.
+        '[{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+        ' [ {"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\"}", "id": "a1"} ]\n',
     ],
 )
 def test_llama_or_named_one_call(text: str) -> None:

@@ -169,17 +169,14 @@ def destroy_tp_group(tp: TPGroup, timeout_s: float = TEARDOWN_TIMEOUT_S) -> None
     and a shutdown must end. Past the timeout the teardown is left running in a daemon
     thread, logged, and this process cannot start another tensor-parallel engine."""
 
-    def teardown() -> None:
-        if tp.nccl is not None:
-            tp.nccl.close()
-        if tp.size > 1 and dist.is_initialized():
-            dist.destroy_process_group()
-
     failure: list[BaseException] = []
 
     def run() -> None:
         try:
-            teardown()
+            if tp.nccl is not None:
+                tp.nccl.close()
+            if tp.size > 1 and dist.is_initialized():
+                dist.destroy_process_group()
         except BaseException as exc:  # handed to the caller below
             failure.append(exc)
 

@@ -394,8 +394,7 @@ class ModelRunner:
                 holder.close()
         for name in ("model", "kv_pool", "req_pool", "attn"):
             self.__dict__.pop(name, None)
-        if self.tp.nccl is not None:  # after the graphs that captured its all-reduces
-            self.tp.nccl.close()
+        # The communicators close after this, with the group (distributed.destroy_tp_group).
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

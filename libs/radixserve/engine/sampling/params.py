@@ -73,12 +73,11 @@ class SamplingParams:
             return cls()
         if not isinstance(values, Mapping):
             raise ValueError(f"sampling_params must be an object, got {type(values).__name__}")
-        defaults = _DEFAULTS
         kwargs: dict[str, Any] = {}
         for key, value in values.items():
-            if key not in defaults:
+            if key not in _DEFAULTS:
                 raise ValueError(f"unknown sampling parameter {key!r}")
-            if value is None and defaults[key] is not None:
+            if value is None and _DEFAULTS[key] is not None:
                 continue  # JSON clients send null for "not set"
             kwargs[key] = value
         return cls(**kwargs)
