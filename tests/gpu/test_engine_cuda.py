@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import os
 from pathlib import Path
@@ -118,3 +119,27 @@ def test_cuda_prompt_logprobs_match_hf(tiny_dir: Path, backend: str) -> None:
                 assert [t for t, _ in tops[j]] == torch.topk(ref[j - 1], 2).indices.tolist()
     finally:
         engine.shutdown()
+
+
+def test_engines_in_turn_each_get_the_memory(tiny_dir: Path) -> None:
+    """Engines one after another in a process: shutdown() hands the KV pool's memory back
+    to the device at once, and an engine dropped without it leaves its memory to the
+    next one. With the collector off, so that neither rests on when a collection runs."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    free_before = torch.cuda.mem_get_info()[0]
+    gc.disable()
+    try:
+        dropped = Engine(model_path=str(tiny_dir), device="cuda", dtype="float32")
+        size = dropped.runner.kv_pool.size
+        engine_outputs(dropped, make_prompts(dropped.runner.vocab_size, [5, 40]), 4)
+        del dropped  # no shutdown(): a cycle keeps it until a collection
+        with Engine(model_path=str(tiny_dir), device="cuda", dtype="float32") as engine:
+            assert engine.runner.graphs is not None and engine.runner.piecewise is not None
+            assert engine.runner.kv_pool.size >= 0.95 * size
+            engine_outputs(engine, make_prompts(engine.runner.vocab_size, [5, 17, 40]), 8)
+            assert torch.cuda.mem_get_info()[0] < free_before / 2  # the pool took most
+        # The engine is still referenced (`engine`), its memory is back all the same.
+        assert torch.cuda.mem_get_info()[0] > free_before - 2 * 2**30
+    finally:
+        gc.enable()

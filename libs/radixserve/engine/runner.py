@@ -5,6 +5,7 @@ Knows nothing about scheduling; one `forward` per step.
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 import logging
 import os
@@ -369,6 +370,11 @@ class ModelRunner:
         return self.tp.min_int(self._gpu_kv_budget_tokens())
 
     def _gpu_kv_budget_tokens(self) -> int:
+        # What an engine of this process left behind is free for this one: memory in
+        # torch's cache, or held by objects only a cycle collection frees (an engine
+        # dropped without shutdown()). mem_get_info counts either as taken.
+        gc.collect()
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         # What the static fraction leaves after the weights; the rest is for activations.
         budget = free - total * (1.0 - self.config.mem_fraction_static)
@@ -388,15 +394,21 @@ class ModelRunner:
 
     def close(self) -> None:
         """Drop the weights, the KV memory and the backend; free cached CUDA memory."""
-        for name in ("graphs", "piecewise"):  # destroyed even if a caller holds them
-            holder = self.__dict__.pop(name, None)
-            if holder is not None:
-                holder.close()
+        self._close_graphs()
         for name in ("model", "kv_pool", "req_pool", "attn"):
             self.__dict__.pop(name, None)
         # The communicators close after this, with the group (distributed.destroy_tp_group).
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def _close_graphs(self) -> None:
+        """Destroy the CUDA graphs, even if a caller holds them. A function of its own: a
+        local left holding them (and, through them, the KV pool) until close() emptied
+        the cache kept the pool's memory in torch's cache after shutdown."""
+        for name in ("graphs", "piecewise"):
+            holder = self.__dict__.pop(name, None)
+            if holder is not None:
+                holder.close()
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
