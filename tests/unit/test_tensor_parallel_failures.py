@@ -77,3 +77,20 @@ def test_a_rank_that_never_starts_is_an_error_after_the_timeout() -> None:
     finally:
         proc.kill()
         proc.join(10)
+
+
+def test_too_few_gpus_is_an_error_before_any_rank_starts(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank r runs on the r-th GPU after the engine's device: without it, that rank would
+    die after the group formed and rank 0 would wait in a collective for its timeout."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match=r"tp_size 2 from cuda:1 needs GPUs 1..2, but 2 are"):
+        Engine(str(tiny_llama_dir), tp_size=2, **{**ENGINE, "device": "cuda:1"})
+    with pytest.raises(ValueError, match=r"tp_size 4 from cuda:0 needs GPUs 0..3"):
+        Engine(str(tiny_llama_dir), tp_size=4, **{**ENGINE, "device": "cuda"})
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("radixserve-tp")]

@@ -75,9 +75,11 @@ class Engine:
             )
         try:
             if self.config.tp_size > 1:
+                # Enough GPUs, or an error before any rank starts (a rank without its GPU
+                # would die after the group formed, leaving rank 0 in a collective).
+                device = resolve_device(self.config.device, self.config.tp_size)
                 address = free_tcp_address()
                 ranks = start_ranks(self.config, address)
-                device = resolve_device(self.config.device)
                 self.tp = init_tp_group(0, self.config.tp_size, address, device)
             self.runner = ModelRunner(self.config, self.tp)
             self.tokenizer = load_tokenizer(self.runner.model_path)

@@ -61,7 +61,9 @@ def resolve_batch_limits(config: EngineConfig, device: torch.device) -> tuple[in
     return max_running, graph_max_bs
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, tp_size: int = 1) -> torch.device:
+    """The device `name` means here; with `tp_size` ranks on CUDA, also checks that the
+    GPUs they take (tp_device) are visible."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
@@ -69,6 +71,12 @@ def resolve_device(name: str) -> torch.device:
         raise ValueError("device 'cuda' was asked for but CUDA is not available")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cuda" and device.index + tp_size > torch.cuda.device_count():
+        raise ValueError(
+            f"tp_size {tp_size} from {device} needs GPUs {device.index}.."
+            f"{device.index + tp_size - 1}, but {torch.cuda.device_count()} are visible "
+            "(CUDA_VISIBLE_DEVICES)"
+        )
     return device
 
 
