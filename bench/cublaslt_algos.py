@@ -210,6 +210,7 @@ def main() -> None:
     ap.add_argument("--count", type=int, default=32, help="algorithms asked of the heuristic")
     ap.add_argument("--splits", type=int, nargs="+", default=[1, 2, 3, 4])
     ap.add_argument("--top", type=int, default=4, help="algorithms shown per shape")
+    ap.add_argument("--shapes", nargs="+", default=[name for name, _, _ in SHAPES])
     ap.add_argument("--json")
     args = ap.parse_args()
     lt = build()
@@ -218,7 +219,7 @@ def main() -> None:
     print(f"matmul rate {rate:.0f} TFLOP/s ({torch.cuda.get_device_name()})", flush=True)
     workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
     rows = []
-    for name, k, n in SHAPES:
+    for name, k, n in [shape for shape in SHAPES if shape[0] in args.shapes]:
         weights = [
             torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(LAYERS)
         ]
@@ -232,17 +233,28 @@ def main() -> None:
                 for w in weights:
                     torch.matmul(x, w.t(), out=out)
 
+            def torch_ms() -> dict[str, float]:
+                """torch's matmul through each library (the engine prefers cuBLASLt)."""
+                times = {}
+                for library in ("cublas", "cublaslt"):
+                    torch.backends.cuda.preferred_blas_library(library)
+                    times[library] = graph_time_ms(torch_chain, args.reps, calls=1)
+                return times
+
             candidates = []
             seen = set()
-            for packed, cfg, _ws, waves in lt.heuristics(m, n, k, args.count, WORKSPACE_BYTES):
+            offered = lt.heuristics(m, n, k, args.count, WORKSPACE_BYTES)
+            for index, (packed, cfg, _ws, waves) in enumerate(offered):
+                seen.add(tuple(cfg))  # as offered first (the heuristic's first: torch's choice)
+                candidates.append((packed, [index, *cfg], waves))
                 for splits in args.splits:
                     for swizzle in sorted({cfg[5], 0, 1}):
                         got = lt.variant(packed, m, n, k, splits, swizzle, WORKSPACE_BYTES)
                         if got[0] is None or got[0].numel() == 0 or tuple(got[1]) in seen:
                             continue
                         seen.add(tuple(got[1]))
-                        candidates.append((got[0], list(got[1]), waves))
-            torch_ms = [graph_time_ms(torch_chain, args.reps, calls=1)]
+                        candidates.append((got[0], [index, *got[1]], waves))
+            before = torch_ms()
             timed = []
             for packed, cfg, waves in candidates:
                 lt.matmul(x, weights[0], out, packed, workspace)
@@ -256,17 +268,21 @@ def main() -> None:
                         lt.matmul(x, w, out, packed, workspace)
 
                 timed.append((graph_time_ms(chain, args.reps, calls=1), cfg, waves))
-            torch_ms.append(graph_time_ms(torch_chain, args.reps, calls=1))
+            after = torch_ms()
             timed.sort(key=lambda t: t[0])
-            base = statistics.mean(torch_ms)
+            base = statistics.mean([before["cublaslt"], after["cublaslt"]])
             row = {
                 "m": m,
                 "proj": name,
-                "torch_ms": torch_ms,
+                "torch_ms": {lib: [before[lib], after[lib]] for lib in before},
                 "torch_share": flop / base / 1e9 / rate,
                 "candidates": len(candidates),
                 "best": [
-                    {"ms": ms, "config": dict(zip(CONFIG_NAMES, cfg, strict=True)), "waves": w}
+                    {
+                        "ms": ms,
+                        "config": dict(zip(("index", *CONFIG_NAMES), cfg, strict=True)),
+                        "waves": w,
+                    }
                     for ms, cfg, w in timed[: args.top]
                 ],
             }
@@ -275,10 +291,14 @@ def main() -> None:
                 f"{ms * 1e3 / LAYERS:6.1f} us ({flop / ms / 1e9 / rate:.2f}) {cfg}"
                 for ms, cfg, _ in timed[: args.top]
             )
+            lib_us = "  ".join(
+                f"{lib} {before[lib] * 1e3 / LAYERS:6.1f} / {after[lib] * 1e3 / LAYERS:6.1f}"
+                for lib in before
+            )
+            first = [f"{ms * 1e3 / LAYERS:.1f}" for ms, cfg, _ in timed if cfg == candidates[0][1]]
             print(
-                f"M {m:4d} {name:8s} torch {torch_ms[0] * 1e3 / LAYERS:6.1f} / "
-                f"{torch_ms[1] * 1e3 / LAYERS:6.1f} us ({row['torch_share']:.2f}); "
-                f"{len(candidates)} algos; best {shown}",
+                f"M {m:4d} {name:8s} torch: {lib_us} us (cublaslt {row['torch_share']:.2f}); "
+                f"heuristic's first {first}; {len(candidates)} algos; best {shown}",
                 flush=True,
             )
         del weights

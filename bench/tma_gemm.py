@@ -1,4 +1,5 @@
-"""Decode-step GEMMs at M ~ 256-512 rows: torch (cuBLASLt) against a Triton GEMM that
+"""Decode-step GEMMs at M ~ 256-512 rows: torch (its default library, cuBLAS; the engine
+prefers cuBLASLt) against a Triton GEMM that
 loads its tiles through TMA descriptors, each chain of 32 layers' weights captured in one
 CUDA graph (weights read from HBM, as a decode step reads them).
 
