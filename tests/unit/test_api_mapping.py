@@ -278,6 +278,7 @@ _CHAT_ERRORS: list[tuple[dict[str, Any], str]] = [
     ({}, "messages"),
     ({"messages": "hi"}, "messages"),
     ({"messages": [{"content": "no role"}]}, "messages[0].role"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     (
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},

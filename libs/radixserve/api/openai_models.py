@@ -54,9 +54,10 @@ class ToolCallIn(Body):
 
 class ChatMessageIn(Body):
     """A chat message as the client sends it: text content, an assistant's `tool_calls`,
-    a `tool` message's `tool_call_id`."""
+    a `tool` message's `tool_call_id`. The roles are OpenAI's: any other is a 400, not a
+    message the chat template renders as it happens to."""
 
-    role: str
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallIn] | None = None
