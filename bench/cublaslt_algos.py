@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import json
 import os
 import statistics
 import sysconfig
@@ -24,8 +23,8 @@ import torch
 from decode_attention import graph_time_ms
 from gemms import SHAPES
 from one_batch import measure_matmul
+from tma_gemm import LAYERS, layer_weights, write_rows
 
-LAYERS = 32
 WORKSPACE_BYTES = 32 * 2**20
 # Config attributes reported for each algorithm (cublasLtMatmulAlgoConfigAttributes_t).
 CONFIG_NAMES = ("algo", "tile", "stages", "splitk", "reduction", "swizzle", "cluster", "inner")
@@ -220,9 +219,7 @@ def main() -> None:
     workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device="cuda")
     rows = []
     for name, k, n in [shape for shape in SHAPES if shape[0] in args.shapes]:
-        weights = [
-            torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(LAYERS)
-        ]
+        weights = layer_weights(n, k)
         for m in args.m:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
@@ -303,9 +300,7 @@ def main() -> None:
             )
         del weights
         torch.cuda.empty_cache()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"matmul_tflops": rate, "rows": rows}, f, indent=1)
+    write_rows(args.json, rate, rows)
 
 
 if __name__ == "__main__":

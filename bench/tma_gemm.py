@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+from typing import Any
 
 import torch
 import triton
@@ -80,6 +81,18 @@ def tma_gemm(
     return out
 
 
+def layer_weights(n: int, k: int) -> list[torch.Tensor]:
+    """One [n, k] bf16 weight per layer, each read from HBM when a chain reaches it."""
+    return [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(LAYERS)]
+
+
+def write_rows(path: str | None, rate: float, rows: list[dict[str, Any]]) -> None:
+    """The rows and the matmul rate they are shares of, as JSON at `path` (if given)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump({"matmul_tflops": rate, "rows": rows}, f, indent=1)
+
+
 # (BLOCK_M, BLOCK_N, BLOCK_K, stages, warps)
 CONFIGS = [
     c
@@ -101,9 +114,7 @@ def main() -> None:
     print(f"matmul rate {rate:.0f} TFLOP/s ({torch.cuda.get_device_name()})", flush=True)
     rows = []
     for name, k, n in SHAPES:
-        weights = [
-            torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5 for _ in range(LAYERS)
-        ]
+        weights = layer_weights(n, k)
         for m in args.m:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
@@ -150,9 +161,7 @@ def main() -> None:
             )
         del weights
         torch.cuda.empty_cache()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"matmul_tflops": rate, "rows": rows}, f, indent=1)
+    write_rows(args.json, rate, rows)
 
 
 if __name__ == "__main__":
