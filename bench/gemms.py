@@ -5,8 +5,9 @@ tile shapes, each as a share of the device's matmul rate.
 A decode step of ~500 requests gives M = 480-512 (its CUDA graph pads to 512); a mixed
 step M = 2048 prompt tokens + its decoders. Each call here reads one weight again and
 again (from L2 once it fits) and is timed alone: bench/tma_gemm.py times the projections
-as a decode step runs them (32 layers' weights in one CUDA graph), where cuBLASLt's o
-projection at M = 512 ran at 0.89 of the matmul rate, not the ~0.5 timed here.
+as a decode step runs them (32 layers' weights in one CUDA graph), where torch's o
+projection (its default cuBLAS there) at M = 512 ran at 0.89 of the matmul rate, not the
+~0.5 timed here.
 
     python bench/gemms.py                 # needs CUDA
     python bench/gemms.py --m 512 --json gemms.json
