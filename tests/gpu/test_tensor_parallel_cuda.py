@@ -8,6 +8,9 @@ FlashInfer tests are. Skips below 2 GPUs."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -115,3 +118,22 @@ def test_two_gpus_half_precision_match_hf(head128_dir: Path, backend: str, graph
     refs = hf_greedy(head128_dir, prompts[:5] + prompts, 24, device="cuda")
     for out, ref in zip(ours, refs, strict=True):
         assert_matches_reference(out, ref, tolerance=BF16_TIE_TOLERANCE)
+
+
+@pytest.mark.parametrize("path", ["direct", "torch.distributed"])
+def test_a_rank_lost_inside_an_all_reduce_ends_rank_0s_wait(model_dir: Path, path: str) -> None:
+    """Rank 1 dies while rank 0 is inside an all-reduce (as in the middle of a step or
+    of the warm-up), which NCCL's kernel would wait out without end: rank 0's watch
+    aborts the collectives, the wait ends, the engine raises `RankLost` and shuts down
+    at once (`rank_loss_child.py`, in a process of its own: the process that aborted
+    NCCL starts no other tensor-parallel engine)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.gpu.rank_loss_child", str(model_dir), path],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "rank 0 stopped" in done.stdout, done.stdout[-3000:]

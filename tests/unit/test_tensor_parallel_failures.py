@@ -33,11 +33,18 @@ def test_a_lost_rank_stops_the_engine_and_one_engine_runs_at_a_time(
         (rank,) = scheduler.ranks
         rank.kill()
         rank.join(30)
+        # The watch sees it go by itself (on a GPU it would abort rank 0's collectives).
+        deadline = time.monotonic() + 10
+        while scheduler.watch.lost is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert scheduler.watch.lost is not None and "rank 1 exited" in scheduler.watch.lost
         engine.submit([5, 6, 7], {"max_new_tokens": 2})
         with pytest.raises(RankLost, match="rank 1 exited"):
             engine.step()
     finally:
+        started = time.monotonic()
         engine.shutdown()  # returns: nothing is left to wait for
+        assert time.monotonic() - started < 20
     # Shut down, the process can start another.
     again = Engine(str(tiny_llama_dir), tp_size=2, **ENGINE)
     try:

@@ -25,8 +25,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
-from radixserve.engine.nccl import NcclComm, NcclError
+from radixserve.engine.nccl import NcclComm, NcclError, abort_live_comms, live_comms
 
 log = logging.getLogger(__name__)
 # Longer than any one step: a collective that waits this long means a rank is gone.
@@ -161,6 +162,55 @@ def tp_group_active() -> bool:
     """Whether this process is in a tensor-parallel group already (one per process: the
     group is torch.distributed's default one)."""
     return dist.is_available() and dist.is_initialized()
+
+
+# Set once this process has aborted NCCL collectives (`abort_device_collectives`).
+_ABORTED = threading.Event()
+
+
+def check_tp_group_free() -> None:
+    """Raise ValueError where this process cannot start a tensor-parallel group."""
+    if tp_group_active():
+        raise ValueError(
+            "a tensor-parallel engine is already running in this process: shut it down "
+            "before starting another (one per process)"
+        )
+    if _ABORTED.is_set():
+        raise ValueError(
+            "this process lost a tensor-parallel rank and aborted its NCCL collectives; "
+            "NCCL is not started here again: start a new process"
+        )
+
+
+def abort_device_collectives(timeout_s: float = 5.0) -> None:
+    """End this process's NCCL collectives at once, from any thread: kernels that wait
+    for a rank whose process is gone return (with garbage), and later collectives
+    raise. NCCL has no timeout of its own there (torch.distributed's watchdog only after
+    `COLLECTIVE_TIMEOUT`), so rank 0 calls this as soon as it sees a rank's process gone
+    (`tensor_parallel.RankWatch`). The group is unusable afterwards, and the process
+    starts no other (`check_tp_group_free`)."""
+    torch_nccl = dist.is_initialized() and dist.get_backend() == "nccl"
+    if not torch_nccl and not live_comms():
+        return  # gloo (CPU): its collectives fail by themselves when a peer goes
+    _ABORTED.set()
+    # torch's communicators and the direct ones at once: tearing one down can wait for
+    # the device, which a kernel of the other keeps busy until its own abort.
+    aborting = threading.Thread(target=_abort_torch_group, daemon=True, name="tp-abort")
+    if torch_nccl:
+        aborting.start()
+    if not abort_live_comms(timeout_s):
+        log.warning("a direct NCCL communicator stayed busy for %.0f s: not aborted", timeout_s)
+    if torch_nccl:
+        aborting.join(timeout_s)
+        if aborting.is_alive():
+            log.warning("torch.distributed's group still aborting after %.0f s", timeout_s)
+
+
+def _abort_torch_group() -> None:
+    try:
+        distributed_c10d._abort_process_group()
+    except Exception:  # it may be going already
+        log.exception("aborting torch.distributed's process group failed")
 
 
 def destroy_tp_group(tp: TPGroup, timeout_s: float = TEARDOWN_TIMEOUT_S) -> None:

@@ -29,10 +29,10 @@ from radixserve.engine.config import EngineConfig
 from radixserve.engine.constrained import GrammarBackend
 from radixserve.engine.distributed import (
     SINGLE,
+    check_tp_group_free,
     destroy_tp_group,
     free_tcp_address,
     init_tp_group,
-    tp_group_active,
 )
 from radixserve.engine.groups import ChoiceOutput, RequestGroup
 from radixserve.engine.kvcache.block_events import BlockEventLog, event_block_size
@@ -43,7 +43,13 @@ from radixserve.engine.request import FinishReason, Req, ReqStatus
 from radixserve.engine.runner import ModelRunner, resolve_device
 from radixserve.engine.sampling.params import SamplingParams, resolve_seed
 from radixserve.engine.sched.kv_manager import KVUsage
-from radixserve.engine.tensor_parallel import ReplicatedScheduler, build_scheduler, start_ranks
+from radixserve.engine.tensor_parallel import (
+    RankLost,
+    RankWatch,
+    ReplicatedScheduler,
+    build_scheduler,
+    start_ranks,
+)
 from radixserve.engine.token_ids import checked_token_ids
 from radixserve.protocol.kv_events import AllBlocksCleared, KvEvent
 
@@ -67,12 +73,9 @@ class Engine:
         self.config = EngineConfig.from_kwargs(model_path=model_path, **kwargs)
         torch.manual_seed(self.config.random_seed)
         # Tensor parallel: the other ranks start first, then all join one group.
-        self.tp, ranks = SINGLE, []
-        if self.config.tp_size > 1 and tp_group_active():
-            raise ValueError(
-                "a tensor-parallel engine is already running in this process: shut it down "
-                "before starting another (one per process)"
-            )
+        self.tp, ranks, watch = SINGLE, [], None
+        if self.config.tp_size > 1:
+            check_tp_group_free()
         try:
             if self.config.tp_size > 1:
                 # Enough GPUs, or an error before any rank starts (a rank without its GPU
@@ -80,22 +83,28 @@ class Engine:
                 device = resolve_device(self.config.device, self.config.tp_size)
                 address = free_tcp_address()
                 ranks = start_ranks(self.config, address)
+                # A rank that dies from here on (out of memory in its warm-up, say)
+                # ends rank 0's collectives: an error now, not a wait without end.
+                watch = RankWatch(ranks)
                 self.tp = init_tp_group(0, self.config.tp_size, address, device)
             self.runner = ModelRunner(self.config, self.tp)
             self.tokenizer = load_tokenizer(self.runner.model_path)
-        except BaseException:
+        except BaseException as exc:
+            lost = watch.stop() if watch is not None else None
             for rank in ranks:  # they would wait out the collective timeout for rank 0
                 rank.kill()
             destroy_tp_group(self.tp)
+            if lost is not None and isinstance(exc, Exception):
+                raise RankLost(lost) from exc  # what failed here because a rank was lost
             raise
         self.context_len = self.runner.context_len
         self._kv_events: BlockEventLog | None = None
         detokenize = lambda ids: self._decode(ids, False)  # noqa: E731
         self.scheduler = (
             build_scheduler(
-                self.config, self.runner, detokenize, ReplicatedScheduler, tp=self.tp, ranks=ranks
+                self.config, self.runner, detokenize, ReplicatedScheduler, tp=self.tp, watch=watch
             )
-            if ranks
+            if watch is not None
             else build_scheduler(self.config, self.runner, detokenize)
         )
         self.eos_token_ids = frozenset(self.runner.model_config.eos_token_ids)

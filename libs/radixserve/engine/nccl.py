@@ -7,11 +7,17 @@ prompt's eager prefill pays 64 times over an 8B model: it made that prefill host
 all-reduce costs one `ncclAllReduce` launch on the current stream; CUDA graphs capture
 it as they capture torch.distributed's. The library is the one torch loaded. The
 vocabulary-parallel head gathers its logits the same way.
+
+NCCL's kernels wait for every rank without a timeout: a communicator can be aborted
+from another thread (`abort`, `abort_live_comms`), which ends such a wait.
 """
 
 from __future__ import annotations
 
 import ctypes
+import threading
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -59,7 +65,23 @@ def _load() -> ctypes.CDLL:
         ctypes.c_void_p,
     ]
     lib.ncclCommDestroy.argtypes = [ctypes.c_void_p]
+    lib.ncclCommAbort.argtypes = [ctypes.c_void_p]
     return lib
+
+
+# Every communicator of this process not yet closed: what `abort_live_comms` ends.
+_LIVE: weakref.WeakSet[NcclComm] = weakref.WeakSet()
+
+
+def live_comms() -> bool:
+    """Whether this process has a communicator open."""
+    return len(_LIVE) > 0
+
+
+def abort_live_comms(timeout_s: float) -> bool:
+    """Abort every open communicator of this process (`NcclComm.abort`): False if one
+    could not be."""
+    return all([comm.abort(timeout_s) for comm in list(_LIVE)])
 
 
 class NcclComm:
@@ -76,8 +98,12 @@ class NcclComm:
         ctypes.memmove(uid.internal, raw, len(raw))
         self.device = device
         self._comm = ctypes.c_void_p()
+        # Held while a call enqueues on the communicator, so `abort` (another thread)
+        # never frees it under a call.
+        self._lock = threading.Lock()
         with torch.cuda.device(device):
             self._check(self._lib.ncclCommInitRank(ctypes.byref(self._comm), size, uid, rank))
+        _LIVE.add(self)
 
     def _check(self, result: int) -> None:
         if result != 0:
@@ -91,17 +117,14 @@ class NcclComm:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks in place, on the current stream (every rank gets the
         same bits)."""
-        stream = torch.cuda.current_stream(x.device).cuda_stream
-        self._check(
-            self._lib.ncclAllReduce(
-                x.data_ptr(),
-                x.data_ptr(),
-                x.numel(),
-                NCCL_TYPES[x.dtype],
-                NCCL_SUM,
-                self._comm,
-                stream,
-            )
+        self._enqueue(
+            self._lib.ncclAllReduce,
+            x,
+            x.data_ptr(),
+            x.data_ptr(),
+            x.numel(),
+            NCCL_TYPES[x.dtype],
+            NCCL_SUM,
         )
         return x
 
@@ -110,20 +133,38 @@ class NcclComm:
         the current stream; `x` and `out` contiguous, of one dtype."""
         if out.numel() % x.numel() or out.dtype != x.dtype or not out.is_contiguous():
             raise NcclError("all_gather needs a contiguous out of the ranks' x, same dtype")
-        stream = torch.cuda.current_stream(x.device).cuda_stream
-        self._check(
-            self._lib.ncclAllGather(
-                x.data_ptr(),
-                out.data_ptr(),
-                x.numel(),
-                NCCL_TYPES[x.dtype],
-                self._comm,
-                stream,
-            )
+        self._enqueue(
+            self._lib.ncclAllGather, x, x.data_ptr(), out.data_ptr(), x.numel(), NCCL_TYPES[x.dtype]
         )
         return out
 
+    def _enqueue(self, call: Callable[..., int], x: torch.Tensor, *args: Any) -> None:
+        """`call(*args, comm, stream)` on `x`'s device's current stream."""
+        stream = torch.cuda.current_stream(x.device).cuda_stream
+        with self._lock:
+            if not self._comm:
+                raise NcclError("the NCCL communicator is closed (aborted: a rank was lost?)")
+            self._check(call(*args, self._comm, stream))
+
+    def abort(self, timeout_s: float) -> bool:
+        """From another thread: end the communicator at once. Its kernels waiting on a
+        rank that is gone return (their results are garbage), and every later call
+        raises. False if a call held the communicator past `timeout_s` (its enqueue
+        blocked: the device's launch queue full behind a kernel that cannot finish)."""
+        if not self._lock.acquire(timeout=timeout_s):
+            return False
+        try:
+            if self._comm:
+                self._lib.ncclCommAbort(self._comm)
+                self._comm = ctypes.c_void_p()
+            _LIVE.discard(self)
+        finally:
+            self._lock.release()
+        return True
+
     def close(self) -> None:
-        if self._comm:
-            self._lib.ncclCommDestroy(self._comm)
-            self._comm = ctypes.c_void_p()
+        with self._lock:
+            if self._comm:
+                self._lib.ncclCommDestroy(self._comm)
+                self._comm = ctypes.c_void_p()
+            _LIVE.discard(self)

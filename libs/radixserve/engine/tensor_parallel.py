@@ -6,8 +6,10 @@ caller made) sends the others what changed its scheduler since the last step (re
 added, aborts, a cache flush) with the step itself, once per step; the logits, summed
 over the ranks inside the model, are the same bits on every rank, so every rank samples
 the same tokens (seeds are per request) and retires the same requests. Only rank 0
-reports outputs. A rank that exits stops rank 0 at its next step (`RankLost`), rather
-than leaving it waiting in a collective.
+reports outputs. A rank that exits stops rank 0 with `RankLost`, rather than leaving it
+waiting in a collective: `RankWatch` sees the process go and aborts rank 0's device
+collectives at once (a step, or the warm-up, then returns and raises), and each step
+checks the ranks before it starts.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import threading
 import time
@@ -26,7 +29,12 @@ import torch
 
 from radixserve.engine.config import EngineConfig
 from radixserve.engine.constrained import GrammarBackend
-from radixserve.engine.distributed import TPGroup, destroy_tp_group, init_tp_group
+from radixserve.engine.distributed import (
+    TPGroup,
+    abort_device_collectives,
+    destroy_tp_group,
+    init_tp_group,
+)
 from radixserve.engine.kvcache.base import PrefixCache
 from radixserve.engine.kvcache.naive_cache import NaiveCache
 from radixserve.engine.kvcache.pool import KVPool, ReqToTokenPool
@@ -47,6 +55,67 @@ START_TIMEOUT_S = 120.0
 
 class RankLost(RuntimeError):
     """A tensor-parallel rank's process exited: the engine cannot step without it."""
+
+
+Ranks = list[multiprocessing.process.BaseProcess]
+
+
+def _exited(ranks: Ranks) -> str | None:
+    """Which rank's process has exited, if one has."""
+    for rank, proc in enumerate(ranks, start=1):
+        if not proc.is_alive():
+            return _lost(rank, proc)
+    return None
+
+
+def _lost(rank: int, proc: multiprocessing.process.BaseProcess) -> str:
+    code = proc.exitcode  # None where another thread reaps it at this moment
+    return (
+        f"tensor-parallel rank {rank} exited{'' if code is None else f' (code {code})'}; "
+        "the engine cannot go on without it"
+    )
+
+
+class RankWatch:
+    """Rank 0's watch over the other ranks' processes (a thread). When one exits unasked,
+    rank 0 may be inside a device collective that waits for it with no timeout (NCCL's
+    kernels; torch.distributed's watchdog only after `COLLECTIVE_TIMEOUT`): the watch
+    notes which rank (`lost`) and aborts this process's device collectives, so that call
+    returns and rank 0 raises `RankLost` (`check`) instead of hanging."""
+
+    def __init__(self, ranks: Ranks, poll_s: float = 0.5) -> None:
+        self.ranks = ranks
+        self.lost: str | None = None
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(poll_s,), daemon=True, name="tp-rank-watch"
+        )
+        self._thread.start()
+
+    def _run(self, poll_s: float) -> None:
+        sentinels = [proc.sentinel for proc in self.ranks]
+        ready: list[Any] = []
+        while not ready and not self._stopped.is_set():
+            ready = multiprocessing.connection.wait(sentinels, timeout=poll_s)
+        if self._stopped.is_set():
+            return
+        rank, proc = next((r, p) for r, p in enumerate(self.ranks, 1) if p.sentinel in ready)
+        proc.join(1.0)  # its sentinel closes a moment before it can be reaped
+        self.lost = _lost(rank, proc)
+        log.error("%s: aborting this rank's device collectives", self.lost)
+        abort_device_collectives()
+
+    def check(self, cause: BaseException | None = None) -> None:
+        """Raise `RankLost` if a rank was lost (from `cause`, what that made fail)."""
+        if self.lost is not None:
+            raise RankLost(self.lost) from cause
+
+    def stop(self) -> str | None:
+        """Before the ranks are stopped on purpose: which rank had exited already, if
+        one had (seen by the watch or not yet)."""
+        self._stopped.set()
+        self._thread.join(5.0)
+        return self.lost or _exited(self.ranks)
 
 
 @dataclass(frozen=True)
@@ -80,12 +149,11 @@ class ReplicatedScheduler(Scheduler):
     """Rank 0's scheduler: records what changes it, and sends that to the other ranks
     with each step (they replay it on their own schedulers, `run_rank`)."""
 
-    def __init__(
-        self, *args: Any, tp: TPGroup, ranks: list[multiprocessing.process.BaseProcess], **kw: Any
-    ) -> None:
+    def __init__(self, *args: Any, tp: TPGroup, watch: RankWatch, **kw: Any) -> None:
         super().__init__(*args, **kw)
         self.tp = tp
-        self.ranks = ranks
+        self.watch = watch
+        self.ranks = watch.ranks
         self._log: list[Command] = []
 
     def add_request(self, req: Req) -> None:
@@ -102,27 +170,33 @@ class ReplicatedScheduler(Scheduler):
 
     def step(self) -> list[StepOutput]:
         self._send(("step",))
-        return super().step()
+        try:
+            outputs = super().step()
+        except Exception as exc:  # a collective the watch aborted, say
+            self.watch.check(exc)
+            raise
+        # A step whose collectives were aborted returns garbage: none of it goes out.
+        self.watch.check()
+        return outputs
 
     def stop_ranks(self, timeout_s: float = 30.0) -> None:
-        """Tell the other ranks to exit, and wait for them."""
-        if any(p.is_alive() for p in self.ranks):
-            try:
-                self._send(("stop",))
-            except RankLost:
-                pass
+        """Tell the other ranks to exit, and wait for them. With one gone, the others
+        cannot be told (and may wait in a collective): they are killed."""
+        self.watch.stop()
+        try:
+            self._send(("stop",))
+        except RankLost:
+            timeout_s = 0.0
         for proc in self.ranks:
             proc.join(timeout_s)
             if proc.is_alive():
                 proc.kill()
+                proc.join(5.0)
 
     def _send(self, last: Command) -> None:
-        for rank, proc in enumerate(self.ranks, start=1):
-            if not proc.is_alive():
-                raise RankLost(
-                    f"tensor-parallel rank {rank} exited (code {proc.exitcode}); "
-                    "the engine cannot go on without it"
-                )
+        lost = _exited(self.ranks)
+        if lost is not None:
+            raise RankLost(lost)
         commands, self._log = [*self._log, last], []
         self.tp.broadcast_object(commands)
 
@@ -146,13 +220,13 @@ def build_scheduler(
 
 def start_ranks(
     config: EngineConfig, init_method: str, timeout_s: float = START_TIMEOUT_S
-) -> list[multiprocessing.process.BaseProcess]:
+) -> Ranks:
     """Start ranks 1 .. tp_size - 1 (each joins the group at `init_method`) and wait
     until each runs: one that exits first (its main module failed to import, say) is an
     error now, not a wait in the group's rendezvous for its timeout."""
     context = multiprocessing.get_context("spawn")  # no forked CUDA or thread state
     kwargs = dataclasses.asdict(config)
-    ranks: list[multiprocessing.process.BaseProcess] = []
+    ranks: Ranks = []
     started: list[Any] = []  # multiprocessing Events: set by each rank as it starts
     try:
         for rank in range(1, config.tp_size):
@@ -173,9 +247,7 @@ def start_ranks(
     return ranks
 
 
-def _wait_started(
-    ranks: list[multiprocessing.process.BaseProcess], started: list[Any], timeout_s: float
-) -> None:
+def _wait_started(ranks: Ranks, started: list[Any], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     for rank, (proc, event) in enumerate(zip(ranks, started, strict=True), start=1):
         while not event.wait(0.1):
