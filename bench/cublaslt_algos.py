@@ -202,6 +202,42 @@ def build():  # type: ignore[no-untyped-def]
     )
 
 
+def confirm(lt, contenders, x, out, weights, workspace, args) -> dict[str, list[float]]:  # type: ignore[no-untyped-def]
+    """Each contender's 32-layer chain captured once, then timed in turn for
+    `args.confirm` rounds (this machine's GEMM timings drift by up to ~15% over seconds,
+    so only side-by-side figures compare): us a layer, per round."""
+    graphs = {}
+    for label, packed in contenders.items():
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+
+        def chain(packed=packed):  # type: ignore[no-untyped-def]
+            for w in weights:
+                if packed is None:
+                    torch.matmul(x, w.t(), out=out)
+                else:
+                    lt.matmul(x, w, out, packed, workspace)
+
+        for _ in range(3):
+            chain()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            chain()
+        graphs[label] = graph
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    results: dict[str, list[float]] = {label: [] for label in graphs}
+    for _ in range(args.confirm):
+        for label, graph in graphs.items():
+            times = []
+            for _ in range(args.reps):
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) * 1e3 / LAYERS)
+            results[label].append(statistics.median(times[2:]))
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--m", type=int, nargs="+", default=[476, 512])
@@ -210,6 +246,12 @@ def main() -> None:
     ap.add_argument("--splits", type=int, nargs="+", default=[1, 2, 3, 4])
     ap.add_argument("--top", type=int, default=4, help="algorithms shown per shape")
     ap.add_argument("--shapes", nargs="+", default=[name for name, _, _ in SHAPES])
+    ap.add_argument(
+        "--confirm",
+        type=int,
+        default=0,
+        help="rounds alternating torch (cuBLASLt), the heuristic's first and the best three",
+    )
     ap.add_argument("--json")
     args = ap.parse_args()
     lt = build()
@@ -283,6 +325,18 @@ def main() -> None:
                     for ms, cfg, w in timed[: args.top]
                 ],
             }
+            if args.confirm:
+                contenders = {"torch-cublaslt": None, "first": candidates[0][0]}
+                for _ms, cfg, _w in timed[:3]:
+                    packed = next(p for p, c, _ in candidates if c == cfg)
+                    contenders.setdefault(str(cfg), packed)
+                confirmed = confirm(lt, contenders, x, out, weights, workspace, args)
+                row["confirmed_us"] = confirmed
+                print(
+                    f"M {m:4d} {name:8s} alternating {args.confirm} rounds, median us: "
+                    + "  ".join(f"{k} {statistics.median(v):.1f}" for k, v in confirmed.items()),
+                    flush=True,
+                )
             rows.append(row)
             shown = "  ".join(
                 f"{ms * 1e3 / LAYERS:6.1f} us ({flop / ms / 1e9 / rate:.2f}) {cfg}"
