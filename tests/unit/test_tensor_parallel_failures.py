@@ -8,12 +8,14 @@ import multiprocessing
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from radixserve import Engine
+from radixserve.engine import distributed
 from radixserve.engine.tensor_parallel import RankLost, ReplicatedScheduler, _wait_started
 
 pytestmark = pytest.mark.timeout(300)
@@ -101,3 +103,16 @@ def test_too_few_gpus_is_an_error_before_any_rank_starts(
     with pytest.raises(ValueError, match=r"tp_size 4 from cuda:0 needs GPUs 0..3"):
         Engine(str(tiny_llama_dir), tp_size=4, **{**ENGINE, "device": "cuda"})
     assert not [p for p in multiprocessing.active_children() if p.name.startswith("radixserve-tp")]
+
+
+def test_a_process_that_aborted_nccl_starts_no_other_engine(
+    tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After rank 0 aborted its NCCL collectives (a rank lost on GPUs), a new
+    tensor-parallel engine in the same process is refused before any rank starts."""
+    aborted = threading.Event()
+    aborted.set()
+    monkeypatch.setattr(distributed, "_ABORTED", aborted)
+    with pytest.raises(ValueError, match=r"lost a tensor-parallel rank.*start a new process"):
+        Engine(str(tiny_llama_dir), tp_size=2, **ENGINE)
+    assert not multiprocessing.active_children()
