@@ -4,6 +4,8 @@ outputs equal the in-process engine's of one rank, and SIGTERM stops it and its 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import subprocess
 import time
 import uuid
@@ -96,3 +98,38 @@ async def test_a_two_rank_worker_answers_as_one_rank_does(
     while any(_alive(pid) for pid in ranks) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(_alive(pid) for pid in ranks), "the rank outlived its worker"
+
+
+async def test_a_lost_rank_ends_an_idle_worker_at_once(
+    nats_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A rank killed while the worker has nothing to do: the worker does not wait for a
+    request to find out (which would then fail), it exits non-zero within seconds, so it
+    is restarted with all its ranks before traffic comes."""
+    model_dir: Path = make_tiny_llama(tmp_path_factory.mktemp("tp_worker_lost"), seed=0)
+    prefix, worker_id = f"t{uuid.uuid4().hex[:8]}", "w-tp-lost"
+    subjects = protocol.Subjects(prefix)
+    proc = subprocess.Popen(
+        worker_argv(nats_url, prefix, worker_id, model_dir, "--tp-size", "2"),
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        async with _bus(nats_url) as bus:
+            await _wait_ready(bus, subjects, worker_id)
+        (rank,) = [
+            pid
+            for pid in _children(proc.pid)
+            if b"spawn" in (Path("/proc") / str(pid) / "cmdline").read_bytes()
+        ]
+        os.kill(rank, signal.SIGKILL)
+        killed = time.monotonic()
+        _, stderr = proc.communicate(timeout=60)
+        took = time.monotonic() - killed
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode != 0
+    assert "tensor-parallel rank 1 exited" in stderr, stderr[-3000:]
+    assert took < 15, f"the worker took {took:.1f} s to stop"

@@ -97,6 +97,7 @@ class Engine:
             if lost is not None and isinstance(exc, Exception):
                 raise RankLost(lost) from exc  # what failed here because a rank was lost
             raise
+        self._watch = watch
         self.context_len = self.runner.context_len
         self._kv_events: BlockEventLog | None = None
         detokenize = lambda ids: self._decode(ids, False)  # noqa: E731
@@ -165,6 +166,12 @@ class Engine:
                     if group_of is not None and group_of.finished:
                         del self._groups[out.rid]
             return outputs
+
+    def failure(self) -> str | None:
+        """Why this engine cannot go on, known without a step: a tensor-parallel rank's
+        process gone (what its next step raises as `RankLost`), else None. Lock-free, so
+        a watchdog may ask while a step runs."""
+        return self._watch.lost if self._watch is not None else None
 
     def has_work(self) -> bool:
         with self._lock:

@@ -13,6 +13,7 @@ A hung engine (one step running past `--engine-stall-s`, 300 s: a stuck device, 
 deadlock) stops the worker with exit code 1, after logging where the engine thread
 is: its heartbeats would otherwise go on while every request it holds waits out its
 timeout. The scheduler then fails the worker's requests, and its supervisor restarts it.
+So does a lost tensor-parallel rank (`Engine.failure()`), at once, even while idle.
 """
 
 from __future__ import annotations
@@ -74,6 +75,9 @@ def engine_failure(driver: EngineDriver, stall_s: float) -> str | None:
     running past `stall_s`, 0 = no limit), or None while it is fine."""
     if driver.error is not None:
         return f"the engine thread failed: {driver.error!r}"
+    lost = driver.engine.failure()  # idle, the engine thread would not learn of it
+    if lost is not None:
+        return f"the engine cannot go on: {lost}"
     if not driver.alive:
         return "the engine thread stopped"
     running = driver.step_running_s()
