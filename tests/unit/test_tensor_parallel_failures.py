@@ -116,3 +116,20 @@ def test_a_process_that_aborted_nccl_starts_no_other_engine(
     with pytest.raises(ValueError, match=r"lost a tensor-parallel rank.*start a new process"):
         Engine(str(tiny_llama_dir), tp_size=2, **ENGINE)
     assert not multiprocessing.active_children()
+
+
+def test_an_idle_engine_outlives_the_collective_timeout(tiny_llama_dir: Path) -> None:
+    """The ranks wait for rank 0's next step on a pipe, without a timeout: an engine idle
+    for longer than `dist_timeout_s` still runs. (They used to wait in a gloo broadcast,
+    whose timeout took them down: an idle engine lost its ranks after 10 minutes.)"""
+    params = {"max_new_tokens": 3, "temperature": 0}
+    with Engine(str(tiny_llama_dir), tp_size=2, dist_timeout_s=3, **ENGINE) as engine:
+        first = engine.generate(input_ids=[5, 6, 7], sampling_params=params)
+        time.sleep(5)
+        scheduler = engine.scheduler
+        assert isinstance(scheduler, ReplicatedScheduler)
+        assert all(proc.is_alive() for proc in scheduler.ranks)
+        assert scheduler.watch.lost is None
+        again = engine.generate(input_ids=[5, 6, 7], sampling_params=params)
+    assert isinstance(first, dict) and isinstance(again, dict)
+    assert again["output_ids"] == first["output_ids"] and len(first["output_ids"]) == 3

@@ -59,6 +59,10 @@ class EngineConfig:
     # Tensor parallelism: one process per rank (this one is rank 0), each with a shard of
     # the projections and KV heads, on CUDA one GPU each (NCCL), gloo on the CPU.
     tp_size: int = 1
+    # A collective between the ranks that waits this long fails (a rank is stuck). Ranks
+    # waiting for rank 0's next step have no timeout (an idle engine), and a rank whose
+    # process exits is seen at once.
+    dist_timeout_s: float = 600.0
     # Scheduling.
     schedule_policy: str = "lpm"
     chunked_prefill_size: int = 2048  # <= 0: no chunking
@@ -110,6 +114,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if not self.dist_timeout_s > 0:
+            raise ValueError(f"dist_timeout_s must be > 0, got {self.dist_timeout_s}")
         if self.piecewise_cuda_graph_max_tokens < 0:
             raise ValueError("piecewise_cuda_graph_max_tokens must be >= 0 (0: off)")
         if self.max_total_tokens is not None and self.max_total_tokens < 2:

@@ -5,9 +5,9 @@ made; `engine/tensor_parallel.py` runs the others), each with a shard of every
 projection and of the KV heads (model/llama.py). The model's row-parallel projections
 and its vocabulary-parallel embeddings sum their partial outputs with `all_reduce`
 (NCCL on CUDA, gloo on the CPU); the head's vocabulary shards meet with `all_gather`.
-Rank 0 sends the other ranks its scheduler's inputs once per step with
-`broadcast_object` over a gloo group (host objects, whatever the device), so every rank
-schedules the same batches.
+Host objects (the NCCL id, the KV budget at start-up) go through a gloo group
+(`broadcast_object`, `min_int`); each step's scheduler inputs go down a pipe to each rank
+(`engine/tensor_parallel.py`), so every rank schedules the same batches.
 On CUDA the model's eager collectives call NCCL directly on the compute stream
 (`engine/nccl.py`: torch.distributed's costs ~140 us of host time each); those captured in
 CUDA graphs go through torch.distributed, whose graphs replay faster.
@@ -30,8 +30,6 @@ from torch.distributed import distributed_c10d
 from radixserve.engine.nccl import NcclComm, NcclError, abort_live_comms, live_comms
 
 log = logging.getLogger(__name__)
-# Longer than any one step: a collective that waits this long means a rank is gone.
-COLLECTIVE_TIMEOUT = timedelta(seconds=600)
 TEARDOWN_TIMEOUT_S = 30.0
 
 
@@ -116,19 +114,19 @@ def free_tcp_address() -> str:
         return f"tcp://127.0.0.1:{sock.getsockname()[1]}"
 
 
-def init_tp_group(rank: int, size: int, init_method: str, device: torch.device) -> TPGroup:
-    """Join the engine's process group (every rank calls this with the same address)."""
+def init_tp_group(
+    rank: int, size: int, init_method: str, device: torch.device, timeout_s: float
+) -> TPGroup:
+    """Join the engine's process group (every rank calls this with the same address).
+    `timeout_s` (`dist_timeout_s`): a collective that waits this long fails."""
     if size == 1:
         return SINGLE
     backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=timeout_s)
     dist.init_process_group(
-        backend,
-        init_method=init_method,
-        world_size=size,
-        rank=rank,
-        timeout=COLLECTIVE_TIMEOUT,
+        backend, init_method=init_method, world_size=size, rank=rank, timeout=timeout
     )
-    cpu_group = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
+    cpu_group = dist.new_group(backend="gloo", timeout=timeout)
     return TPGroup(rank, size, dist.group.WORLD, cpu_group if backend == "nccl" else None)
 
 
@@ -186,7 +184,7 @@ def abort_device_collectives(timeout_s: float = 5.0) -> None:
     """End this process's NCCL collectives at once, from any thread: kernels that wait
     for a rank whose process is gone return (with garbage), and later collectives
     raise. NCCL has no timeout of its own there (torch.distributed's watchdog only after
-    `COLLECTIVE_TIMEOUT`), so rank 0 calls this as soon as it sees a rank's process gone
+    `dist_timeout_s`), so rank 0 calls this as soon as it sees a rank's process gone
     (`tensor_parallel.RankWatch`). The group is unusable afterwards, and the process
     starts no other (`check_tp_group_free`)."""
     torch_nccl = dist.is_initialized() and dist.get_backend() == "nccl"

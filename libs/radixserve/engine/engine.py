@@ -19,6 +19,7 @@ import threading
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +46,7 @@ from radixserve.engine.sampling.params import SamplingParams, resolve_seed
 from radixserve.engine.sched.kv_manager import KVUsage
 from radixserve.engine.tensor_parallel import (
     RankLost,
+    Ranks,
     RankWatch,
     ReplicatedScheduler,
     build_scheduler,
@@ -73,7 +75,9 @@ class Engine:
         self.config = EngineConfig.from_kwargs(model_path=model_path, **kwargs)
         torch.manual_seed(self.config.random_seed)
         # Tensor parallel: the other ranks start first, then all join one group.
-        self.tp, ranks, watch = SINGLE, [], None
+        self.tp, watch = SINGLE, None
+        ranks: Ranks = []
+        channels: list[Connection] = []
         if self.config.tp_size > 1:
             check_tp_group_free()
         try:
@@ -82,17 +86,21 @@ class Engine:
                 # would die after the group formed, leaving rank 0 in a collective).
                 device = resolve_device(self.config.device, self.config.tp_size)
                 address = free_tcp_address()
-                ranks = start_ranks(self.config, address)
+                ranks, channels = start_ranks(self.config, address)
                 # A rank that dies from here on (out of memory in its warm-up, say)
                 # ends rank 0's collectives: an error now, not a wait without end.
                 watch = RankWatch(ranks)
-                self.tp = init_tp_group(0, self.config.tp_size, address, device)
+                self.tp = init_tp_group(
+                    0, self.config.tp_size, address, device, self.config.dist_timeout_s
+                )
             self.runner = ModelRunner(self.config, self.tp)
             self.tokenizer = load_tokenizer(self.runner.model_path)
         except BaseException as exc:
             lost = watch.stop() if watch is not None else None
             for rank in ranks:  # they would wait out the collective timeout for rank 0
                 rank.kill()
+            for channel in channels:
+                channel.close()
             destroy_tp_group(self.tp)
             if lost is not None and isinstance(exc, Exception):
                 raise RankLost(lost) from exc  # what failed here because a rank was lost
@@ -103,7 +111,13 @@ class Engine:
         detokenize = lambda ids: self._decode(ids, False)  # noqa: E731
         self.scheduler = (
             build_scheduler(
-                self.config, self.runner, detokenize, ReplicatedScheduler, tp=self.tp, watch=watch
+                self.config,
+                self.runner,
+                detokenize,
+                ReplicatedScheduler,
+                tp=self.tp,
+                watch=watch,
+                channels=channels,
             )
             if watch is not None
             else build_scheduler(self.config, self.runner, detokenize)

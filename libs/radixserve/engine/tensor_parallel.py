@@ -3,7 +3,9 @@
 As in SGLang, each rank holds a scheduler of its own over its shard of the model and
 of the KV heads, and all of them make the same decisions: rank 0 (the `Engine` the
 caller made) sends the others what changed its scheduler since the last step (requests
-added, aborts, a cache flush) with the step itself, once per step; the logits, summed
+added, aborts, a cache flush) with the step itself, once per step, down a pipe to each
+(its child processes: a rank waits for the next step without a timeout, however long
+the engine idles, and sees rank 0 gone at once as the pipe's end); the logits, summed
 over the ranks inside the model, are the same bits on every rank, so every rank samples
 the same tokens (seeds are per request) and retires the same requests. Only rank 0
 reports outputs. A rank that exits stops rank 0 with `RankLost`, rather than leaving it
@@ -19,10 +21,12 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import pickle
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
@@ -79,7 +83,7 @@ def _lost(rank: int, proc: multiprocessing.process.BaseProcess) -> str:
 class RankWatch:
     """Rank 0's watch over the other ranks' processes (a thread). When one exits unasked,
     rank 0 may be inside a device collective that waits for it with no timeout (NCCL's
-    kernels; torch.distributed's watchdog only after `COLLECTIVE_TIMEOUT`): the watch
+    kernels; torch.distributed's watchdog only after `dist_timeout_s`): the watch
     notes which rank (`lost`) and aborts this process's device collectives, so that call
     returns and rank 0 raises `RankLost` (`check`) instead of hanging."""
 
@@ -149,11 +153,15 @@ class ReplicatedScheduler(Scheduler):
     """Rank 0's scheduler: records what changes it, and sends that to the other ranks
     with each step (they replay it on their own schedulers, `run_rank`)."""
 
-    def __init__(self, *args: Any, tp: TPGroup, watch: RankWatch, **kw: Any) -> None:
+    def __init__(
+        self, *args: Any, tp: TPGroup, watch: RankWatch, channels: list[Connection], **kw: Any
+    ) -> None:
+        """`channels`: the pipes to ranks 1 .. N-1 (`start_ranks`)."""
         super().__init__(*args, **kw)
         self.tp = tp
         self.watch = watch
         self.ranks = watch.ranks
+        self.channels = channels
         self._log: list[Command] = []
 
     def add_request(self, req: Req) -> None:
@@ -192,13 +200,20 @@ class ReplicatedScheduler(Scheduler):
             if proc.is_alive():
                 proc.kill()
                 proc.join(5.0)
+        for channel in self.channels:
+            channel.close()
 
     def _send(self, last: Command) -> None:
         lost = _exited(self.ranks)
         if lost is not None:
             raise RankLost(lost)
         commands, self._log = [*self._log, last], []
-        self.tp.broadcast_object(commands)
+        data = pickle.dumps(commands, protocol=pickle.HIGHEST_PROTOCOL)  # once for all
+        for rank, channel in enumerate(self.channels, start=1):
+            try:
+                channel.send_bytes(data)
+            except OSError as exc:  # its reading end closed: the rank is going
+                raise RankLost(f"tensor-parallel rank {rank} stopped reading ({exc!r})") from exc
 
 
 def build_scheduler(
@@ -220,31 +235,38 @@ def build_scheduler(
 
 def start_ranks(
     config: EngineConfig, init_method: str, timeout_s: float = START_TIMEOUT_S
-) -> Ranks:
+) -> tuple[Ranks, list[Connection]]:
     """Start ranks 1 .. tp_size - 1 (each joins the group at `init_method`) and wait
     until each runs: one that exits first (its main module failed to import, say) is an
-    error now, not a wait in the group's rendezvous for its timeout."""
+    error now, not a wait in the group's rendezvous for its timeout. Returns the ranks'
+    processes and rank 0's ends of the pipes that carry each step's commands to them."""
     context = multiprocessing.get_context("spawn")  # no forked CUDA or thread state
     kwargs = dataclasses.asdict(config)
     ranks: Ranks = []
+    channels: list[Connection] = []
     started: list[Any] = []  # multiprocessing Events: set by each rank as it starts
     try:
         for rank in range(1, config.tp_size):
             started.append(context.Event())
+            reader, writer = context.Pipe(duplex=False)
+            channels.append(writer)
             proc: multiprocessing.process.BaseProcess = context.Process(
                 target=run_rank,
-                args=(kwargs, rank, init_method, os.getpid(), started[-1]),
+                args=(kwargs, rank, init_method, os.getpid(), started[-1], reader),
                 name=f"radixserve-tp{rank}",
                 daemon=True,
             )
             proc.start()
+            reader.close()  # the rank's copy only: a write to a rank gone then fails
             ranks.append(proc)
         _wait_started(ranks, started, timeout_s)
     except BaseException:
         for proc in ranks:
             proc.kill()
+        for channel in channels:
+            channel.close()
         raise
-    return ranks
+    return ranks, channels
 
 
 def _wait_started(ranks: Ranks, started: list[Any], timeout_s: float) -> None:
@@ -265,15 +287,21 @@ def _wait_started(ranks: Ranks, started: list[Any], timeout_s: float) -> None:
 
 
 def run_rank(
-    kwargs: dict[str, Any], rank: int, init_method: str, parent_pid: int, started: Any
+    kwargs: dict[str, Any],
+    rank: int,
+    init_method: str,
+    parent_pid: int,
+    started: Any,
+    commands: Connection,
 ) -> None:
-    """A rank other than 0: build its shard, then replay rank 0's commands until "stop"."""
+    """A rank other than 0: build its shard, then replay rank 0's commands (read from
+    `commands`) until "stop", or until rank 0 is gone."""
     started.set()  # the main module imported: start_ranks stops watching for an early exit
     _exit_with_parent(parent_pid)
     config = EngineConfig.from_kwargs(**kwargs)
     torch.manual_seed(config.random_seed)
     device = resolve_device(config.device)
-    tp = init_tp_group(rank, config.tp_size, init_method, device)
+    tp = init_tp_group(rank, config.tp_size, init_method, device, config.dist_timeout_s)
     runner: ModelRunner | None = None
     try:
         runner = ModelRunner(config, tp)
@@ -282,12 +310,22 @@ def run_rank(
         scheduler = build_scheduler(
             config, runner, lambda ids: str(tokenizer.decode(ids, skip_special_tokens=False))
         )
-        while _apply(tp.broadcast_object(None), scheduler, grammars):
+        while _apply(_next_commands(commands), scheduler, grammars):
             pass
     finally:
         if runner is not None:  # its graphs' captured all-reduces would hold the teardown
             runner.close()
         destroy_tp_group(tp)
+
+
+def _next_commands(channel: Connection) -> list[Command]:
+    """Rank 0's next step, however long it idles first; "stop" if rank 0 is gone (the
+    pipe's end: every writer closed)."""
+    try:
+        commands: list[Command] = pickle.loads(channel.recv_bytes())
+    except EOFError:
+        return [("stop",)]
+    return commands
 
 
 def _apply(commands: list[Command], scheduler: Scheduler, grammars: GrammarBackend) -> bool:
