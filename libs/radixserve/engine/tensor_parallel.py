@@ -19,14 +19,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import multiprocessing
-import multiprocessing.connection
 import os
 import pickle
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import torch
@@ -100,7 +99,7 @@ class RankWatch:
         sentinels = [proc.sentinel for proc in self.ranks]
         ready: list[Any] = []
         while not ready and not self._stopped.is_set():
-            ready = multiprocessing.connection.wait(sentinels, timeout=poll_s)
+            ready = wait(sentinels, timeout=poll_s)
         if self._stopped.is_set():
             return
         rank, proc = next((r, p) for r, p in enumerate(self.ranks, 1) if p.sentinel in ready)
