@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: run test lint format unit integration gpu check-packaging bench-engine-cpu bench-overhead bench-online bench-routing bench-gpu clean venv
+.PHONY: run test lint format unit integration gpu check-packaging bench-engine-cpu bench-overhead bench-online bench-routing bench-soak bench-gpu clean venv
 
 venv: $(STAMP)
 
@@ -64,6 +64,10 @@ bench-online: $(STAMP)
 # Cache-aware against least-load routing over 2 workers (shared-prefix load, the CPU).
 bench-routing: $(STAMP)
 	$(PY) bench/routing.py $(ARGS)
+
+# A long mixed load through one stack: errors, memory by service, KV left (the CPU).
+bench-soak: $(STAMP)
+	$(PY) bench/soak.py $(ARGS)
 
 # Needs a CUDA GPU: throughput, latency against the roofline, and HF parity per backend.
 bench-gpu: $(STAMP)
