@@ -56,6 +56,31 @@ SHOWN = (
 )
 
 
+def start_local_stack(
+    infra: Infra, name: str, port: int, model_dir: Path, served: str, worker_args: list[str]
+) -> Stack:
+    """One stack on this host over `infra`'s NATS and Redis, started (the six services as
+    `radixserve up` starts them, one worker; metrics from `port` + 100, logs in a fresh
+    temporary folder). The caller waits for it to be healthy and stops it."""
+    spec = StackSpec(
+        nats_url=infra.nats_url,
+        redis_url=infra.redis_url,
+        subject_prefix=f"bench-{name}-{os.getpid()}",
+        host="127.0.0.1",
+        port=port,
+        workers=1,
+        model_dir=model_dir,
+        served_model_name=served,
+        worker_args=worker_args,
+        tokenizer_args=[],
+        log_dir=Path(tempfile.mkdtemp(prefix=f"radixserve-{name}-")),
+        metrics_port_base=port + 100,
+    )
+    stack = Stack(spec, say=lambda text: print(text, file=sys.stderr))
+    stack.start()
+    return stack
+
+
 def serving_args(url: str, args: argparse.Namespace, rate: float, prompts: int) -> Any:
     """`radixserve bench serving`'s namespace for one phase."""
     parser = argparse.ArgumentParser()
@@ -137,22 +162,8 @@ def main() -> int:
 
     rows: list[dict[str, Any]] = []
     with Infra() as infra:
-        spec = StackSpec(
-            nats_url=infra.nats_url,
-            redis_url=infra.redis_url,
-            subject_prefix=f"bench-online-{os.getpid()}",
-            host="127.0.0.1",
-            port=args.port,
-            workers=1,
-            model_dir=model_dir,
-            served_model_name="bench",
-            worker_args=worker_args,
-            tokenizer_args=[],
-            log_dir=Path(tempfile.mkdtemp(prefix="radixserve-online-")),
-            metrics_port_base=args.port + 100,
-        )
-        stack = Stack(spec, say=lambda text: print(text, file=sys.stderr))
-        stack.start()
+        stack = start_local_stack(infra, "online", args.port, model_dir, "bench", worker_args)
+        spec = stack.spec
         try:
             stack.wait_healthy(900)
             metrics_url = f"http://127.0.0.1:{spec.metrics_ports()['worker-0']}/metrics"

@@ -25,21 +25,20 @@ import argparse
 import asyncio
 import itertools
 import json
-import os
 import random
 import sys
-import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import httpx
+from online import start_local_stack
 from openai import AsyncOpenAI
 
 from radixserve.engine.model.loader import resolve_model_path
 from radixserve.infra import Infra
-from radixserve.stack import Stack, StackSpec
+from radixserve.stack import Stack
 
 MODEL = "soak"
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi pi rho".split()
@@ -223,23 +222,10 @@ def main() -> int:
     args = ap.parse_args()
 
     model_dir = resolve_model_path(args.model)
+    worker_args = ["--device", args.device, *args.worker_args.split()]
     with Infra() as infra:
-        spec = StackSpec(
-            nats_url=infra.nats_url,
-            redis_url=infra.redis_url,
-            subject_prefix=f"bench-soak-{os.getpid()}",
-            host="127.0.0.1",
-            port=args.port,
-            workers=1,
-            model_dir=model_dir,
-            served_model_name=MODEL,
-            worker_args=["--device", args.device, *args.worker_args.split()],
-            tokenizer_args=[],
-            log_dir=Path(tempfile.mkdtemp(prefix="radixserve-soak-")),
-            metrics_port_base=args.port + 100,
-        )
-        stack = Stack(spec, say=lambda text: print(text, file=sys.stderr))
-        stack.start()
+        stack = start_local_stack(infra, "soak", args.port, model_dir, MODEL, worker_args)
+        spec = stack.spec
         try:
             stack.wait_healthy(900)
             metrics_url = f"http://127.0.0.1:{spec.metrics_ports()['worker-0']}/metrics"
