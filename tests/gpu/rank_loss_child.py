@@ -32,7 +32,7 @@ def main(model_dir: str, path: str) -> None:
             tp.nccl.all_reduce(x)
         else:
             dist.all_reduce(x, group=tp.group)
-        (rank,) = scheduler.ranks
+        (rank,) = scheduler.others.procs
         rank.kill()
         synced = threading.Event()
         waiter = threading.Thread(
@@ -41,7 +41,7 @@ def main(model_dir: str, path: str) -> None:
         )
         waiter.start()
         assert synced.wait(60), "rank 0 still waits in the all-reduce after 60 s"
-        lost = scheduler.watch.lost
+        lost = scheduler.others.watch.lost
         assert lost is not None and "rank 1 exited" in lost, lost
         engine.submit([5, 6, 7], {"max_new_tokens": 2})
         with pytest.raises(RankLost, match="rank 1 exited"):

@@ -32,14 +32,17 @@ def test_a_lost_rank_stops_the_engine_and_one_engine_runs_at_a_time(
             Engine(str(tiny_llama_dir), tp_size=2, **ENGINE)
         scheduler = engine.scheduler
         assert isinstance(scheduler, ReplicatedScheduler)
-        (rank,) = scheduler.ranks
+        (rank,) = scheduler.others.procs
         rank.kill()
         rank.join(30)
         # The watch sees it go by itself (on a GPU it would abort rank 0's collectives).
         deadline = time.monotonic() + 10
-        while scheduler.watch.lost is None and time.monotonic() < deadline:
+        while scheduler.others.watch.lost is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert scheduler.watch.lost is not None and "rank 1 exited" in scheduler.watch.lost
+        assert (
+            scheduler.others.watch.lost is not None
+            and "rank 1 exited" in scheduler.others.watch.lost
+        )
         engine.submit([5, 6, 7], {"max_new_tokens": 2})
         with pytest.raises(RankLost, match="rank 1 exited"):
             engine.step()
@@ -128,8 +131,8 @@ def test_an_idle_engine_outlives_the_collective_timeout(tiny_llama_dir: Path) ->
         time.sleep(5)
         scheduler = engine.scheduler
         assert isinstance(scheduler, ReplicatedScheduler)
-        assert all(proc.is_alive() for proc in scheduler.ranks)
-        assert scheduler.watch.lost is None
+        assert all(proc.is_alive() for proc in scheduler.others.procs)
+        assert scheduler.others.watch.lost is None
         again = engine.generate(input_ids=[5, 6, 7], sampling_params=params)
     assert isinstance(first, dict) and isinstance(again, dict)
     assert again["output_ids"] == first["output_ids"] and len(first["output_ids"]) == 3

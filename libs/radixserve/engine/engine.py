@@ -19,7 +19,6 @@ import threading
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -45,12 +44,10 @@ from radixserve.engine.runner import ModelRunner, resolve_device
 from radixserve.engine.sampling.params import SamplingParams, resolve_seed
 from radixserve.engine.sched.kv_manager import KVUsage
 from radixserve.engine.tensor_parallel import (
+    OtherRanks,
     RankLost,
-    Ranks,
-    RankWatch,
     ReplicatedScheduler,
     build_scheduler,
-    start_ranks,
 )
 from radixserve.engine.token_ids import checked_token_ids
 from radixserve.protocol.kv_events import AllBlocksCleared, KvEvent
@@ -75,9 +72,7 @@ class Engine:
         self.config = EngineConfig.from_kwargs(model_path=model_path, **kwargs)
         torch.manual_seed(self.config.random_seed)
         # Tensor parallel: the other ranks start first, then all join one group.
-        self.tp, watch = SINGLE, None
-        ranks: Ranks = []
-        channels: list[Connection] = []
+        self.tp, others = SINGLE, None
         if self.config.tp_size > 1:
             check_tp_group_free()
         try:
@@ -86,40 +81,29 @@ class Engine:
                 # would die after the group formed, leaving rank 0 in a collective).
                 device = resolve_device(self.config.device, self.config.tp_size)
                 address = free_tcp_address()
-                ranks, channels = start_ranks(self.config, address)
-                # A rank that dies from here on (out of memory in its warm-up, say)
-                # ends rank 0's collectives: an error now, not a wait without end.
-                watch = RankWatch(ranks)
+                # Watched from here on: a rank that dies (out of memory in its warm-up,
+                # say) ends rank 0's collectives, an error now, not a wait without end.
+                others = OtherRanks.start(self.config, address)
                 self.tp = init_tp_group(
                     0, self.config.tp_size, address, device, self.config.dist_timeout_s
                 )
             self.runner = ModelRunner(self.config, self.tp)
             self.tokenizer = load_tokenizer(self.runner.model_path)
         except BaseException as exc:
-            lost = watch.stop() if watch is not None else None
-            for rank in ranks:  # they would wait out the collective timeout for rank 0
-                rank.kill()
-            for channel in channels:
-                channel.close()
+            lost = others.abandon() if others is not None else None
             destroy_tp_group(self.tp)
             if lost is not None and isinstance(exc, Exception):
                 raise RankLost(lost) from exc  # what failed here because a rank was lost
             raise
-        self._watch = watch
+        self._watch = others.watch if others is not None else None
         self.context_len = self.runner.context_len
         self._kv_events: BlockEventLog | None = None
         detokenize = lambda ids: self._decode(ids, False)  # noqa: E731
         self.scheduler = (
             build_scheduler(
-                self.config,
-                self.runner,
-                detokenize,
-                ReplicatedScheduler,
-                tp=self.tp,
-                watch=watch,
-                channels=channels,
+                self.config, self.runner, detokenize, ReplicatedScheduler, others=others
             )
-            if watch is not None
+            if others is not None
             else build_scheduler(self.config, self.runner, detokenize)
         )
         self.eos_token_ids = frozenset(self.runner.model_config.eos_token_ids)
@@ -375,7 +359,7 @@ class Engine:
                 self.forget(rid)
             self._closed = True
             if isinstance(self.scheduler, ReplicatedScheduler):
-                self.scheduler.stop_ranks()
+                self.scheduler.others.stop()
             # The scheduler holds the pools and, through its callbacks, the engine: drop it
             # so nothing keeps the tensors alive until a cycle collection.
             del self.scheduler

@@ -33,7 +33,6 @@ import torch
 from radixserve.engine.config import EngineConfig
 from radixserve.engine.constrained import GrammarBackend
 from radixserve.engine.distributed import (
-    TPGroup,
     abort_device_collectives,
     destroy_tp_group,
     init_tp_group,
@@ -152,15 +151,9 @@ class ReplicatedScheduler(Scheduler):
     """Rank 0's scheduler: records what changes it, and sends that to the other ranks
     with each step (they replay it on their own schedulers, `run_rank`)."""
 
-    def __init__(
-        self, *args: Any, tp: TPGroup, watch: RankWatch, channels: list[Connection], **kw: Any
-    ) -> None:
-        """`channels`: the pipes to ranks 1 .. N-1 (`start_ranks`)."""
+    def __init__(self, *args: Any, others: OtherRanks, **kw: Any) -> None:
         super().__init__(*args, **kw)
-        self.tp = tp
-        self.watch = watch
-        self.ranks = watch.ranks
-        self.channels = channels
+        self.others = others
         self._log: list[Command] = []
 
     def add_request(self, req: Req) -> None:
@@ -176,25 +169,52 @@ class ReplicatedScheduler(Scheduler):
         return super().flush_cache()
 
     def step(self) -> list[StepOutput]:
-        self._send(("step",))
+        commands, self._log = [*self._log, ("step",)], []
+        self.others.send(commands)
         try:
             outputs = super().step()
         except Exception as exc:  # a collective the watch aborted, say
-            self.watch.check(exc)
+            self.others.watch.check(exc)
             raise
         # A step whose collectives were aborted returns garbage: none of it goes out.
-        self.watch.check()
+        self.others.watch.check()
         return outputs
 
-    def stop_ranks(self, timeout_s: float = 30.0) -> None:
-        """Tell the other ranks to exit, and wait for them. With one gone, the others
-        cannot be told (and may wait in a collective): they are killed."""
+
+class OtherRanks:
+    """Ranks 1 .. N-1 as rank 0 holds them: their processes, the pipes that carry each
+    step's commands to them, and the watch over them (`start` starts them)."""
+
+    def __init__(self, procs: Ranks, channels: list[Connection]) -> None:
+        self.procs = procs
+        self.channels = channels
+        self.watch = RankWatch(procs)
+
+    @classmethod
+    def start(cls, config: EngineConfig, init_method: str) -> OtherRanks:
+        return cls(*start_ranks(config, init_method))
+
+    def send(self, commands: list[Command]) -> None:
+        """`commands` to every rank (pickled once); `RankLost` if one is gone."""
+        lost = _exited(self.procs)
+        if lost is not None:
+            raise RankLost(lost)
+        data = pickle.dumps(commands, protocol=pickle.HIGHEST_PROTOCOL)
+        for rank, channel in enumerate(self.channels, start=1):
+            try:
+                channel.send_bytes(data)
+            except OSError as exc:  # its reading end closed: the rank is going
+                raise RankLost(f"tensor-parallel rank {rank} stopped reading ({exc!r})") from exc
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Tell the ranks to exit, and wait for them. With one gone, the others cannot be
+        told (and may wait in a collective): they are killed."""
         self.watch.stop()
         try:
-            self._send(("stop",))
+            self.send([("stop",)])
         except RankLost:
             timeout_s = 0.0
-        for proc in self.ranks:
+        for proc in self.procs:
             proc.join(timeout_s)
             if proc.is_alive():
                 proc.kill()
@@ -202,17 +222,15 @@ class ReplicatedScheduler(Scheduler):
         for channel in self.channels:
             channel.close()
 
-    def _send(self, last: Command) -> None:
-        lost = _exited(self.ranks)
-        if lost is not None:
-            raise RankLost(lost)
-        commands, self._log = [*self._log, last], []
-        data = pickle.dumps(commands, protocol=pickle.HIGHEST_PROTOCOL)  # once for all
-        for rank, channel in enumerate(self.channels, start=1):
-            try:
-                channel.send_bytes(data)
-            except OSError as exc:  # its reading end closed: the rank is going
-                raise RankLost(f"tensor-parallel rank {rank} stopped reading ({exc!r})") from exc
+    def abandon(self) -> str | None:
+        """Kill the ranks (rank 0 failed to start): which one had exited first, if one
+        had (what made rank 0 fail, then)."""
+        lost = self.watch.stop()
+        for proc in self.procs:
+            proc.kill()  # they would wait out the collective timeout for rank 0
+        for channel in self.channels:
+            channel.close()
+        return lost
 
 
 def build_scheduler(
