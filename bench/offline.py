@@ -37,6 +37,7 @@ import json
 import os
 import random
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,6 +82,20 @@ class Workload:
     # (that many decode over it together, reading it once, with the radix cache).
     shared_prefix_len: int = 0
     group_size: int = 1
+
+
+@dataclass(frozen=True)
+class Step:
+    """One engine step of a run, as the bench saw it."""
+
+    seconds: float
+    prefill_tokens: int
+    decode_rows: int
+    running_after: int
+
+
+ROW_BUCKET = 32
+ROW_QUANTILES = (0, 10, 25, 50, 75, 90, 100)
 
 
 @dataclass(frozen=True)
@@ -147,16 +162,19 @@ def run_offline(
     submit_all(engine, requests)
     finished = []
     sched = engine.scheduler
-    steps: list[tuple[float, int, int]] = []  # (seconds, prefill tokens, running after)
-    step_tokens: list[int] = []  # prefill tokens + decode rows
+    steps: list[Step] = []
     while engine.has_work():
         t0, prefilled = time.perf_counter(), sched.total_prefill_tokens
         decoded = sched.total_decode_tokens
         finished += [out.req for out in engine.step() if out.finished]
         steps.append(
-            (time.perf_counter() - t0, sched.total_prefill_tokens - prefilled, len(sched.running))
+            Step(
+                seconds=time.perf_counter() - t0,
+                prefill_tokens=sched.total_prefill_tokens - prefilled,
+                decode_rows=sched.total_decode_tokens - decoded,
+                running_after=len(sched.running),
+            )
         )
-        step_tokens.append(steps[-1][1] + sched.total_decode_tokens - decoded)
     _sync(engine)
     duration = time.perf_counter() - started
     done = [
@@ -167,6 +185,7 @@ def run_offline(
     input_tokens = sum(len(req.origin_input_ids) for req in done)
     output_tokens = sum(len(req.output_ids) for req in done)
     cached = sum(req.cached_tokens for req in done)
+    step_tokens = [s.prefill_tokens + s.decode_rows for s in steps]
     floors = {} if floor is None else floor(done, step_tokens)
     if "floor_s" in floors:
         floors["of_floor"] = floors["floor_s"] / duration
@@ -219,25 +238,35 @@ def floor_of(
     return figures
 
 
-def step_profile(steps: Sequence[tuple[float, int, int]]) -> dict[str, Any]:
+def step_profile(steps: Sequence[Step]) -> dict[str, Any]:
     """Where the run's time went: steps that prefilled (mixed with decode rows or not)
-    against pure decode steps. Under overlap a step's time is its planning plus the wait
-    for the step before it, so the sums add up to the run's duration."""
-    prefill = [s for s in steps if s[1] > 0]
-    decode = [s for s in steps if s[1] == 0]
+    against pure decode steps, and how many rows the decode steps carried (quantiles, and
+    steps per 32-row bucket keyed by its lowest row count). Under overlap a step's time is
+    its planning plus the wait for the step before it, so the sums add up to the run's
+    duration."""
+    prefill = [s for s in steps if s.prefill_tokens > 0]
+    decode = [s for s in steps if s.prefill_tokens == 0]
+    rows = sorted(s.decode_rows for s in decode)
 
     def mean(xs: Sequence[float]) -> float:
         return sum(xs) / len(xs) if xs else 0.0
 
+    buckets = Counter(r // ROW_BUCKET * ROW_BUCKET for r in rows)
     return {
         "steps": len(steps),
         "prefill_steps": len(prefill),
-        "prefill_steps_s": sum(s[0] for s in prefill),
-        "prefill_tokens_per_step": mean([s[1] for s in prefill]),
-        "running_in_prefill_steps": mean([s[2] for s in prefill]),
+        "prefill_steps_s": sum(s.seconds for s in prefill),
+        "prefill_tokens_per_step": mean([s.prefill_tokens for s in prefill]),
+        "running_in_prefill_steps": mean([s.running_after for s in prefill]),
         "decode_steps": len(decode),
-        "decode_steps_s": sum(s[0] for s in decode),
-        "running_in_decode_steps": mean([s[2] for s in decode]),
+        "decode_steps_s": sum(s.seconds for s in decode),
+        "running_in_decode_steps": mean([s.running_after for s in decode]),
+        "decode_rows_quantiles": {
+            f"p{q}": rows[min(len(rows) - 1, len(rows) * q // 100)] for q in ROW_QUANTILES
+        }
+        if rows
+        else {},
+        "decode_steps_by_rows": {str(k): buckets[k] for k in sorted(buckets)},
     }
 
 

@@ -64,6 +64,10 @@ def test_shared_prefix_counts_and_cache_hits(offline: ModuleType, tiny_llama_dir
         assert row["prefill_steps"] >= 2 and row["decode_steps"] >= 1
         assert row["prefill_steps_s"] + row["decode_steps_s"] <= row["duration_s"]
         assert 0 < row["prefill_tokens_per_step"] <= 16
+        # The decode steps' rows: every decode step in one 32-row bucket, at most 6 rows.
+        assert sum(row["decode_steps_by_rows"].values()) == row["decode_steps"]
+        quantiles = list(row["decode_rows_quantiles"].values())
+        assert quantiles == sorted(quantiles) and 1 <= quantiles[0] and quantiles[-1] <= 6
     on, off = rows
     assert on["cache_hit_rate"] > 0 and on["cached_tokens"] > 0
     assert off["cache_hit_rate"] == 0 and off["cached_tokens"] == 0
