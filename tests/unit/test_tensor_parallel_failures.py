@@ -16,7 +16,12 @@ import pytest
 
 from radixserve import Engine
 from radixserve.engine import distributed
-from radixserve.engine.tensor_parallel import RankLost, ReplicatedScheduler, _wait_started
+from radixserve.engine.tensor_parallel import (
+    RankLost,
+    ReplicatedScheduler,
+    _exited,
+    _wait_started,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -89,6 +94,38 @@ def test_a_rank_that_never_starts_is_an_error_after_the_timeout() -> None:
     finally:
         proc.kill()
         proc.join(10)
+
+
+def test_a_rank_that_dies_before_joining_ends_rank_0s_rendezvous() -> None:
+    """Rank 0 hosts the group's rendezvous: a rank that exits before it checks in (after
+    it started) is an error within moments, not a wait of dist_timeout_s."""
+    import torch
+
+    context = multiprocessing.get_context("spawn")
+    proc = context.Process(target=sys.exit, args=(3,), daemon=True)
+    proc.start()
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"before joining .*rank 1 exited \(code 3\)"):
+        distributed.init_tp_group(
+            0,
+            2,
+            distributed.free_tcp_address(),
+            torch.device("cpu"),
+            timeout_s=120.0,
+            lost=lambda: _exited([proc]),
+        )
+    assert time.monotonic() - started < 30
+    proc.join(10)
+    assert not distributed.tp_group_active()
+
+
+def test_ranks_that_never_join_are_named_after_the_timeout() -> None:
+    import torch
+
+    with pytest.raises(RuntimeError, match=r"ranks 1, 2 did not join the group within 1 s"):
+        distributed.init_tp_group(
+            0, 3, distributed.free_tcp_address(), torch.device("cpu"), 1.0, lost=lambda: None
+        )
 
 
 def test_too_few_gpus_is_an_error_before_any_rank_starts(

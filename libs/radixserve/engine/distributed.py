@@ -19,9 +19,12 @@ import dataclasses
 import logging
 import socket
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
+from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
@@ -31,6 +34,7 @@ from radixserve.engine.nccl import NcclComm, NcclError, abort_live_comms, live_c
 
 log = logging.getLogger(__name__)
 TEARDOWN_TIMEOUT_S = 30.0
+JOINED_KEY = "radixserve/joined"  # rank r sets JOINED_KEY/r in the store as it joins
 
 
 @dataclass(frozen=True)
@@ -115,19 +119,63 @@ def free_tcp_address() -> str:
 
 
 def init_tp_group(
-    rank: int, size: int, init_method: str, device: torch.device, timeout_s: float
+    rank: int,
+    size: int,
+    address: str,
+    device: torch.device,
+    timeout_s: float,
+    lost: Callable[[], str | None] | None = None,
 ) -> TPGroup:
-    """Join the engine's process group (every rank calls this with the same address).
-    `timeout_s` (`dist_timeout_s`): a collective that waits this long fails."""
+    """Join the engine's process group (every rank calls this with the same `address`, a
+    `free_tcp_address`). `timeout_s` (`dist_timeout_s`): a collective that waits this long
+    fails. Rank 0 hosts the rendezvous and waits there for the others to check in,
+    asking `lost()` (which rank has exited, if one has) as it waits: a rank that dies
+    before it joins is an error at once, not a wait of `timeout_s`."""
     if size == 1:
         return SINGLE
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(seconds=timeout_s)
-    dist.init_process_group(
-        backend, init_method=init_method, world_size=size, rank=rank, timeout=timeout
-    )
+    store = _rendezvous(rank, size, address, timeout_s, lost)
+    dist.init_process_group(backend, store=store, world_size=size, rank=rank, timeout=timeout)
     cpu_group = dist.new_group(backend="gloo", timeout=timeout)
     return TPGroup(rank, size, dist.group.WORLD, cpu_group if backend == "nccl" else None)
+
+
+def _rendezvous(
+    rank: int,
+    size: int,
+    address: str,
+    timeout_s: float,
+    lost: Callable[[], str | None] | None,
+    poll_s: float = 0.05,
+) -> dist.TCPStore:
+    """The group's store at `address` (tcp://host:port): rank 0 serves it and returns once
+    every other rank has checked in; the others connect and check in."""
+    url = urlsplit(address)
+    if url.scheme != "tcp" or url.hostname is None or url.port is None:
+        raise ValueError(f"a rendezvous address is tcp://host:port, not {address!r}")
+    timeout = timedelta(seconds=timeout_s)
+    if rank != 0:
+        store = dist.TCPStore(url.hostname, url.port, size, is_master=False, timeout=timeout)
+        store.set(f"{JOINED_KEY}/{rank}", "1")
+        return store
+    store = dist.TCPStore(
+        url.hostname, url.port, size, is_master=True, timeout=timeout, wait_for_workers=False
+    )
+    keys = [f"{JOINED_KEY}/{r}" for r in range(1, size)]
+    deadline = time.monotonic() + timeout_s
+    while not store.check(keys):
+        gone = lost() if lost is not None else None
+        if gone is not None:
+            raise RuntimeError(f"before joining the tensor-parallel group, {gone}")
+        if time.monotonic() > deadline:
+            missing = [k.rsplit("/", 1)[1] for k in keys if not store.check([k])]
+            raise RuntimeError(
+                f"tensor-parallel ranks {', '.join(missing)} did not join the group within "
+                f"{timeout_s:.0f} s (dist_timeout_s)"
+            )
+        time.sleep(poll_s)
+    return store
 
 
 def with_direct_nccl(tp: TPGroup, device: torch.device) -> TPGroup:

@@ -85,7 +85,12 @@ class Engine:
                 # say) ends rank 0's collectives, an error now, not a wait without end.
                 others = OtherRanks.start(self.config, address)
                 self.tp = init_tp_group(
-                    0, self.config.tp_size, address, device, self.config.dist_timeout_s
+                    0,
+                    self.config.tp_size,
+                    address,
+                    device,
+                    self.config.dist_timeout_s,
+                    lost=others.exited,
                 )
             self.runner = ModelRunner(self.config, self.tp)
             self.tokenizer = load_tokenizer(self.runner.model_path)

@@ -191,12 +191,16 @@ class OtherRanks:
         self.watch = RankWatch(procs)
 
     @classmethod
-    def start(cls, config: EngineConfig, init_method: str) -> OtherRanks:
-        return cls(*start_ranks(config, init_method))
+    def start(cls, config: EngineConfig, address: str) -> OtherRanks:
+        return cls(*start_ranks(config, address))
+
+    def exited(self) -> str | None:
+        """Which rank has exited, if one has (not waiting for the watch to notice)."""
+        return _exited(self.procs)
 
     def send(self, commands: list[Command]) -> None:
         """`commands` to every rank (pickled once); `RankLost` if one is gone."""
-        lost = _exited(self.procs)
+        lost = self.exited()
         if lost is not None:
             raise RankLost(lost)
         data = pickle.dumps(commands, protocol=pickle.HIGHEST_PROTOCOL)
@@ -251,9 +255,9 @@ def build_scheduler(
 
 
 def start_ranks(
-    config: EngineConfig, init_method: str, timeout_s: float = START_TIMEOUT_S
+    config: EngineConfig, address: str, timeout_s: float = START_TIMEOUT_S
 ) -> tuple[Ranks, list[Connection]]:
-    """Start ranks 1 .. tp_size - 1 (each joins the group at `init_method`) and wait
+    """Start ranks 1 .. tp_size - 1 (each joins the group at `address`) and wait
     until each runs: one that exits first (its main module failed to import, say) is an
     error now, not a wait in the group's rendezvous for its timeout. Returns the ranks'
     processes and rank 0's ends of the pipes that carry each step's commands to them."""
@@ -269,7 +273,7 @@ def start_ranks(
             channels.append(writer)
             proc: multiprocessing.process.BaseProcess = context.Process(
                 target=run_rank,
-                args=(kwargs, rank, init_method, os.getpid(), started[-1], reader),
+                args=(kwargs, rank, address, os.getpid(), started[-1], reader),
                 name=f"radixserve-tp{rank}",
                 daemon=True,
             )
@@ -306,7 +310,7 @@ def _wait_started(ranks: Ranks, started: list[Any], timeout_s: float) -> None:
 def run_rank(
     kwargs: dict[str, Any],
     rank: int,
-    init_method: str,
+    address: str,
     parent_pid: int,
     started: Any,
     commands: Connection,
@@ -318,7 +322,7 @@ def run_rank(
     config = EngineConfig.from_kwargs(**kwargs)
     torch.manual_seed(config.random_seed)
     device = resolve_device(config.device)
-    tp = init_tp_group(rank, config.tp_size, init_method, device, config.dist_timeout_s)
+    tp = init_tp_group(rank, config.tp_size, address, device, config.dist_timeout_s)
     runner: ModelRunner | None = None
     try:
         runner = ModelRunner(config, tp)
