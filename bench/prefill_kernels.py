@@ -8,7 +8,11 @@ each kernel family on the shapes the benchmarks' steps have, with the slots scat
 as a radix cache's free list leaves them, and checks the two agree (the flashinfer
 backend plans its extend passes on FA2's kernels: docs/performance.md says why).
 
-    python bench/prefill_kernels.py [--shapes question prefix ...] [--reps 50]
+    python bench/prefill_kernels.py [--shapes question prefix ...] [--reps 50] [--triton]
+
+`--triton` also times the Triton backend's extend kernel (the requests' new tokens as
+contiguous K/V over their cached prefixes through the slot table) over a sweep of its
+launch options, on the shapes whose requests all add many tokens.
 
 Shapes (requests x new tokens / KV length each):
   question   16 x 128 / 2176: a cached shared-prefix run's question step
@@ -31,6 +35,7 @@ Needs CUDA and flashinfer-python; fa3 needs an SM90 GPU and JIT-compiles on firs
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import math
@@ -57,11 +62,81 @@ def _indptr(lens: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(list(itertools.accumulate(lens, initial=0)), dtype=torch.int32).to(device)
 
 
+# The Triton extend kernel takes every request's new tokens as contiguous K/V; shapes
+# whose requests all add many tokens (its decoders would run the decode kernel).
+TRITON_SHAPES = ("question", "prefix", "chunks", "short", "long8k")
+TRITON_OPTIONS = [  # (BLOCK_M, BLOCK_N, num_warps, num_stages)
+    (m, n, w, st)
+    for m in (64, 128)
+    for n in (32, 64, 128)
+    for w in (4, 8)
+    for st in (1, 2, 3)
+    if not (m == 128 and n == 128 and st == 3)  # more shared memory than a block has
+]
+
+
+def time_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    indices: torch.Tensor,
+    q_lens: list[int],
+    kv_lens: list[int],
+    reference: torch.Tensor | None,
+    reps: int,
+) -> dict[str, object]:
+    """The Triton extend kernel on the same step: each request's last `q_len` slots are
+    its new tokens (given as contiguous K/V), the ones before its cached prefix. Best
+    launch options first, with the default's time and the largest difference from FA2."""
+    from radixserve.engine.attention.triton_ops.extend import _blocks, extend_attention
+
+    device = q.device
+    starts = list(itertools.accumulate(kv_lens, initial=0))
+    new_slots = torch.cat(
+        [indices[s + kv - n : s + kv] for s, kv, n in zip(starts, kv_lens, q_lens, strict=False)]
+    ).long()
+    prefix = [indices[s : s + kv - n] for s, kv, n in zip(starts, kv_lens, q_lens, strict=False)]
+    k_new, v_new = k[new_slots, 0].contiguous(), v[new_slots, 0].contiguous()
+    q_starts = torch.tensor(list(itertools.accumulate(q_lens, initial=0))[:-1], device=device)
+    q_lens_t = torch.tensor(q_lens, device=device)
+    kv_indptr = _indptr([len(p) for p in prefix], device)
+    kv_indices = torch.cat(prefix).to(torch.int32)
+    out = torch.empty_like(q)
+    k_buf, v_buf = k[:, 0], v[:, 0]
+
+    def run(blocks: tuple[int, int, int, int]) -> torch.Tensor:
+        extend_attention(
+            q, k_new, v_new, out, k_buf, v_buf, q_starts, q_lens_t, kv_indptr, kv_indices,
+            max(q_lens), 1.0 / math.sqrt(HEAD_DIM), blocks=blocks,
+        )  # fmt: skip
+        return out
+
+    times = {}
+    for blocks in TRITON_OPTIONS:
+        try:
+            times[blocks] = time_ms(functools.partial(run, blocks), reps)
+        except Exception as exc:  # out of resources for this block size
+            print(f"  triton {blocks}: {type(exc).__name__}", flush=True)
+    best = sorted(times, key=times.__getitem__)
+    row: dict[str, object] = {
+        "triton_default_ms": round(times[_blocks(torch.bfloat16)], 4),
+        "triton_best": [[list(b), round(times[b], 4)] for b in best[:4]],
+    }
+    if reference is not None:
+        row["triton_max_abs_diff"] = (run(best[0]).float() - reference).abs().max().item()
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--backends", nargs="+", default=["fa2", "fa3"], choices=["fa2", "fa3"])
     parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument(
+        "--triton",
+        action="store_true",
+        help="also the Triton backend's extend kernel, over a sweep of its launch options",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
@@ -123,7 +198,9 @@ def main() -> None:
                 ms = time_ms(run_ragged, args.reps)
                 row[f"{backend}_ragged_ms"] = round(ms, 4)
                 row[f"{backend}_ragged_max_abs_diff"] = diff
-        if len(outs) == 2:
+        if args.triton and name in TRITON_SHAPES:
+            row |= time_triton(q, k, v, indices, q_lens, kv_lens, outs.get("fa2"), args.reps)
+        if "fa2" in outs and "fa3" in outs:
             row["max_abs_diff"] = (outs["fa2"] - outs["fa3"]).abs().max().item()
         print(json.dumps(row), flush=True)
     print(f"device: {torch.cuda.get_device_name()}, flashinfer {flashinfer.__version__}")

@@ -159,11 +159,14 @@ def extend_attention(
     kv_indices: torch.Tensor,
     max_extend_len: int,
     scale: float,
+    blocks: tuple[int, int, int, int] | None = None,
 ) -> None:
+    """`blocks`: (BLOCK_M, BLOCK_N, num_warps, num_stages), for a sweep
+    (bench/prefill_kernels.py); by default the dtype's."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     group_size = num_heads // k.shape[1]
     bs = q_starts.shape[0]
-    block_m, block_n, num_warps, num_stages = _blocks(q.dtype)
+    block_m, block_n, num_warps, num_stages = blocks or _blocks(q.dtype)
     grid = (bs, num_heads, triton.cdiv(max_extend_len, block_m))
     _extend_kernel[grid](
         q,
