@@ -1,6 +1,8 @@
 """Extend attention: several new query tokens per request over a cached prefix.
 
-One program per (request, query head, block of BLOCK_M new tokens) runs two loops:
+One program per (request, KV head, block of new tokens) runs two loops, its BLOCK_M
+rows being the block's tokens at each query head that shares the KV head (grouped-query
+attention: the group's heads share every K/V block read, rather than each reading it):
 
 1. over the cached prefix, whose K/V sit in the pool at the slots listed in
    kv_indices[kv_indptr[r]:kv_indptr[r + 1]]; every new token sees every prefix key,
@@ -63,30 +65,37 @@ def _extend_kernel(
     GROUP_SIZE: tl.constexpr,  # query heads per KV head
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,  # HEAD_DIM rounded up to a power of two (>= 16)
-    BLOCK_M: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # rows: TOKENS new tokens x the GROUP_SIZE heads of a KV head
+    TOKENS: tl.constexpr,  # BLOCK_M // GROUP_SIZE
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     req = tl.program_id(0)
-    head = tl.program_id(1)
+    kv_head = tl.program_id(1)
     block_m = tl.program_id(2)
-    kv_head = head // GROUP_SIZE
 
     q_start = tl.load(q_starts + req)
     extend_len = tl.load(q_lens + req)
     # The grid is sized for the longest request; shorter ones have no rows here.
-    if block_m * BLOCK_M >= extend_len:
+    if block_m * TOKENS >= extend_len:
         return
     kv_start = tl.load(kv_indptr + req)
     prefix_len = tl.load(kv_indptr + req + 1) - kv_start
 
-    offs_m = block_m * BLOCK_M + tl.arange(0, BLOCK_M)  # query index within the request
-    m_mask = offs_m < extend_len
+    # Row r is new token block_m * TOKENS + r // GROUP_SIZE of the request, at query head
+    # kv_head * GROUP_SIZE + r % GROUP_SIZE: the heads that share a KV head share each
+    # K/V block read. Rows past TOKENS * GROUP_SIZE (a group size that is not a power of
+    # two) are padding.
+    rows = tl.arange(0, BLOCK_M)
+    offs_m = block_m * TOKENS + rows // GROUP_SIZE  # query index within the request
+    heads = kv_head * GROUP_SIZE + rows % GROUP_SIZE
+    m_mask = (offs_m < extend_len) & (rows < TOKENS * GROUP_SIZE)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
     q_rows = (q_start + offs_m).to(tl.int64)
     q_mask = m_mask[:, None] & d_mask[None, :]
-    q = tl.load(Q + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :], mask=q_mask)
+    q_offs = q_rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(Q + q_offs, mask=q_mask)
 
     # Padding query rows (m_mask False) still see key 0, so no row is ever all -inf.
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -117,7 +126,7 @@ def _extend_kernel(
     )
 
     # 2) the new tokens, causal: query i sees new keys j <= i.
-    new_hi = tl.minimum(extend_len, (block_m + 1) * BLOCK_M)
+    new_hi = tl.minimum(extend_len, (block_m + 1) * TOKENS)
     for start in range(0, new_hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < extend_len
@@ -139,11 +148,8 @@ def _extend_kernel(
         m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, DOT_PRECISION)
 
     out = acc / l_i[:, None]
-    tl.store(
-        Out + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
-        out.to(Out.dtype.element_ty),
-        mask=q_mask,
-    )
+    o_offs = q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+    tl.store(Out + o_offs, out.to(Out.dtype.element_ty), mask=q_mask)
 
 
 def extend_attention(
@@ -167,7 +173,9 @@ def extend_attention(
     group_size = num_heads // k.shape[1]
     bs = q_starts.shape[0]
     block_m, block_n, num_warps, num_stages = blocks or _blocks(q.dtype)
-    grid = (bs, num_heads, triton.cdiv(max_extend_len, block_m))
+    block_m = max(block_m, triton.next_power_of_2(group_size))  # a token's heads in a block
+    tokens = block_m // group_size
+    grid = (bs, k.shape[1], triton.cdiv(max_extend_len, tokens))
     _extend_kernel[grid](
         q,
         k,
@@ -196,6 +204,7 @@ def extend_attention(
         HEAD_DIM=head_dim,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         BLOCK_M=block_m,
+        TOKENS=tokens,
         BLOCK_N=block_n,
         DOT_PRECISION=dot_precision(q.dtype),
         num_warps=num_warps,
