@@ -191,7 +191,7 @@ def extend_attention(
     blocks: tuple[int, int, int, int] | None = None,
 ) -> None:
     """`blocks`: (BLOCK_M, BLOCK_N, num_warps, num_stages), for a sweep
-    (bench/prefill_kernels.py); by default the dtype's."""
+    (bench/prefill_kernels.py); by default `_blocks`' choice for the pass."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     group_size = num_heads // k.shape[1]
     bs = q_starts.shape[0]
