@@ -98,6 +98,41 @@ def test_extend_matches_torch(
     assert compare_with_torch(p) < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    "heads,kv_heads",
+    [(8, 8), (12, 4), (28, 4), (64, 8), (32, 1)],
+    ids=["mha", "group_of_3", "group_of_7", "group_of_8", "mqa"],
+)
+@pytest.mark.parametrize(
+    "prefix_lens,extend_lens",
+    [([2048, 0, 17], [16, 300, 5]), ([100, 0], [16, 8])],
+    ids=["long", "short"],
+)
+def test_extend_packs_every_group_size(
+    heads: int,
+    kv_heads: int,
+    prefix_lens: list[int],
+    extend_lens: list[int],
+    dtype: torch.dtype,
+) -> None:
+    """The extend kernel's programs take a block of tokens at every query head of a KV
+    head: group sizes that are not powers of two leave padding rows, and on a GPU with
+    room the pass's length picks 128-row blocks (long) or three stages (short)."""
+    p = attention_passes.make_pass(
+        prefix_lens,
+        extend_lens,
+        device=torch.device("cuda"),
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=HEAD_DIM,
+        dtype=dtype,
+        mode=ForwardMode.EXTEND,
+        seed=heads + kv_heads,
+    )
+    assert compare_with_torch(p) < TOLERANCE[dtype]
+
+
 def test_large_batch_decode_matches_torch() -> None:
     gen = torch.Generator().manual_seed(3)
     prefix_lens = torch.randint(0, 2048, (128,), generator=gen).tolist()
