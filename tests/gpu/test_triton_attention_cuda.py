@@ -46,14 +46,17 @@ def make_pass(
     mode: ForwardMode = ForwardMode.EXTEND,
     page_size: int = 1,
     seed: int = 0,
+    heads: int = HEADS,
+    kv_heads: int = KV_HEADS,
 ) -> Pass:
-    """Llama-3-8B attention shapes over the shared noisy, shuffled pool."""
+    """Llama-3-8B attention shapes (or other head counts) over the shared noisy, shuffled
+    pool."""
     return attention_passes.make_pass(
         prefix_lens,
         extend_lens,
         device=torch.device("cuda"),
-        heads=HEADS,
-        kv_heads=KV_HEADS,
+        heads=heads,
+        kv_heads=kv_heads,
         head_dim=HEAD_DIM,
         page_size=page_size,
         dtype=dtype,
@@ -119,16 +122,8 @@ def test_extend_packs_every_group_size(
     """The extend kernel's programs take a block of tokens at every query head of a KV
     head: group sizes that are not powers of two leave padding rows, and on a GPU with
     room the pass's length picks 128-row blocks (long) or three stages (short)."""
-    p = attention_passes.make_pass(
-        prefix_lens,
-        extend_lens,
-        device=torch.device("cuda"),
-        heads=heads,
-        kv_heads=kv_heads,
-        head_dim=HEAD_DIM,
-        dtype=dtype,
-        mode=ForwardMode.EXTEND,
-        seed=heads + kv_heads,
+    p = make_pass(
+        prefix_lens, extend_lens, dtype, seed=heads + kv_heads, heads=heads, kv_heads=kv_heads
     )
     assert compare_with_torch(p) < TOLERANCE[dtype]
 
