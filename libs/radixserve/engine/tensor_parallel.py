@@ -230,10 +230,7 @@ class OtherRanks:
         """Kill the ranks (rank 0 failed to start): which one had exited first, if one
         had (what made rank 0 fail, then)."""
         lost = self.watch.stop()
-        for proc in self.procs:
-            proc.kill()  # they would wait out the collective timeout for rank 0
-        for channel in self.channels:
-            channel.close()
+        _kill(self.procs, self.channels)
         return lost
 
 
@@ -282,12 +279,18 @@ def start_ranks(
             ranks.append(proc)
         _wait_started(ranks, started, timeout_s)
     except BaseException:
-        for proc in ranks:
-            proc.kill()
-        for channel in channels:
-            channel.close()
+        _kill(ranks, channels)
         raise
     return ranks, channels
+
+
+def _kill(ranks: Ranks, channels: list[Connection]) -> None:
+    """End ranks that rank 0 gives up on (they would wait out the collective timeout for
+    it), and close its ends of their pipes."""
+    for proc in ranks:
+        proc.kill()
+    for channel in channels:
+        channel.close()
 
 
 def _wait_started(ranks: Ranks, started: list[Any], timeout_s: float) -> None:
