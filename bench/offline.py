@@ -96,6 +96,7 @@ class Step:
 
 ROW_BUCKET = 32
 ROW_QUANTILES = (0, 10, 25, 50, 75, 90, 100)
+SLOWEST = 8  # steps listed by time, with their index and shape
 
 
 @dataclass(frozen=True)
@@ -147,6 +148,32 @@ def submit_all(engine: Engine, requests: Sequence[BenchRequest]) -> None:
         )
 
 
+class GcClock:
+    """Time spent in the interpreter's garbage collections while in use (gc.callbacks):
+    a full collection over a big engine's objects pauses the host, and the GPU with it."""
+
+    def __init__(self) -> None:
+        self.seconds = self.longest = 0.0
+        self.by_generation = [0, 0, 0]
+        self._began = 0.0
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._began = time.perf_counter()
+            return
+        took = time.perf_counter() - self._began
+        self.seconds += took
+        self.longest = max(self.longest, took)
+        self.by_generation[info["generation"]] += 1
+
+    def __enter__(self) -> GcClock:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+
 def run_offline(
     engine: Engine,
     requests: Sequence[BenchRequest],
@@ -158,25 +185,27 @@ def run_offline(
         raise RuntimeError("the engine has requests running")
     retractions = engine.scheduler.total_retractions
     _sync(engine)
-    started = time.perf_counter()
-    submit_all(engine, requests)
-    finished = []
-    sched = engine.scheduler
-    steps: list[Step] = []
-    while engine.has_work():
-        t0, prefilled = time.perf_counter(), sched.total_prefill_tokens
-        decoded = sched.total_decode_tokens
-        finished += [out.req for out in engine.step() if out.finished]
-        steps.append(
-            Step(
-                seconds=time.perf_counter() - t0,
-                prefill_tokens=sched.total_prefill_tokens - prefilled,
-                decode_rows=sched.total_decode_tokens - decoded,
-                running_after=len(sched.running),
+    with GcClock() as gc_clock:
+        started = time.perf_counter()
+        submit_all(engine, requests)
+        submitted = time.perf_counter()
+        finished = []
+        sched = engine.scheduler
+        steps: list[Step] = []
+        while engine.has_work():
+            t0, prefilled = time.perf_counter(), sched.total_prefill_tokens
+            decoded = sched.total_decode_tokens
+            finished += [out.req for out in engine.step() if out.finished]
+            steps.append(
+                Step(
+                    seconds=time.perf_counter() - t0,
+                    prefill_tokens=sched.total_prefill_tokens - prefilled,
+                    decode_rows=sched.total_decode_tokens - decoded,
+                    running_after=len(sched.running),
+                )
             )
-        )
-    _sync(engine)
-    duration = time.perf_counter() - started
+        _sync(engine)
+        duration = time.perf_counter() - started
     done = [
         req
         for req in finished
@@ -202,8 +231,15 @@ def run_offline(
         "input_throughput": input_tokens / duration,
         "output_throughput": output_tokens / duration,
         "total_throughput": (input_tokens + output_tokens) / duration,
+        "submit_s": submitted - started,
+        "outside_steps_s": duration - sum(s.seconds for s in steps),
+        "gc_s": gc_clock.seconds,
+        "gc_longest_s": gc_clock.longest,
+        "gc_collections": gc_clock.by_generation,
         **step_profile(steps),
         **floors,
+        # Every step as (seconds, prompt tokens, decode rows), in order: for plots.
+        "step_series": [(s.seconds, s.prefill_tokens, s.decode_rows) for s in steps],
     }
 
 
@@ -267,6 +303,10 @@ def step_profile(steps: Sequence[Step]) -> dict[str, Any]:
         if rows
         else {},
         "decode_steps_by_rows": {str(k): buckets[k] for k in sorted(buckets)},
+        "slowest_steps": [
+            {"index": i, "s": s.seconds, "prefill_tokens": s.prefill_tokens, "rows": s.decode_rows}
+            for i, s in sorted(enumerate(steps), key=lambda p: -p[1].seconds)[:SLOWEST]
+        ],
     }
 
 
@@ -300,7 +340,7 @@ def bench(
                     "radix": "on" if radix else "off",
                     **run_offline(engine, workload.requests, floor),
                 }
-                print(json.dumps(row), flush=True)
+                print(json.dumps({k: v for k, v in row.items() if k != "step_series"}), flush=True)
                 rows.append(row)
         finally:
             engine.shutdown()

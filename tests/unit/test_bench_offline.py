@@ -63,6 +63,15 @@ def test_shared_prefix_counts_and_cache_hits(offline: ModuleType, tiny_llama_dir
         assert row["steps"] == row["prefill_steps"] + row["decode_steps"]
         assert row["prefill_steps"] >= 2 and row["decode_steps"] >= 1
         assert row["prefill_steps_s"] + row["decode_steps_s"] <= row["duration_s"]
+        assert row["outside_steps_s"] == pytest.approx(
+            row["duration_s"] - row["prefill_steps_s"] - row["decode_steps_s"]
+        )
+        assert 0 < row["submit_s"] <= row["outside_steps_s"]
+        # The slowest steps, slowest first, each one of the run's steps.
+        slowest = row["slowest_steps"]
+        assert 0 < len(slowest) <= offline.SLOWEST
+        assert [s["s"] for s in slowest] == sorted((s["s"] for s in slowest), reverse=True)
+        assert len({s["index"] for s in slowest}) == len(slowest) < row["steps"] + 1
         assert 0 < row["prefill_tokens_per_step"] <= 16
         # The decode steps' rows: every decode step in one 32-row bucket, at most 6 rows.
         assert sum(row["decode_steps_by_rows"].values()) == row["decode_steps"]

@@ -35,6 +35,7 @@ from radixserve.engine.distributed import (
     init_tp_group,
 )
 from radixserve.engine.groups import ChoiceOutput, RequestGroup
+from radixserve.engine.heap import settle_started_heap, thaw
 from radixserve.engine.kvcache.block_events import BlockEventLog, event_block_size
 from radixserve.engine.kvcache.radix_cache import RadixCache
 from radixserve.engine.model.tokenizer import apply_chat_template, load_tokenizer
@@ -120,6 +121,8 @@ class Engine:
         self._owner: dict[str, tuple[RequestGroup, int]] = {}
         self._pending: list[ChoiceOutput] = []  # finished outside the scheduler; next step
         self._closed = False
+        if not self.config.disable_gc_freeze:
+            settle_started_heap()
 
     # -- the step API -------------------------------------------------------------
     def submit(
@@ -370,6 +373,7 @@ class Engine:
             del self.scheduler
             self.runner.close()
             destroy_tp_group(self.tp)
+            thaw()  # what this engine froze at its start may be garbage now
 
     def __enter__(self) -> Engine:
         return self

@@ -5,7 +5,6 @@ Knows nothing about scheduling; one `forward` per step.
 
 from __future__ import annotations
 
-import gc
 import importlib.util
 import logging
 import os
@@ -19,6 +18,7 @@ from radixserve.engine.distributed import SINGLE, TPGroup, with_direct_nccl
 from radixserve.engine.forward_batch import ForwardBatch, ForwardMode, SharedPrefix
 from radixserve.engine.graphs.cuda_graph_runner import CudaGraphRunner
 from radixserve.engine.graphs.piecewise import PiecewiseGraphs
+from radixserve.engine.heap import collect_all
 from radixserve.engine.kvcache.pool import KVPool, ReqToTokenPool
 from radixserve.engine.model.config import ModelConfig
 from radixserve.engine.model.loader import load_model, resolve_dtype, resolve_model_path
@@ -380,8 +380,8 @@ class ModelRunner:
     def _gpu_kv_budget_tokens(self) -> int:
         # What an engine of this process left behind is free for this one: memory in
         # torch's cache, or held by objects only a cycle collection frees (an engine
-        # dropped without shutdown()). mem_get_info counts either as taken.
-        gc.collect()
+        # dropped without shutdown(), frozen with it). mem_get_info counts either as taken.
+        collect_all()
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         # What the static fraction leaves after the weights; the rest is for activations.

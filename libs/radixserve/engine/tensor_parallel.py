@@ -37,6 +37,7 @@ from radixserve.engine.distributed import (
     destroy_tp_group,
     init_tp_group,
 )
+from radixserve.engine.heap import settle_started_heap
 from radixserve.engine.kvcache.base import PrefixCache
 from radixserve.engine.kvcache.naive_cache import NaiveCache
 from radixserve.engine.kvcache.pool import KVPool, ReqToTokenPool
@@ -334,6 +335,8 @@ def run_rank(
         scheduler = build_scheduler(
             config, runner, lambda ids: str(tokenizer.decode(ids, skip_special_tokens=False))
         )
+        if not config.disable_gc_freeze:
+            settle_started_heap()
         while _apply(_next_commands(commands), scheduler, grammars):
             pass
     finally:
