@@ -102,6 +102,30 @@ def test_evict_frees_parent_once_it_becomes_a_leaf() -> None:
     cache.check_invariants()
 
 
+def test_stale_candidates_are_dropped_and_never_pile_up() -> None:
+    """Every touch, lock and unlock pushes a fresh eviction candidate; the stale ones are
+    skipped when they surface and the heap is rebuilt before it outgrows the tree."""
+    pool = make_pool(64)
+    cache = RadixCache(pool)
+    old = put(cache, pool, [1, 1])
+    new = put(cache, pool, [2, 2])
+    for _ in range(500):  # [2 2] touched and locked over and over: one stale entry each
+        hit = cache.match_prefix([2, 2])
+        cache.inc_lock_ref(hit.node)
+        cache.dec_lock_ref(hit.node)
+    # Two leaves in the tree: the candidates' heap (private) stays within its bound.
+    assert len(cache._candidates) <= 2 * 2 + 64
+    cache.check_invariants()
+    before = len(pool.free_slot_ids())
+    assert cache.evict(1) == 2 and pool.free_slot_ids()[before:] == old.tolist()
+    hit = cache.match_prefix([2, 2])
+    cache.inc_lock_ref(hit.node)
+    assert cache.evict(2) == 0  # the one leaf left is locked: its entries are all stale
+    cache.dec_lock_ref(hit.node)
+    assert cache.evict(2) == 2 and pool.free_slot_ids()[-2:] == new.tolist()
+    cache.check_invariants()
+
+
 def test_locked_nodes_are_never_evicted_and_counters_move() -> None:
     pool = make_pool(16)
     cache = RadixCache(pool)

@@ -2,7 +2,11 @@
 
 Each edge holds a run of tokens (`key`) and the KV slots of those tokens (`value`).
 A running request locks the path from the root to its matched node (`lock_ref`), so
-eviction only ever takes unlocked leaves, least recently used first.
+eviction only ever takes unlocked leaves, least recently used first. Candidates wait in
+a heap kept as the tree changes: each time a node may become an unlocked leaf or its
+access time moves, it is pushed again, and entries that no longer hold (the node was
+evicted, locked, given a child or touched since) are dropped when they surface. An
+eviction costs O(log n) a leaf, not a walk over the whole tree (~100 ms at 50k nodes).
 
 With page_size > 1 the tree works in whole pages: children are keyed by their first
 page, matches are whole pages, and inserted keys must be page-aligned (the caller
@@ -106,6 +110,9 @@ class RadixCache(PrefixCache):
         self._root_locks = 0  # locks on the empty match: they protect nothing
         self._evictable_tokens = 0
         self._protected_tokens = 0
+        self._num_nodes = 0  # below the root
+        # (last_access_time, node_id, node) of every unlocked leaf, among stale entries.
+        self._candidates: list[tuple[int, int, TreeNode]] = []
 
     def reset(self) -> None:
         if self._protected_tokens or self._root_locks:
@@ -197,6 +204,7 @@ class RadixCache(PrefixCache):
             path.append(child)
             node = child
             pos += n
+        self._offer(node)  # touched: an unlocked leaf's older entry no longer holds
         return node, pos, path
 
     def path(self, node: Any) -> list[tuple[int, int]]:
@@ -219,6 +227,8 @@ class RadixCache(PrefixCache):
             leaf = TreeNode(next(self._node_ids), list(key[pos:]), indices[pos:].clone(), node)
             leaf.last_access_time = node.last_access_time  # this walk's clock tick
             node.children[self._child_key(leaf.key, 0)] = leaf
+            self._num_nodes += 1
+            self._offer(leaf)
             self._evictable_tokens += len(leaf.key)
             if self.events is not None:
                 self._record_stored(leaf, key)
@@ -260,6 +270,7 @@ class RadixCache(PrefixCache):
             moved = upper.depth // size - parent.depth // size
             upper.blocks, child.blocks = child.blocks[:moved], child.blocks[moved:]
         parent.children[self._child_key(upper.key, 0)] = upper
+        self._num_nodes += 1
         child.key = child.key[n:]
         child.value = child.value[n:]
         child.parent = upper
@@ -289,12 +300,14 @@ class RadixCache(PrefixCache):
         # NOTE: ancestors' lock_ref >= node's, so checking the node itself is enough.
         if node.lock_ref == 0:
             raise RuntimeError(f"dec_lock_ref on an unlocked node {node!r}")
+        start = node
         while node is not self._root:
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 self._protected_tokens -= len(node.key)
                 self._evictable_tokens += len(node.key)
             node = node.parent
+        self._offer(start)  # its ancestors have children: only it may be a leaf
 
     def _check_live(self, node: Any) -> None:
         if not isinstance(node, TreeNode):
@@ -311,11 +324,12 @@ class RadixCache(PrefixCache):
     def evict(self, num_tokens: int) -> int:
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-        heap = [(n.last_access_time, n.node_id, n) for n in self._nodes() if self._evictable(n)]
-        heapq.heapify(heap)
+        heap = self._candidates
         freed = 0
         while freed < num_tokens and heap:
-            _, _, leaf = heapq.heappop(heap)
+            touched, _, leaf = heapq.heappop(heap)
+            if not self._holds(touched, leaf):
+                continue
             parent = leaf.parent
             assert parent is not None
             self.kv_pool.free(leaf.value)
@@ -323,14 +337,34 @@ class RadixCache(PrefixCache):
             if self.events is not None:
                 self.events.removed(leaf.blocks)
             leaf.parent = None  # detached: a stale handle to it is caught by _check_live
+            self._num_nodes -= 1
             self._evictable_tokens -= len(leaf.key)
             freed += len(leaf.key)
-            if self._evictable(parent):
-                heapq.heappush(heap, (parent.last_access_time, parent.node_id, parent))
+            self._offer(parent)
         return freed
 
     def _evictable(self, node: TreeNode) -> bool:
         return node is not self._root and not node.children and node.lock_ref == 0
+
+    def _holds(self, touched: int, node: TreeNode) -> bool:
+        """Whether a candidate entry still stands: the node is in the tree, an unlocked
+        leaf, and untouched since the entry was made."""
+        return (
+            node.parent is not None and self._evictable(node) and node.last_access_time == touched
+        )
+
+    def _offer(self, node: TreeNode) -> None:
+        """Push `node` as a candidate if it is an unlocked leaf now; rebuild the heap from
+        the tree once stale entries outnumber the nodes (amortised O(1) a push)."""
+        if not self._evictable(node):
+            return
+        heap = self._candidates
+        heapq.heappush(heap, (node.last_access_time, node.node_id, node))
+        if len(heap) > 2 * self._num_nodes + 64:
+            heap[:] = [
+                (n.last_access_time, n.node_id, n) for n in self._nodes() if self._evictable(n)
+            ]
+            heapq.heapify(heap)
 
     # -- sizes and checks --------------------------------------------------------
     def sizes(self) -> CacheSizes:
@@ -389,6 +423,12 @@ class RadixCache(PrefixCache):
             f"protected {self._protected_tokens} != {protected}"
         )
         assert 0 not in seen, "the reserved padding slot 0 is cached"
+        nodes = list(self._nodes())
+        assert len(nodes) == self._num_nodes, f"{self._num_nodes} nodes counted, {len(nodes)} found"
+        standing = {id(n) for t, _, n in self._candidates if self._holds(t, n)}
+        for node in nodes:
+            if self._evictable(node):
+                assert id(node) in standing, f"unlocked leaf {node!r} is no eviction candidate"
         assert seen.isdisjoint(self.kv_pool.free_slot_ids()), (
             "a cached slot is also on the free list"
         )
