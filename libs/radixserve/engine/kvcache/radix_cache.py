@@ -392,9 +392,13 @@ class RadixCache(PrefixCache):
         root = self._root
         assert root.parent is None and not root.key and root.value.numel() == 0
         assert root.lock_ref == 0 and self._root_locks >= 0
-        evictable = protected = 0
+        evictable = protected = num_nodes = 0
         seen: set[int] = set()
+        standing = {id(n) for t, _, n in self._candidates if self._holds(t, n)}
         for node in self._nodes():
+            num_nodes += 1
+            if self._evictable(node):
+                assert id(node) in standing, f"unlocked leaf {node!r} is no eviction candidate"
             parent = node.parent
             assert parent is not None, f"{node!r} in the tree has no parent"
             assert node.key and len(node.key) == node.value.numel(), f"bad key/value in {node!r}"
@@ -424,12 +428,7 @@ class RadixCache(PrefixCache):
             f"protected {self._protected_tokens} != {protected}"
         )
         assert 0 not in seen, "the reserved padding slot 0 is cached"
-        nodes = list(self._nodes())
-        assert len(nodes) == self._num_nodes, f"{self._num_nodes} nodes counted, {len(nodes)} found"
-        standing = {id(n) for t, _, n in self._candidates if self._holds(t, n)}
-        for node in nodes:
-            if self._evictable(node):
-                assert id(node) in standing, f"unlocked leaf {node!r} is no eviction candidate"
+        assert num_nodes == self._num_nodes, f"{self._num_nodes} nodes counted, {num_nodes} found"
         assert seen.isdisjoint(self.kv_pool.free_slot_ids()), (
             "a cached slot is also on the free list"
         )
