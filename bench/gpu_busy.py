@@ -9,10 +9,15 @@ The engine first runs offline.py's warm-up (the workload's head, short outputs),
 Triton compiles stay out of the windows.
 
     python bench/gpu_busy.py --tokenizer DIR [--workload shared-prefix --at 40 150 275 450
-        --steps 8 --engine-args '{...}'] [--sync-debug]
+        --steps 8 --engine-args '{...}'] [--gaps] [--longest N] [--sync-debug]
 
---gaps prints, per window, the idle time summed by the activities either side of each
-gap. --sync-debug also runs the steps under `torch.cuda.set_sync_debug_mode("warn")` and
+--longest N prints, per window, its N longest single idle gaps and N longest kernels
+(with their offsets into the window), then the window cut into steps at each step's copy
+of its sampled ids to the host, each with its device time and its N costliest kernels,
+and each step's host time: whether a slow step waited on the host or on the device (with
+overlap on, a step's host time is its planning plus the wait for the step before, so
+the host times of a smooth device can alternate). --gaps prints, per window, the idle
+time summed by the activities either side of each gap. --sync-debug also runs the steps under `torch.cuda.set_sync_debug_mode("warn")` and
 prints, by call site, every operation that made the host wait for the device (an
 `.item()`, a copy to pageable memory, ...), with the steps it happened in: a step's one
 intended wait (its sampled ids, through an event) is not one of them.
@@ -85,13 +90,60 @@ def idle_gaps(events: list[tuple[int, int, str]], top: int = 12) -> list[str]:
     ]
 
 
-def window(engine: Engine, steps: int, gaps: bool = False) -> tuple[float, float]:
+def longest(events: list[tuple[int, int, str]], top: int) -> list[str]:
+    """The `top` longest single idle gaps and the `top` longest activities, each with its
+    start (ms from the window's first activity) and names."""
+    events = sorted(events)
+    origin = events[0][0]
+    gaps: list[tuple[int, int, str, str]] = []
+    end, last = events[0][1], events[0][2]
+    for a, b, name in events[1:]:
+        if a > end:
+            gaps.append((a - end, end, last[:50], name[:50]))
+        if b >= end:
+            end, last = b, name
+    lines = [
+        f"gap {us / 1e3:7.2f} ms at {(at - origin) / 1e3:8.1f} ms: {before}  ->  {after}"
+        for us, at, before, after in sorted(gaps, reverse=True)[:top]
+    ]
+    lines += [
+        f"ran {(b - a) / 1e3:7.2f} ms at {(a - origin) / 1e3:8.1f} ms: {name[:90]}"
+        for a, b, name in sorted(events, key=lambda e: e[0] - e[1])[:top]
+    ]
+    return lines
+
+
+def per_step(events: list[tuple[int, int, str]], top: int) -> list[str]:
+    """The window cut at each copy to the host (a step's sampled ids): each piece's
+    activity time and its `top` kernels by summed time (names cut to 40 characters)."""
+    events = sorted(events)
+    pieces: list[list[tuple[int, int, str]]] = [[]]
+    for event in events:
+        pieces[-1].append(event)
+        if event[2].startswith("Memcpy DtoH"):
+            pieces.append([])
+    lines = []
+    for i, piece in enumerate(p for p in pieces if p):
+        by_name: collections.Counter[str] = collections.Counter()
+        for a, b, name in piece:
+            by_name[name[:40]] += b - a
+        busy, span = busy_and_span([(a, b) for a, b, _ in piece])
+        kernels = ", ".join(f"{name} {us / 1e3:.2f}" for name, us in by_name.most_common(top))
+        lines.append(f"piece {i}: span {span / 1e3:.2f} ms, busy {busy / 1e3:.2f}: {kernels}")
+    return lines
+
+
+def window(engine: Engine, steps: int, gaps: bool = False, top: int = 0) -> tuple[float, float]:
     """Busy and span (ms) of the kernels of the next `steps` engine steps; with `gaps`,
-    prints where the idle time fell."""
+    prints where the idle time fell; with `top`, the longest single gaps and activities
+    and each step's host time."""
+    host: list[float] = []
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             if engine.has_work():
+                began = time.perf_counter()
                 engine.step()
+                host.append(time.perf_counter() - began)
         torch.cuda.synchronize()
     events = [
         (e.time_range.start, e.time_range.end, e.name)
@@ -101,6 +153,10 @@ def window(engine: Engine, steps: int, gaps: bool = False) -> tuple[float, float
     busy, span = busy_and_span([(a, b) for a, b, _ in events])
     if gaps and events:
         print("\n".join(idle_gaps(events)))
+    if top and events:
+        print("\n".join(longest(events, top)))
+        print("\n".join(per_step(events, top)))
+        print("steps' host ms: " + " ".join(f"{1e3 * t:.0f}" for t in host))
     return busy / 1e3, span / 1e3
 
 
@@ -157,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine-args", default="{}", help="more Engine options, a JSON object")
     ap.add_argument("--sync-debug", action="store_true", help="list host waits by call site")
     ap.add_argument("--gaps", action="store_true", help="where each window's idle time fell")
+    ap.add_argument(
+        "--longest", type=int, default=0, help="the N longest gaps and activities of a window"
+    )
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("gpu_busy: CUDA is not available", file=sys.stderr)
@@ -180,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
             if marks and step == marks[0]:
                 marks.pop(0)
                 running = len(engine.scheduler.running)
-                busy, span = window(engine, args.steps, args.gaps)
+                busy, span = window(engine, args.steps, args.gaps, args.longest)
                 print(
                     f"steps {step}-{step + args.steps - 1} ({running} running): span "
                     f"{span:.1f} ms, kernels {busy:.1f} ms ({100 * busy / span:.1f}% busy), "

@@ -19,7 +19,9 @@ ratio a run reaches when both modes run at the same share of their floors. `--sc
 `shared-prefix`). A slice of each workload warms each engine up first: its first
 `WARMUP_REQUESTS` requests at their own prompts with short outputs, so the Triton
 kernels of mixed prefill and decode steps compile (on a fresh machine, several seconds)
-outside the timed run.
+outside the timed run. Each run also reports its host-side stalls: the time to submit, the
+time outside the engine's steps, the collector's pauses, and the CUDA caching allocator's
+failed mallocs (retried after freeing its cache), device mallocs and frees.
 
 Model: a Llama-3.1-8B-shaped model with random weights built on the device
 (`load_format="dummy"`, as bench/one_batch.py) by default; `--shape tiny` a small
@@ -174,6 +176,20 @@ class GcClock:
         gc.callbacks.remove(self._callback)
 
 
+# torch's caching allocator's counters that mean a stall: a cudaMalloc that failed, so
+# the allocator synchronised and freed its cached blocks to retry; and device mallocs and
+# frees (each may synchronise the device).
+ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_device_alloc", "num_device_free")
+
+
+def allocator_counts(engine: Engine) -> dict[str, int]:
+    """The allocator's counters (ALLOCATOR_COUNTERS) on the engine's device; none on CPU."""
+    if engine.runner.device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(engine.runner.device)
+    return {key: int(stats.get(key, 0)) for key in ALLOCATOR_COUNTERS}
+
+
 def run_offline(
     engine: Engine,
     requests: Sequence[BenchRequest],
@@ -185,6 +201,7 @@ def run_offline(
         raise RuntimeError("the engine has requests running")
     retractions = engine.scheduler.total_retractions
     _sync(engine)
+    allocator_before = allocator_counts(engine)
     with GcClock() as gc_clock:
         started = time.perf_counter()
         submit_all(engine, requests)
@@ -206,6 +223,9 @@ def run_offline(
             )
         _sync(engine)
         duration = time.perf_counter() - started
+    allocator = {
+        key: count - allocator_before[key] for key, count in allocator_counts(engine).items()
+    }
     done = [
         req
         for req in finished
@@ -236,6 +256,7 @@ def run_offline(
         "gc_s": gc_clock.seconds,
         "gc_longest_s": gc_clock.longest,
         "gc_collections": gc_clock.by_generation,
+        "allocator": allocator,
         **step_profile(steps),
         **floors,
         # Every step as (seconds, prompt tokens, decode rows), in order: for plots.

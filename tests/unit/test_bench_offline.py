@@ -67,6 +67,7 @@ def test_shared_prefix_counts_and_cache_hits(offline: ModuleType, tiny_llama_dir
             row["duration_s"] - row["prefill_steps_s"] - row["decode_steps_s"]
         )
         assert 0 < row["submit_s"] <= row["outside_steps_s"]
+        assert row["allocator"] == {}  # the caching allocator's counters are CUDA's
         # The slowest steps, slowest first, each one of the run's steps.
         slowest = row["slowest_steps"]
         assert 0 < len(slowest) <= offline.SLOWEST
@@ -163,3 +164,29 @@ def test_gpu_busy_sums_idle_gaps_by_their_neighbours(monkeypatch: pytest.MonkeyP
     assert lines[0].endswith("a  ->  b") and "in     2 gaps" in lines[0]  # 2 + 5 = 7 us
     assert lines[0].startswith("   0.01 ms")
     assert lines[1].endswith("c  ->  a") and "in     1 gaps" in lines[1]
+
+
+def test_gpu_busy_lists_longest_gaps_and_cuts_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(BENCH_DIR))
+    gpu_busy = importlib.import_module("gpu_busy")
+    # Step 1: gemm 0-4000, copy to host 4000-4100; a 900-us gap; step 2: gemm 5000-7000,
+    # attn 7000-9000 with a 3000-us gap after it, gemm 12000-13000, its copy 13000-13100.
+    events = [
+        (7000, 9000, "attn"),
+        (0, 4000, "gemm"),
+        (4000, 4100, "Memcpy DtoH (Device -> Pinned)"),
+        (5000, 7000, "gemm"),
+        (12000, 13000, "gemm"),
+        (13000, 13100, "Memcpy DtoH (Device -> Pinned)"),
+    ]
+    lines = gpu_busy.longest(events, 2)
+    assert lines[0] == "gap    3.00 ms at      9.0 ms: attn  ->  gemm"
+    assert lines[1] == "gap    0.90 ms at      4.1 ms: Memcpy DtoH (Device -> Pinned)  ->  gemm"
+    assert lines[2] == "ran    4.00 ms at      0.0 ms: gemm"
+    assert lines[3].startswith("ran    2.00 ms at      5.0 ms: ")
+    assert len(lines) == 4
+    steps = gpu_busy.per_step(events, 1)
+    assert steps == [
+        "piece 0: span 4.10 ms, busy 4.10: gemm 4.00",
+        "piece 1: span 8.10 ms, busy 5.10: gemm 3.00",
+    ]
