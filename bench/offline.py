@@ -21,7 +21,9 @@ ratio a run reaches when both modes run at the same share of their floors. `--sc
 kernels of mixed prefill and decode steps compile (on a fresh machine, several seconds)
 outside the timed run. Each run also reports its host-side stalls: the time to submit, the
 time outside the engine's steps, the collector's pauses, and the CUDA caching allocator's
-failed mallocs (retried after freeing its cache), device mallocs and frees.
+failed mallocs (retried after freeing its cache), device mallocs and frees; and on CUDA
+each step's time on the device and the device's idle time before it (`DeviceClock`: two
+events a step, no profiler), so a slow step shows as the host's or the device's.
 
 Model: a Llama-3.1-8B-shaped model with random weights built on the device
 (`load_format="dummy"`, as bench/one_batch.py) by default; `--shape tiny` a small
@@ -41,7 +43,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -94,6 +96,9 @@ class Step:
     prefill_tokens: int
     decode_rows: int
     running_after: int
+    # On CUDA (DeviceClock): the device's time for the step, and its idle time before it.
+    device_s: float = 0.0
+    idle_s: float = 0.0
 
 
 ROW_BUCKET = 32
@@ -190,6 +195,41 @@ def allocator_counts(engine: Engine) -> dict[str, int]:
     return {key: int(stats.get(key, 0)) for key in ALLOCATOR_COUNTERS}
 
 
+class DeviceClock:
+    """The device's side of each step, from two CUDA events a step on the current stream
+    (no profiler): one recorded before `engine.step()`, one after. Read after the run: a
+    step's device time runs from the last step's end event to its own (under overlap, its
+    kernels), and the device sat idle before it from the last end event to its start
+    event (a host that fell behind). Records nothing off CUDA."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.enabled = device.type == "cuda"
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._start: torch.cuda.Event | None = None
+
+    def begin(self) -> None:
+        if self.enabled:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+
+    def end(self) -> None:
+        if self.enabled:
+            assert self._start is not None
+            done = torch.cuda.Event(enable_timing=True)
+            done.record()
+            self._events.append((self._start, done))
+
+    def read(self) -> list[tuple[float, float]]:
+        """(device seconds, idle seconds before) for each step, once the device has
+        finished them; empty off CUDA."""
+        out: list[tuple[float, float]] = []
+        for i, (start, done) in enumerate(self._events):
+            since = start if i == 0 else self._events[i - 1][1]
+            idle = 0.0 if i == 0 else since.elapsed_time(start) / 1e3
+            out.append((since.elapsed_time(done) / 1e3, idle))
+        return out
+
+
 def run_offline(
     engine: Engine,
     requests: Sequence[BenchRequest],
@@ -209,10 +249,13 @@ def run_offline(
         finished = []
         sched = engine.scheduler
         steps: list[Step] = []
+        clock = DeviceClock(engine.runner.device)
         while engine.has_work():
             t0, prefilled = time.perf_counter(), sched.total_prefill_tokens
             decoded = sched.total_decode_tokens
+            clock.begin()
             finished += [out.req for out in engine.step() if out.finished]
+            clock.end()
             steps.append(
                 Step(
                     seconds=time.perf_counter() - t0,
@@ -223,6 +266,8 @@ def run_offline(
             )
         _sync(engine)
         duration = time.perf_counter() - started
+    for i, (device_s, idle_s) in enumerate(clock.read()):
+        steps[i] = replace(steps[i], device_s=device_s, idle_s=idle_s)
     allocator = {
         key: count - allocator_before[key] for key, count in allocator_counts(engine).items()
     }
@@ -260,7 +305,12 @@ def run_offline(
         **step_profile(steps),
         **floors,
         # Every step as (seconds, prompt tokens, decode rows), in order: for plots.
-        "step_series": [(s.seconds, s.prefill_tokens, s.decode_rows) for s in steps],
+        # (and, on CUDA, the device's seconds for the step and its idle seconds before it).
+        "step_series": [
+            (s.seconds, s.prefill_tokens, s.decode_rows)
+            + ((s.device_s, s.idle_s) if clock.enabled else ())
+            for s in steps
+        ],
     }
 
 
@@ -313,10 +363,13 @@ def step_profile(steps: Sequence[Step]) -> dict[str, Any]:
         "steps": len(steps),
         "prefill_steps": len(prefill),
         "prefill_steps_s": sum(s.seconds for s in prefill),
+        "prefill_steps_device_s": sum(s.device_s for s in prefill),
         "prefill_tokens_per_step": mean([s.prefill_tokens for s in prefill]),
         "running_in_prefill_steps": mean([s.running_after for s in prefill]),
         "decode_steps": len(decode),
         "decode_steps_s": sum(s.seconds for s in decode),
+        "decode_steps_device_s": sum(s.device_s for s in decode),
+        "device_idle_s": sum(s.idle_s for s in steps),
         "running_in_decode_steps": mean([s.running_after for s in decode]),
         "decode_rows_quantiles": {
             f"p{q}": rows[min(len(rows) - 1, len(rows) * q // 100)] for q in ROW_QUANTILES
@@ -325,7 +378,14 @@ def step_profile(steps: Sequence[Step]) -> dict[str, Any]:
         else {},
         "decode_steps_by_rows": {str(k): buckets[k] for k in sorted(buckets)},
         "slowest_steps": [
-            {"index": i, "s": s.seconds, "prefill_tokens": s.prefill_tokens, "rows": s.decode_rows}
+            {
+                "index": i,
+                "s": s.seconds,
+                "device_s": s.device_s,
+                "idle_s": s.idle_s,
+                "prefill_tokens": s.prefill_tokens,
+                "rows": s.decode_rows,
+            }
             for i, s in sorted(enumerate(steps), key=lambda p: -p[1].seconds)[:SLOWEST]
         ],
     }

@@ -68,6 +68,11 @@ def test_shared_prefix_counts_and_cache_hits(offline: ModuleType, tiny_llama_dir
         )
         assert 0 < row["submit_s"] <= row["outside_steps_s"]
         assert row["allocator"] == {}  # the caching allocator's counters are CUDA's
+        # The device clock is CUDA's too: no device times, the series without them.
+        assert row["device_idle_s"] == row["prefill_steps_device_s"] == 0.0
+        assert all(s["device_s"] == s["idle_s"] == 0.0 for s in row["slowest_steps"])
+        assert {len(entry) for entry in row["step_series"]} == {3}
+        assert len(row["step_series"]) == row["steps"]
         # The slowest steps, slowest first, each one of the run's steps.
         slowest = row["slowest_steps"]
         assert 0 < len(slowest) <= offline.SLOWEST
