@@ -243,7 +243,7 @@ def run_offline(
     _sync(engine)
     allocator_before = allocator_counts(engine)
     with GcClock() as gc_clock:
-        started = time.perf_counter()
+        started, started_unix = time.perf_counter(), time.time()
         submit_all(engine, requests)
         submitted = time.perf_counter()
         finished = []
@@ -296,6 +296,7 @@ def run_offline(
         "input_throughput": input_tokens / duration,
         "output_throughput": output_tokens / duration,
         "total_throughput": (input_tokens + output_tokens) / duration,
+        "started_unix": started_unix,  # the run's start on the wall clock (to align samples)
         "submit_s": submitted - started,
         "outside_steps_s": duration - sum(s.seconds for s in steps),
         "gc_s": gc_clock.seconds,

@@ -6,6 +6,8 @@ from __future__ import annotations
 import importlib
 import json
 import random
+import sys
+from datetime import datetime
 from pathlib import Path
 from types import ModuleType
 
@@ -195,3 +197,71 @@ def test_gpu_busy_lists_longest_gaps_and_cuts_steps(monkeypatch: pytest.MonkeyPa
         "piece 0: span 4.10 ms, busy 4.10: gemm 4.00",
         "piece 1: span 8.10 ms, busy 5.10: gemm 3.00",
     ]
+
+
+def test_gpu_clocks_lines_slow_steps_up_with_samples(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.syspath_prepend(str(BENCH_DIR))
+    gpu_clocks = importlib.import_module("gpu_clocks")
+    start = datetime(2026, 11, 27, 23, 0, 0).timestamp()
+    # Four mixed steps of one shape (the third twice as long on the device), two decode
+    # steps; the run starts at `start` and submits for 0.1 s.
+    series = [
+        (0.07, 2048, 480, 0.07, 0.0),
+        (0.07, 2048, 480, 0.07, 0.0),
+        (0.14, 2048, 480, 0.14, 0.0),
+        (0.07, 2048, 480, 0.07, 0.0),
+        (0.02, 0, 512, 0.02, 0.0),
+        (0.02, 0, 512, 0.02, 0.0),
+    ]
+    row = {
+        "workload": "shared-prefix",
+        "radix": "on",
+        "started_unix": start,
+        "submit_s": 0.1,
+        "step_series": series,
+    }
+    # A sample every 20 ms, 5 ms off the steps' bounds; during the slow step (0.24-0.38 s)
+    # the clock drops to 1400 MHz under the software power cap.
+    lines = []
+    for k in range(30):
+        t = 0.005 + k * 0.02
+        slow = 0.24 < t < 0.38
+        stamp = datetime.fromtimestamp(start + t).strftime("%Y/%m/%d %H:%M:%S.%f")[:-3]
+        lines.append(
+            f"{stamp}, {1400 if slow else 1980}, 2619, {700 if slow else 620}.5, 60, "
+            f"{'0x0000000000000004' if slow else '0x0000000000000000'}"
+        )
+    lines.insert(3, "[Not Supported], 1, 2, 3, 4, 0x0")  # skipped
+    samples = gpu_clocks.parse_samples("\n".join(lines))
+    assert len(samples) == 30
+    report = gpu_clocks.align(row, samples)
+    assert len(report) == 4, report
+    assert report[1].startswith("  step 2 (2048 + 480 rows): device 140.0 ms against 70.0;")
+    assert "SM MHz 1400 1400 1400 1400 1400 1400 1400; W 700 " in report[1]
+    assert report[1].endswith("sw power cap")
+    assert report[2].startswith("  all steps: 20 samples, SM 1980 MHz")
+    assert report[3].startswith("  slow steps: 7 samples, SM 1400 MHz, 700 W")
+    assert gpu_clocks.reason_names(0x84) == "sw power cap+hw power brake"
+    # From the command line, and a CPU run (no device times) said as such.
+    csv_path, run_path = tmp_path / "smi.csv", tmp_path / "run.json"
+    csv_path.write_text("\n".join(lines))
+    cpu_row = dict(row, radix="off", step_series=[s[:3] for s in series])
+    run_path.write_text(json.dumps({"rows": [row, cpu_row]}))
+    assert gpu_clocks.main(["--samples", str(csv_path), "--run", str(run_path)]) == 0
+    out = capsys.readouterr().out
+    assert "step 2 (2048 + 480 rows)" in out
+    assert "shared-prefix radix off: no device times (not a CUDA run)" in out
+
+
+def test_gpu_clocks_refuses_to_sample_without_nvidia_smi(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.syspath_prepend(str(BENCH_DIR))
+    gpu_clocks = importlib.import_module("gpu_clocks")
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi there
+    marker = tmp_path / "ran"
+    command = [sys.executable, "-c", f"open({str(marker)!r}, 'w')"]
+    assert gpu_clocks.main(["--samples", str(tmp_path / "smi.csv"), "--", *command]) == 2
+    assert not marker.exists()  # the command did not run unsampled
