@@ -17,10 +17,11 @@ of its sampled ids to the host, each with its device time and its N costliest ke
 and each step's host time: whether a slow step waited on the host or on the device (with
 overlap on, a step's host time is its planning plus the wait for the step before, so
 the host times of a smooth device can alternate). --gaps prints, per window, the idle
-time summed by the activities either side of each gap. --sync-debug also runs the steps under `torch.cuda.set_sync_debug_mode("warn")` and
-prints, by call site, every operation that made the host wait for the device (an
-`.item()`, a copy to pageable memory, ...), with the steps it happened in: a step's one
-intended wait (its sampled ids, through an event) is not one of them.
+time summed by the activities either side of each gap. --sync-debug also runs the steps
+under `torch.cuda.set_sync_debug_mode("warn")` and prints, by call site, every operation
+that made the host wait for the device (an `.item()`, a copy to pageable memory, ...),
+with the steps it happened in: a step's one intended wait (its sampled ids, through an
+event) is not one of them.
 
 CUDA only (the CPU has no kernels to time).
 """
@@ -70,20 +71,29 @@ def busy_and_span(intervals: list[tuple[int, int]]) -> tuple[float, float]:
     return float(busy), float(max(b for _, b in intervals) - intervals[0][0])
 
 
-def idle_gaps(events: list[tuple[int, int, str]], top: int = 12) -> list[str]:
-    """The device's idle gaps (no kernel or copy on any stream), summed by the names of
-    the activity that ended before each and the one that started after it."""
+def gaps_between(events: list[tuple[int, int, str]]) -> list[tuple[int, int, str, str]]:
+    """The device's idle gaps (no kernel or copy on any stream) as (length, start, the
+    activity that ended last before it, the one that starts it), in time order."""
     events = sorted(events)
-    by_pair: collections.Counter[tuple[str, str]] = collections.Counter()
-    counts: collections.Counter[tuple[str, str]] = collections.Counter()
+    gaps: list[tuple[int, int, str, str]] = []
     end, last = events[0][1], events[0][2]
     for a, b, name in events[1:]:
         if a > end:
-            pair = (last[:60], name[:60])
-            by_pair[pair] += a - end
-            counts[pair] += 1
+            gaps.append((a - end, end, last, name))
         if b >= end:
             end, last = b, name
+    return gaps
+
+
+def idle_gaps(events: list[tuple[int, int, str]], top: int = 12) -> list[str]:
+    """The idle gaps summed by the names of the activity that ended before each and the
+    one that started after it."""
+    by_pair: collections.Counter[tuple[str, str]] = collections.Counter()
+    counts: collections.Counter[tuple[str, str]] = collections.Counter()
+    for us, _, before, after in gaps_between(events):
+        pair = (before[:60], after[:60])
+        by_pair[pair] += us
+        counts[pair] += 1
     return [
         f"{us / 1e3:7.2f} ms in {counts[pair]:5d} gaps: {pair[0]}  ->  {pair[1]}"
         for pair, us in by_pair.most_common(top)
@@ -93,22 +103,14 @@ def idle_gaps(events: list[tuple[int, int, str]], top: int = 12) -> list[str]:
 def longest(events: list[tuple[int, int, str]], top: int) -> list[str]:
     """The `top` longest single idle gaps and the `top` longest activities, each with its
     start (ms from the window's first activity) and names."""
-    events = sorted(events)
-    origin = events[0][0]
-    gaps: list[tuple[int, int, str, str]] = []
-    end, last = events[0][1], events[0][2]
-    for a, b, name in events[1:]:
-        if a > end:
-            gaps.append((a - end, end, last[:50], name[:50]))
-        if b >= end:
-            end, last = b, name
+    origin = min(a for a, _, _ in events)
     lines = [
-        f"gap {us / 1e3:7.2f} ms at {(at - origin) / 1e3:8.1f} ms: {before}  ->  {after}"
-        for us, at, before, after in sorted(gaps, reverse=True)[:top]
+        f"gap {us / 1e3:7.2f} ms at {(at - origin) / 1e3:8.1f} ms: {before[:50]}  ->  {after[:50]}"
+        for us, at, before, after in sorted(gaps_between(events), reverse=True)[:top]
     ]
     lines += [
         f"ran {(b - a) / 1e3:7.2f} ms at {(a - origin) / 1e3:8.1f} ms: {name[:90]}"
-        for a, b, name in sorted(events, key=lambda e: e[0] - e[1])[:top]
+        for a, b, name in sorted(events, key=lambda e: (e[0] - e[1], e[0]))[:top]
     ]
     return lines
 

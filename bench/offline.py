@@ -305,8 +305,8 @@ def run_offline(
         "allocator": allocator,
         **step_profile(steps),
         **floors,
-        # Every step as (seconds, prompt tokens, decode rows), in order: for plots.
-        # (and, on CUDA, the device's seconds for the step and its idle seconds before it).
+        # Every step in order, for plots: (seconds, prompt tokens, decode rows), and on CUDA
+        # also the step's device seconds and the device's idle seconds before it.
         "step_series": [
             (s.seconds, s.prefill_tokens, s.decode_rows)
             + ((s.device_s, s.idle_s) if clock.enabled else ())
