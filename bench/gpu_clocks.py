@@ -87,7 +87,7 @@ def during(samples: list[Sample], start: float, end: float) -> list[Sample]:
     lo, hi = bisect.bisect_left(times, start), bisect.bisect_right(times, end)
     if lo < hi:
         return samples[lo:hi]
-    return samples[max(lo - 1, 0) : max(lo, 1)] if samples else []
+    return [samples[lo - 1]] if lo > 0 else samples[:1]
 
 
 def align(row: dict[str, Any], samples: list[Sample]) -> list[str]:
