@@ -6,8 +6,9 @@ a `bench/offline.py --json` file: each step's start on the wall clock is its run
 device time (offline.py's `DeviceClock`) is over SLOW times the median of the steps of
 its shape (prompt tokens, decode rows). For each run it prints the slow steps with the
 SM clock, power, temperature and throttle reasons sampled during them, and the median
-SM clock and power in slow steps against all steps: whether the device's slow episodes
-are its clocks.
+SM clock and power in slow steps against all steps, and the host's own time in them
+(its step time less its wait for the device): a slow step whose host never waited was
+the host's, one at low clocks under a power cap the device's.
 
     python bench/gpu_clocks.py --samples smi.csv -- python bench/offline.py \\
         --workloads shared-prefix --radix on --json run.json
@@ -93,7 +94,7 @@ def during(samples: list[Sample], start: float, end: float) -> list[Sample]:
 def align(row: dict[str, Any], samples: list[Sample]) -> list[str]:
     """The report for one run (a row of offline.py's JSON with its `step_series`)."""
     series = row["step_series"]
-    if not series or len(series[0]) < 5:
+    if not series or len(series[0]) < 6:
         return [f"{row['workload']} radix {row['radix']}: no device times (not a CUDA run)"]
     at = row["started_unix"] + row["submit_s"]
     spans = []
@@ -101,12 +102,12 @@ def align(row: dict[str, Any], samples: list[Sample]) -> list[str]:
         spans.append((at, at + seconds))
         at += seconds
     by_shape: dict[tuple[int, int], list[float]] = defaultdict(list)
-    for _, prefill, rows, device_s, _ in series:
+    for _, prefill, rows, _, device_s, _ in series:
         by_shape[(prefill, rows)].append(device_s)
     medians = {k: statistics.median(v) for k, v in by_shape.items() if len(v) > 1}
     lines = [f"{row['workload']} radix {row['radix']}: {len(series)} steps"]
     slow_samples: list[Sample] = []
-    for i, (_, prefill, rows, device_s, _) in enumerate(series):
+    for i, (seconds, prefill, rows, wait_s, device_s, _) in enumerate(series):
         median = medians.get((prefill, rows))
         if median is None or device_s <= SLOW * median:
             continue
@@ -117,7 +118,8 @@ def align(row: dict[str, Any], samples: list[Sample]) -> list[str]:
         reasons = sorted({reason_names(s.reasons) for s in seen})
         lines.append(
             f"  step {i} ({prefill} + {rows} rows): device {1e3 * device_s:.1f} ms against "
-            f"{1e3 * median:.1f}; SM MHz {clocks}; W {power}; {', '.join(reasons)}"
+            f"{1e3 * median:.1f}; host busy {1e3 * (seconds - wait_s):.1f} ms, waited "
+            f"{1e3 * wait_s:.1f}; SM MHz {clocks}; W {power}; {', '.join(reasons)}"
         )
     seen_all = during(samples, spans[0][0], spans[-1][1])
     for name, group in (("all steps", seen_all), ("slow steps", slow_samples)):

@@ -21,9 +21,11 @@ ratio a run reaches when both modes run at the same share of their floors. `--sc
 kernels of mixed prefill and decode steps compile (on a fresh machine, several seconds)
 outside the timed run. Each run also reports its host-side stalls: the time to submit, the
 time outside the engine's steps, the collector's pauses, and the CUDA caching allocator's
-failed mallocs (retried after freeing its cache), device mallocs and frees; and on CUDA
-each step's time on the device and the device's idle time before it (`DeviceClock`: two
-events a step, no profiler), so a slow step shows as the host's or the device's.
+failed mallocs (retried after freeing its cache), device mallocs and frees; each step's
+wait for the device (the host's own time is the rest); and on CUDA each step's time on
+the device and the device's idle time before it (`DeviceClock`: two events a step, no
+profiler). `--host-stacks FIRST LAST` samples the host's Python stacks over those steps
+of each run (bench/host_stacks.py) and prints where its time went.
 
 Model: a Llama-3.1-8B-shaped model with random weights built on the device
 (`load_format="dummy"`, as bench/one_batch.py) by default; `--shape tiny` a small
@@ -36,10 +38,12 @@ Llama for a CPU smoke run; `--model DIR` a checkpoint.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
 import random
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -48,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from host_stacks import StackSampler
 from one_batch import LLAMA_31_8B, measure_bandwidth, measure_matmul, write_model_folder
 from roofline import ModelShape, RequestWork, work_floor
 
@@ -99,11 +104,15 @@ class Step:
     # On CUDA (DeviceClock): the device's time for the step, and its idle time before it.
     device_s: float = 0.0
     idle_s: float = 0.0
+    # The host's time in the step blocked on the device (the tokens of the step before, under
+    # overlap): the rest of `seconds` is its own work.
+    wait_s: float = 0.0
 
 
 ROW_BUCKET = 32
 ROW_QUANTILES = (0, 10, 25, 50, 75, 90, 100)
 SLOWEST = 8  # steps listed by time, with their index and shape
+STACK_LINES = 60  # functions listed by --host-stacks
 
 
 @dataclass(frozen=True)
@@ -234,15 +243,18 @@ def run_offline(
     engine: Engine,
     requests: Sequence[BenchRequest],
     floor: Callable[[list[Req], list[int]], dict[str, float]] | None = None,
+    stacks: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
     """Submit all `requests` at once on an empty cache, step until done; counts and rates
-    (and `floor(finished requests, tokens computed by each step)`'s figures, where given)."""
+    (and `floor(finished requests, tokens computed by each step)`'s figures, where given;
+    with `stacks` = (first, last), the host's stacks sampled over those steps."""
     if not engine.flush_cache():
         raise RuntimeError("the engine has requests running")
     retractions = engine.scheduler.total_retractions
     _sync(engine)
     allocator_before = allocator_counts(engine)
-    with GcClock() as gc_clock:
+    sampler = StackSampler(threading.get_ident())
+    with GcClock() as gc_clock, sampler if stacks else contextlib.nullcontext():
         started, started_unix = time.perf_counter(), time.time()
         submit_all(engine, requests)
         submitted = time.perf_counter()
@@ -252,7 +264,8 @@ def run_offline(
         clock = DeviceClock(engine.runner.device)
         while engine.has_work():
             t0, prefilled = time.perf_counter(), sched.total_prefill_tokens
-            decoded = sched.total_decode_tokens
+            decoded, waited = sched.total_decode_tokens, sched.total_device_wait_s
+            sampler.active = stacks is not None and stacks[0] <= len(steps) <= stacks[1]
             clock.begin()
             finished += [out.req for out in engine.step() if out.finished]
             clock.end()
@@ -262,8 +275,10 @@ def run_offline(
                     prefill_tokens=sched.total_prefill_tokens - prefilled,
                     decode_rows=sched.total_decode_tokens - decoded,
                     running_after=len(sched.running),
+                    wait_s=sched.total_device_wait_s - waited,
                 )
             )
+        sampler.active = False
         _sync(engine)
         duration = time.perf_counter() - started
     for i, (device_s, idle_s) in enumerate(clock.read()):
@@ -305,13 +320,15 @@ def run_offline(
         "allocator": allocator,
         **step_profile(steps),
         **floors,
-        # Every step in order, for plots: (seconds, prompt tokens, decode rows), and on CUDA
-        # also the step's device seconds and the device's idle seconds before it.
+        # Every step in order, for plots: (seconds, prompt tokens, decode rows, seconds the
+        # host waited for the device), and on CUDA also the step's device seconds and the
+        # device's idle seconds before it.
         "step_series": [
-            (s.seconds, s.prefill_tokens, s.decode_rows)
+            (s.seconds, s.prefill_tokens, s.decode_rows, s.wait_s)
             + ((s.device_s, s.idle_s) if clock.enabled else ())
             for s in steps
         ],
+        **({"host_stacks": sampler.report(top=STACK_LINES)} if stacks else {}),
     }
 
 
@@ -365,11 +382,13 @@ def step_profile(steps: Sequence[Step]) -> dict[str, Any]:
         "prefill_steps": len(prefill),
         "prefill_steps_s": sum(s.seconds for s in prefill),
         "prefill_steps_device_s": sum(s.device_s for s in prefill),
+        "prefill_steps_wait_s": sum(s.wait_s for s in prefill),
         "prefill_tokens_per_step": mean([s.prefill_tokens for s in prefill]),
         "running_in_prefill_steps": mean([s.running_after for s in prefill]),
         "decode_steps": len(decode),
         "decode_steps_s": sum(s.seconds for s in decode),
         "decode_steps_device_s": sum(s.device_s for s in decode),
+        "decode_steps_wait_s": sum(s.wait_s for s in decode),
         "device_idle_s": sum(s.idle_s for s in steps),
         "running_in_decode_steps": mean([s.running_after for s in decode]),
         "decode_rows_quantiles": {
@@ -384,6 +403,7 @@ def step_profile(steps: Sequence[Step]) -> dict[str, Any]:
                 "s": s.seconds,
                 "device_s": s.device_s,
                 "idle_s": s.idle_s,
+                "wait_s": s.wait_s,
                 "prefill_tokens": s.prefill_tokens,
                 "rows": s.decode_rows,
             }
@@ -407,9 +427,11 @@ def bench(
     workloads: Sequence[Workload],
     radix_modes: list[bool],
     rates: Rates | None = None,
+    stacks: tuple[int, int] | None = None,
 ) -> list[dict[str, Any]]:
     """One engine per radix mode (`make_engine(radix)`), every workload on it: one row
-    each, read against its floor where the device's `rates` are given."""
+    each, read against its floor where the device's `rates` are given (and with the
+    host's stacks over steps `stacks`, printed)."""
     rows = []
     for radix in radix_modes:
         engine = make_engine(radix)
@@ -420,9 +442,13 @@ def bench(
                 row = {
                     "workload": workload.name,
                     "radix": "on" if radix else "off",
-                    **run_offline(engine, workload.requests, floor),
+                    **run_offline(engine, workload.requests, floor, stacks),
                 }
-                print(json.dumps({k: v for k, v in row.items() if k != "step_series"}), flush=True)
+                shown = {k: v for k, v in row.items() if k not in ("step_series", "host_stacks")}
+                print(json.dumps(shown), flush=True)
+                if stacks:
+                    print(f"host stacks over steps {stacks[0]}-{stacks[1]}:", flush=True)
+                    print("\n".join(row["host_stacks"]), flush=True)
                 rows.append(row)
         finally:
             engine.shutdown()
@@ -507,6 +533,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--scale", type=float, default=1.0, help="fraction of each workload")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument(
+        "--host-stacks",
+        nargs=2,
+        type=int,
+        default=None,
+        metavar=("FIRST", "LAST"),
+        help="sample the host's Python stacks over these steps of each run (host_stacks.py)",
+    )
     args = ap.parse_args(argv)
     workloads = [WORKLOADS[name](args.scale, args.seed) for name in args.workloads]
     modes = {"on": [True], "off": [False], "both": [True, False]}[args.radix]
@@ -518,7 +552,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{torch.cuda.get_device_name()}: copy bandwidth {rates.bandwidth / 1e12:.2f} TB/s, "
             f"bf16 matmul {rates.matmul / 1e12:.0f} TFLOP/s"
         )
-    rows = bench(engine_factory(args), workloads, modes, rates)
+    stacks = None if args.host_stacks is None else (args.host_stacks[0], args.host_stacks[1])
+    rows = bench(engine_factory(args), workloads, modes, rates, stacks)
     ratios = radix_ratios(rows)
     at_floor = floor_ratios(rows)
     if args.json:

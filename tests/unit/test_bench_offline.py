@@ -6,7 +6,10 @@ from __future__ import annotations
 import importlib
 import json
 import random
+import re
 import sys
+import threading
+import time
 from datetime import datetime
 from pathlib import Path
 from types import ModuleType
@@ -73,7 +76,11 @@ def test_shared_prefix_counts_and_cache_hits(offline: ModuleType, tiny_llama_dir
         # The device clock is CUDA's too: no device times, the series without them.
         assert row["device_idle_s"] == row["prefill_steps_device_s"] == 0.0
         assert all(s["device_s"] == s["idle_s"] == 0.0 for s in row["slowest_steps"])
-        assert {len(entry) for entry in row["step_series"]} == {3}
+        assert {len(entry) for entry in row["step_series"]} == {4}
+        # The host's waits for the device are part of its step times.
+        assert 0 <= row["prefill_steps_wait_s"] <= row["prefill_steps_s"]
+        assert 0 <= row["decode_steps_wait_s"] <= row["decode_steps_s"]
+        assert all(0 <= entry[3] <= entry[0] for entry in row["step_series"])
         assert len(row["step_series"]) == row["steps"]
         # The slowest steps, slowest first, each one of the run's steps.
         slowest = row["slowest_steps"]
@@ -137,6 +144,7 @@ def test_cli_on_a_dummy_tiny_model(
     args = ["--shape", "tiny", "--tokenizer", str(tiny_llama_dir), "--device", "cpu"]
     # Seed 208 draws two short ShareGPT-like requests (31 and 28 output tokens).
     args += ["--workloads", "sharegpt", "--scale", "0.002", "--seed", "208", "--json", str(out)]
+    args += ["--host-stacks", "0", "1000"]
     assert offline.main(args) == 0
     result = json.loads(out.read_text())
     expected = offline.sharegpt_workload(0.002, 208).requests
@@ -146,7 +154,44 @@ def test_cli_on_a_dummy_tiny_model(
         assert row["completed"] == 2
         assert row["input_tokens"] == sum(r.prompt_len for r in expected)
         assert row["output_tokens"] == sum(r.output_len for r in expected)
+        # The host's stacks over every step: the engine's step on the stack in each sample.
+        head, *functions = row["host_stacks"]
+        assert re.fullmatch(r"\d+ samples; share on the stack / innermost", head)
+        assert any(line.startswith("  100.0%") and "Engine.step" in line for line in functions)
     assert set(result["radix_on_over_off"]) == {"sharegpt"}
+
+
+def test_host_stacks_finds_the_busy_function(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(BENCH_DIR))
+    host_stacks = importlib.import_module("host_stacks")
+
+    def busy(seconds: float) -> None:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+
+    def idle_outside_window() -> None:
+        busy(0.05)
+
+    sampler = host_stacks.StackSampler(threading.get_ident(), interval_s=0.001)
+    switch = sys.getswitchinterval()
+    with sampler:
+        idle_outside_window()  # not sampled: the sampler is not active
+        assert sys.getswitchinterval() == switch
+        sampler.active = True
+        assert sys.getswitchinterval() == 0.001
+        busy(0.2)
+        sampler.active = False
+        assert sys.getswitchinterval() == switch
+    assert sampler.samples >= 20
+    names = {name.rsplit(" ", 1)[-1]: name for name in sampler.inclusive}
+    busy_name = names["test_host_stacks_finds_the_busy_function.<locals>.busy"]
+    assert sampler.inclusive[busy_name] == sampler.samples  # on the stack in every sample
+    assert sampler.own[busy_name] >= 0.9 * sampler.samples  # and mostly the innermost
+    assert not any("idle_outside_window" in name for name in sampler.inclusive)
+    report = sampler.report(top=3)
+    assert report[0] == f"{sampler.samples} samples; share on the stack / innermost"
+    assert len(report) == 4 and report[1].startswith("  100.0%")
 
 
 def test_gpu_busy_counts_overlapping_kernels_once(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -208,12 +253,12 @@ def test_gpu_clocks_lines_slow_steps_up_with_samples(
     # Four mixed steps of one shape (the third twice as long on the device), two decode
     # steps; the run starts at `start` and submits for 0.1 s.
     series = [
-        (0.07, 2048, 480, 0.07, 0.0),
-        (0.07, 2048, 480, 0.07, 0.0),
-        (0.14, 2048, 480, 0.14, 0.0),
-        (0.07, 2048, 480, 0.07, 0.0),
-        (0.02, 0, 512, 0.02, 0.0),
-        (0.02, 0, 512, 0.02, 0.0),
+        (0.07, 2048, 480, 0.01, 0.07, 0.0),
+        (0.07, 2048, 480, 0.01, 0.07, 0.0),
+        (0.14, 2048, 480, 0.0, 0.14, 0.0),
+        (0.07, 2048, 480, 0.01, 0.07, 0.0),
+        (0.02, 0, 512, 0.01, 0.02, 0.0),
+        (0.02, 0, 512, 0.01, 0.02, 0.0),
     ]
     row = {
         "workload": "shared-prefix",
@@ -239,7 +284,10 @@ def test_gpu_clocks_lines_slow_steps_up_with_samples(
     report = gpu_clocks.align(row, samples)
     assert len(report) == 4, report
     assert report[1].startswith("  step 2 (2048 + 480 rows): device 140.0 ms against 70.0;")
-    assert "SM MHz 1400 1400 1400 1400 1400 1400 1400; W 700 " in report[1]
+    assert (
+        "host busy 140.0 ms, waited 0.0; SM MHz 1400 1400 1400 1400 1400 1400 1400; W 700 "
+        in report[1]
+    )
     assert report[1].endswith("sw power cap")
     assert report[2].startswith("  all steps: 20 samples, SM 1980 MHz")
     assert report[3].startswith("  slow steps: 7 samples, SM 1400 MHz, 700 W")
@@ -247,7 +295,7 @@ def test_gpu_clocks_lines_slow_steps_up_with_samples(
     # From the command line, and a CPU run (no device times) said as such.
     csv_path, run_path = tmp_path / "smi.csv", tmp_path / "run.json"
     csv_path.write_text("\n".join(lines))
-    cpu_row = dict(row, radix="off", step_series=[s[:3] for s in series])
+    cpu_row = dict(row, radix="off", step_series=[s[:4] for s in series])
     run_path.write_text(json.dumps({"rows": [row, cpu_row]}))
     assert gpu_clocks.main(["--samples", str(csv_path), "--run", str(run_path)]) == 0
     out = capsys.readouterr().out

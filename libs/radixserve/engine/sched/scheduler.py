@@ -12,6 +12,7 @@ device runs this one.
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -101,6 +102,7 @@ class Scheduler:
         self.total_retractions = 0
         self.total_cascade_steps = 0  # decode steps run with shared prefixes
         self.total_exact_state_waits = 0  # steps that read the step in flight before planning
+        self.total_device_wait_s = 0.0  # the host's time blocked on launched steps' tokens
         # The last cascade groups and the decoding requests they were found for: a decode
         # batch keeps its members for many steps, and their prefixes stay locked (same
         # slots) while they run, so the groups hold until the membership changes. Every
@@ -371,18 +373,25 @@ class Scheduler:
         self.total_cascade_steps += 1
         return groups
 
+    def _wait(self, copies: HostCopy) -> list[torch.Tensor | None]:
+        """A launched step's host copies, once the device has made them (timed)."""
+        started = time.perf_counter()
+        host = copies.wait()
+        self.total_device_wait_s += time.perf_counter() - started
+        return host
+
     def _read(self, launched: Launched) -> list[StepOutput]:
         """Read a launched step's tokens (waiting for them alone) and finish or continue
         each request that sampled."""
         outputs: list[StepOutput] = []
         if launched.scored is not None:
             plan, copies = launched.scored
-            chosen, top_ids, top_values = copies.wait()
+            chosen, top_ids, top_values = self._wait(copies)
             assert chosen is not None
             assign_input_logprobs(plan, chosen, top_ids, top_values)
         if launched.host is None:
             return outputs
-        ids, logprobs, top_ids, top_values = launched.host.wait()
+        ids, logprobs, top_ids, top_values = self._wait(launched.host)
         assert ids is not None
         next_ids = ids.tolist()
         for row, (req, token) in enumerate(zip(launched.ready, next_ids, strict=True)):
