@@ -25,7 +25,9 @@ failed mallocs (retried after freeing its cache), device mallocs and frees; each
 wait for the device (the host's own time is the rest); and on CUDA each step's time on
 the device and the device's idle time before it (`DeviceClock`: two events a step, no
 profiler). `--host-stacks FIRST LAST` samples the host's Python stacks over those steps
-of each run (bench/host_stacks.py) and prints where its time went.
+of each run (bench/host_stacks.py) and prints where its time went, over the window and
+over its steps whose host took longest on its own (bench/step_probes.py holds these
+per-step measures).
 
 Model: a Llama-3.1-8B-shaped model with random weights built on the device
 (`load_format="dummy"`, as bench/one_batch.py) by default; `--shape tiny` a small
@@ -45,7 +47,6 @@ import os
 import random
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -55,6 +56,14 @@ import torch
 from host_stacks import StackSampler
 from one_batch import LLAMA_31_8B, measure_bandwidth, measure_matmul, write_model_folder
 from roofline import ModelShape, RequestWork, work_floor
+from step_probes import (
+    DeviceClock,
+    GcClock,
+    Step,
+    allocator_counts,
+    stack_reports,
+    step_profile,
+)
 
 from radixserve import Engine
 from radixserve.benchmark.datasets import (
@@ -91,28 +100,6 @@ class Workload:
     # (that many decode over it together, reading it once, with the radix cache).
     shared_prefix_len: int = 0
     group_size: int = 1
-
-
-@dataclass(frozen=True)
-class Step:
-    """One engine step of a run, as the bench saw it."""
-
-    seconds: float
-    prefill_tokens: int
-    decode_rows: int
-    running_after: int
-    # On CUDA (DeviceClock): the device's time for the step, and its idle time before it.
-    device_s: float = 0.0
-    idle_s: float = 0.0
-    # The host's time in the step blocked on the device (the tokens of the step before, under
-    # overlap): the rest of `seconds` is its own work.
-    wait_s: float = 0.0
-
-
-ROW_BUCKET = 32
-ROW_QUANTILES = (0, 10, 25, 50, 75, 90, 100)
-SLOWEST = 8  # steps listed by time, with their index and shape
-STACK_LINES = 60  # functions listed by --host-stacks
 
 
 @dataclass(frozen=True)
@@ -164,96 +151,23 @@ def submit_all(engine: Engine, requests: Sequence[BenchRequest]) -> None:
         )
 
 
-class GcClock:
-    """Time spent in the interpreter's garbage collections while in use (gc.callbacks):
-    a full collection over a big engine's objects pauses the host, and the GPU with it."""
-
-    def __init__(self) -> None:
-        self.seconds = self.longest = 0.0
-        self.by_generation = [0, 0, 0]
-        self._began = 0.0
-
-    def _callback(self, phase: str, info: dict[str, int]) -> None:
-        if phase == "start":
-            self._began = time.perf_counter()
-            return
-        took = time.perf_counter() - self._began
-        self.seconds += took
-        self.longest = max(self.longest, took)
-        self.by_generation[info["generation"]] += 1
-
-    def __enter__(self) -> GcClock:
-        gc.callbacks.append(self._callback)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        gc.callbacks.remove(self._callback)
-
-
-# torch's caching allocator's counters that mean a stall: a cudaMalloc that failed, so
-# the allocator synchronised and freed its cached blocks to retry; and device mallocs and
-# frees (each may synchronise the device).
-ALLOCATOR_COUNTERS = ("num_alloc_retries", "num_device_alloc", "num_device_free")
-
-
-def allocator_counts(engine: Engine) -> dict[str, int]:
-    """The allocator's counters (ALLOCATOR_COUNTERS) on the engine's device; none on CPU."""
-    if engine.runner.device.type != "cuda":
-        return {}
-    stats = torch.cuda.memory_stats(engine.runner.device)
-    return {key: int(stats.get(key, 0)) for key in ALLOCATOR_COUNTERS}
-
-
-class DeviceClock:
-    """The device's side of each step, from two CUDA events a step on the current stream
-    (no profiler): one recorded before `engine.step()`, one after. Read after the run: a
-    step's device time runs from the last step's end event to its own (under overlap, its
-    kernels), and the device sat idle before it from the last end event to its start
-    event (a host that fell behind). Records nothing off CUDA."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.enabled = device.type == "cuda"
-        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        self._start: torch.cuda.Event | None = None
-
-    def begin(self) -> None:
-        if self.enabled:
-            self._start = torch.cuda.Event(enable_timing=True)
-            self._start.record()
-
-    def end(self) -> None:
-        if self.enabled:
-            assert self._start is not None
-            done = torch.cuda.Event(enable_timing=True)
-            done.record()
-            self._events.append((self._start, done))
-
-    def read(self) -> list[tuple[float, float]]:
-        """(device seconds, idle seconds before) for each step, once the device has
-        finished them; empty off CUDA."""
-        out: list[tuple[float, float]] = []
-        for i, (start, done) in enumerate(self._events):
-            since = start if i == 0 else self._events[i - 1][1]
-            idle = 0.0 if i == 0 else since.elapsed_time(start) / 1e3
-            out.append((since.elapsed_time(done) / 1e3, idle))
-        return out
-
-
 def run_offline(
     engine: Engine,
     requests: Sequence[BenchRequest],
     floor: Callable[[list[Req], list[int]], dict[str, float]] | None = None,
     stacks: tuple[int, int] | None = None,
+    stacks_interval_s: float = 0.001,
 ) -> dict[str, Any]:
     """Submit all `requests` at once on an empty cache, step until done; counts and rates
     (and `floor(finished requests, tokens computed by each step)`'s figures, where given;
-    with `stacks` = (first, last), the host's stacks sampled over those steps."""
+    with `stacks` = (first, last), the host's stacks sampled over those steps: over all
+    of them, and over the SLOWEST_HOST of them where the host's own time was longest)."""
     if not engine.flush_cache():
         raise RuntimeError("the engine has requests running")
     retractions = engine.scheduler.total_retractions
     _sync(engine)
     allocator_before = allocator_counts(engine)
-    sampler = StackSampler(threading.get_ident())
+    sampler = StackSampler(threading.get_ident(), stacks_interval_s)
     with GcClock() as gc_clock, sampler if stacks else contextlib.nullcontext():
         started, started_unix = time.perf_counter(), time.time()
         submit_all(engine, requests)
@@ -265,6 +179,7 @@ def run_offline(
         while engine.has_work():
             t0, prefilled = time.perf_counter(), sched.total_prefill_tokens
             decoded, waited = sched.total_decode_tokens, sched.total_device_wait_s
+            sampler.step = len(steps)
             sampler.active = stacks is not None and stacks[0] <= len(steps) <= stacks[1]
             clock.begin()
             finished += [out.req for out in engine.step() if out.finished]
@@ -328,7 +243,7 @@ def run_offline(
             + ((s.device_s, s.idle_s) if clock.enabled else ())
             for s in steps
         ],
-        **({"host_stacks": sampler.report(top=STACK_LINES)} if stacks else {}),
+        **({} if stacks is None else stack_reports(sampler, steps, stacks)),
     }
 
 
@@ -363,55 +278,6 @@ def floor_of(
     return figures
 
 
-def step_profile(steps: Sequence[Step]) -> dict[str, Any]:
-    """Where the run's time went: steps that prefilled (mixed with decode rows or not)
-    against pure decode steps, and how many rows the decode steps carried (quantiles, and
-    steps per 32-row bucket keyed by its lowest row count). Under overlap a step's time is
-    its planning plus the wait for the step before it, so the sums add up to the run's
-    duration."""
-    prefill = [s for s in steps if s.prefill_tokens > 0]
-    decode = [s for s in steps if s.prefill_tokens == 0]
-    rows = sorted(s.decode_rows for s in decode)
-
-    def mean(xs: Sequence[float]) -> float:
-        return sum(xs) / len(xs) if xs else 0.0
-
-    buckets = Counter(r // ROW_BUCKET * ROW_BUCKET for r in rows)
-    return {
-        "steps": len(steps),
-        "prefill_steps": len(prefill),
-        "prefill_steps_s": sum(s.seconds for s in prefill),
-        "prefill_steps_device_s": sum(s.device_s for s in prefill),
-        "prefill_steps_wait_s": sum(s.wait_s for s in prefill),
-        "prefill_tokens_per_step": mean([s.prefill_tokens for s in prefill]),
-        "running_in_prefill_steps": mean([s.running_after for s in prefill]),
-        "decode_steps": len(decode),
-        "decode_steps_s": sum(s.seconds for s in decode),
-        "decode_steps_device_s": sum(s.device_s for s in decode),
-        "decode_steps_wait_s": sum(s.wait_s for s in decode),
-        "device_idle_s": sum(s.idle_s for s in steps),
-        "running_in_decode_steps": mean([s.running_after for s in decode]),
-        "decode_rows_quantiles": {
-            f"p{q}": rows[min(len(rows) - 1, len(rows) * q // 100)] for q in ROW_QUANTILES
-        }
-        if rows
-        else {},
-        "decode_steps_by_rows": {str(k): buckets[k] for k in sorted(buckets)},
-        "slowest_steps": [
-            {
-                "index": i,
-                "s": s.seconds,
-                "device_s": s.device_s,
-                "idle_s": s.idle_s,
-                "wait_s": s.wait_s,
-                "prefill_tokens": s.prefill_tokens,
-                "rows": s.decode_rows,
-            }
-            for i, s in sorted(enumerate(steps), key=lambda p: -p[1].seconds)[:SLOWEST]
-        ],
-    }
-
-
 def warmup_requests(workloads: Sequence[Workload]) -> list[BenchRequest]:
     """The first requests of each workload with short outputs: the timed runs then find
     the kernels of their step shapes (prefill beside decode, shared prefixes) compiled."""
@@ -428,6 +294,7 @@ def bench(
     radix_modes: list[bool],
     rates: Rates | None = None,
     stacks: tuple[int, int] | None = None,
+    stacks_interval_s: float = 0.001,
 ) -> list[dict[str, Any]]:
     """One engine per radix mode (`make_engine(radix)`), every workload on it: one row
     each, read against its floor where the device's `rates` are given (and with the
@@ -442,13 +309,15 @@ def bench(
                 row = {
                     "workload": workload.name,
                     "radix": "on" if radix else "off",
-                    **run_offline(engine, workload.requests, floor, stacks),
+                    **run_offline(engine, workload.requests, floor, stacks, stacks_interval_s),
                 }
-                shown = {k: v for k, v in row.items() if k not in ("step_series", "host_stacks")}
+                shown = {k: v for k, v in row.items() if k != "step_series" and "stacks" not in k}
                 print(json.dumps(shown), flush=True)
                 if stacks:
                     print(f"host stacks over steps {stacks[0]}-{stacks[1]}:", flush=True)
                     print("\n".join(row["host_stacks"]), flush=True)
+                    print("of which the slowest on the host:", flush=True)
+                    print("\n".join(row["host_stacks_slowest_steps"]), flush=True)
                 rows.append(row)
         finally:
             engine.shutdown()
@@ -541,6 +410,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar=("FIRST", "LAST"),
         help="sample the host's Python stacks over these steps of each run (host_stacks.py)",
     )
+    ap.add_argument(
+        "--host-stacks-ms",
+        type=float,
+        default=1.0,
+        help="the sampling interval (a shorter one slows the host more)",
+    )
     args = ap.parse_args(argv)
     workloads = [WORKLOADS[name](args.scale, args.seed) for name in args.workloads]
     modes = {"on": [True], "off": [False], "both": [True, False]}[args.radix]
@@ -553,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
             f"bf16 matmul {rates.matmul / 1e12:.0f} TFLOP/s"
         )
     stacks = None if args.host_stacks is None else (args.host_stacks[0], args.host_stacks[1])
-    rows = bench(engine_factory(args), workloads, modes, rates, stacks)
+    rows = bench(engine_factory(args), workloads, modes, rates, stacks, args.host_stacks_ms / 1e3)
     ratios = radix_ratios(rows)
     at_floor = floor_ratios(rows)
     if args.json:

@@ -84,7 +84,7 @@ def test_shared_prefix_counts_and_cache_hits(offline: ModuleType, tiny_llama_dir
         assert len(row["step_series"]) == row["steps"]
         # The slowest steps, slowest first, each one of the run's steps.
         slowest = row["slowest_steps"]
-        assert 0 < len(slowest) <= offline.SLOWEST
+        assert 0 < len(slowest) <= importlib.import_module("step_probes").SLOWEST
         assert [s["s"] for s in slowest] == sorted((s["s"] for s in slowest), reverse=True)
         assert len({s["index"] for s in slowest}) == len(slowest) < row["steps"] + 1
         assert 0 < row["prefill_tokens_per_step"] <= 16
@@ -158,6 +158,11 @@ def test_cli_on_a_dummy_tiny_model(
         head, *functions = row["host_stacks"]
         assert re.fullmatch(r"\d+ samples; share on the stack / innermost", head)
         assert any(line.startswith("  100.0%") and "Engine.step" in line for line in functions)
+        # And over the steps whose host took longest on its own: the first line names them.
+        named, head, *functions = row["host_stacks_slowest_steps"]
+        assert re.fullmatch(r"steps \d+ \([\d.]+ ms\)(, \d+ \([\d.]+ ms\)){4}", named)
+        assert int(head.split()[0]) <= int(row["host_stacks"][0].split()[0])
+        assert any(line.startswith("  100.0%") and "Engine.step" in line for line in functions)
     assert set(result["radix_on_over_off"]) == {"sharegpt"}
 
 
@@ -173,6 +178,9 @@ def test_host_stacks_finds_the_busy_function(monkeypatch: pytest.MonkeyPatch) ->
     def idle_outside_window() -> None:
         busy(0.05)
 
+    def other(seconds: float) -> None:
+        busy(seconds)
+
     sampler = host_stacks.StackSampler(threading.get_ident(), interval_s=0.001)
     switch = sys.getswitchinterval()
     with sampler:
@@ -180,18 +188,27 @@ def test_host_stacks_finds_the_busy_function(monkeypatch: pytest.MonkeyPatch) ->
         assert sys.getswitchinterval() == switch
         sampler.active = True
         assert sys.getswitchinterval() == 0.001
-        busy(0.2)
+        busy(0.2)  # tallied as step 0
+        sampler.step = 1
+        other(0.1)
         sampler.active = False
         assert sys.getswitchinterval() == switch
-    assert sampler.samples >= 20
-    names = {name.rsplit(" ", 1)[-1]: name for name in sampler.inclusive}
+    assert set(sampler.by_step) == {0, 1}
+    everything, first = sampler.tally(), sampler.tally([0])
+    assert first.samples >= 20 and sampler.by_step[1].samples >= 10
+    assert everything.samples == first.samples + sampler.by_step[1].samples
+    names = {name.rsplit(" ", 1)[-1]: name for name in everything.inclusive}
     busy_name = names["test_host_stacks_finds_the_busy_function.<locals>.busy"]
-    assert sampler.inclusive[busy_name] == sampler.samples  # on the stack in every sample
-    assert sampler.own[busy_name] >= 0.9 * sampler.samples  # and mostly the innermost
-    assert not any("idle_outside_window" in name for name in sampler.inclusive)
-    report = sampler.report(top=3)
-    assert report[0] == f"{sampler.samples} samples; share on the stack / innermost"
+    other_name = names["test_host_stacks_finds_the_busy_function.<locals>.other"]
+    assert everything.inclusive[busy_name] == everything.samples  # on the stack in every sample
+    assert first.own[busy_name] >= 0.9 * first.samples  # and mostly the innermost
+    assert first.inclusive[other_name] == 0  # step 1's function, not in step 0's samples
+    assert sampler.by_step[1].inclusive[other_name] == sampler.by_step[1].samples
+    assert not any("idle_outside_window" in name for name in everything.inclusive)
+    report = first.report(top=3)
+    assert report[0] == f"{first.samples} samples; share on the stack / innermost"
     assert len(report) == 4 and report[1].startswith("  100.0%")
+    assert sampler.tally([7]).report() == ["no samples"]
 
 
 def test_gpu_busy_counts_overlapping_kernels_once(monkeypatch: pytest.MonkeyPatch) -> None:
