@@ -5,20 +5,23 @@ In the shared-prefix run's mixed steps (radix on) each layer runs FlashInfer's F
 prefill over the step's prompt tokens on the current stream and, on a side stream beside
 it, the cascade of its ~450 decoders (the shared-prefix kernel, then the suffix decode).
 A profile of the second wave (docs/performance.md, 2026-11-28) put the cascade at
-13-15 ms a step and FA2 at 6-8, with the cascade reading at ~55-60% of the copy rate
-beside FA2. This times the layer's attention ways, on the engine's FlashInfer backend
+13-15 ms a step and FA2 at 6-8, the cascade reading at an estimated 50-60% of the copy
+rate beside FA2. This times the layer's attention ways, on the engine's FlashInfer backend
 and its tables (one pass built as tests/helpers/attention_passes.py builds them):
 
-- `side`: the engine's (FA2 here, the cascade on a side stream, joined);
-- `side-high`: the same with the side stream at high priority;
+- `side`: the engine's (FA2 here, the cascade on a side stream, forked and joined by
+  `Stream.wait_stream`, which makes an event each call);
+- `side-events`: the same with two events made once (the host's launch time differs);
+- `side-high`: that with the side stream at high priority;
 - `swap`: the cascade here, FA2 on the side stream;
 - `serial`: FA2 then the cascade on one stream; `cascade-first`: the other order;
 - `fa2`, `cascade`: each alone (their sum against the ways above is what running them
   together saves).
 
 Each way runs the layer `--repeat` times back to back (alternating the pool's two
-layers), timed with CUDA events, rounds of all ways alternating, median per way. Every
-way's output must equal `side`'s bit for bit (the same kernels on the same inputs).
+layers), timed with CUDA events (and the host's time to launch them), rounds of all
+ways alternating, median per way. Every way's output must equal `side`'s bit for bit
+(the same kernels on the same inputs).
 
     python bench/mixed_attention.py [--decoders 448 --group 16 --suffix 128 384
         --step question|prefix --repeat 32 --rounds 5]
@@ -32,6 +35,7 @@ import argparse
 import random
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -45,7 +49,7 @@ from tests.helpers.attention_passes import Pass, make_pass, share_prefixes
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3.1-8B
 PREFIX = 2048  # the workload's system prompt
-WAYS = ("side", "side-high", "swap", "serial", "cascade-first", "fa2", "cascade")
+WAYS = ("side", "side-events", "side-high", "swap", "serial", "cascade-first", "fa2", "cascade")
 
 
 def build(
@@ -99,7 +103,7 @@ def ways(p: Pass) -> dict[str, Callable[[int], torch.Tensor]]:
     step, cascade = backend._pass, backend._cascade
     assert step is not None and step.wrapper is not None and isinstance(cascade, CascadeDecode)
     first, pool, q = step.first, p.batch.kv_pool, p.q
-    side, high = torch.cuda.Stream(), torch.cuda.Stream(priority=-1)
+    side, high, other = torch.cuda.Stream(), torch.cuda.Stream(priority=-1), torch.cuda.Stream()
     fork, join = torch.cuda.Event(), torch.cuda.Event()
 
     def fa2(layer: int, out: torch.Tensor) -> None:
@@ -140,8 +144,9 @@ def ways(p: Pass) -> dict[str, Callable[[int], torch.Tensor]]:
         "side": lambda layer: backend.forward(
             p.q, p.k, p.v, layer, p.batch, p.scale, kv_stored=True
         ),
+        "side-events": beside(fa2, cas, side),
         "side-high": beside(fa2, cas, high),
-        "swap": beside(cas, fa2, side),
+        "swap": beside(cas, fa2, other),
         "serial": serial(fa2, cas),
         "cascade-first": serial(cas, fa2),
         "fa2": serial(fa2),
@@ -149,16 +154,19 @@ def ways(p: Pass) -> dict[str, Callable[[int], torch.Tensor]]:
     }
 
 
-def time_way(run: Callable[[int], torch.Tensor], repeat: int) -> float:
-    """ms a layer over `repeat` layers back to back."""
+def time_way(run: Callable[[int], torch.Tensor], repeat: int) -> tuple[float, float]:
+    """(device ms, host ms) a layer over `repeat` layers back to back: the device's from
+    CUDA events, the host's the time to launch them."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     torch.cuda.synchronize()
     start.record()
+    began = time.perf_counter()
     for i in range(repeat):
         run(i % 2)
+    host = time.perf_counter() - began
     end.record()
     end.synchronize()
-    return start.elapsed_time(end) / repeat
+    return start.elapsed_time(end) / repeat, 1e3 * host / repeat
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -189,16 +197,23 @@ def main(argv: list[str] | None = None) -> int:
             same = torch.equal(out, reference)
         assert same, f"{name}'s output differs from the engine's"
     times: dict[str, list[float]] = {name: [] for name in runs}
+    hosts: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(args.rounds):
         for name, run in runs.items():
-            times[name].append(time_way(run, args.repeat))
+            device_ms, host_ms = time_way(run, args.repeat)
+            times[name].append(device_ms)
+            hosts[name].append(host_ms)
     print(
         f"{torch.cuda.get_device_name()}: {args.decoders} decoders in groups of {args.group} "
         f"over {PREFIX} + {args.suffix[0]}-{args.suffix[1]} tokens, beside a {args.step} "
-        f"step; ms a layer, median of {args.rounds} x {args.repeat} layers"
+        f"step; ms a layer on the device (and on the host to launch it), median of "
+        f"{args.rounds} x {args.repeat} layers"
     )
     for name in WAYS:
-        print(f"  {name:<14} {statistics.median(times[name]):.4f}")
+        print(
+            f"  {name:<14} {statistics.median(times[name]):.4f} "
+            f"({statistics.median(hosts[name]):.4f})"
+        )
     both = statistics.median(times["fa2"]) + statistics.median(times["cascade"])
     print(f"  fa2 + cascade  {both:.4f} (each alone, summed)")
     return 0
