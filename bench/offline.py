@@ -10,8 +10,8 @@ Workloads, synthetic and seeded (the generators of `radixserve.benchmark.dataset
   128-token question, 256 output tokens.
 
 Each runs with the radix cache on and/or off (`--radix on|off|both`, one engine per
-mode, both workloads on it, the cache emptied before each); `both` adds the on/off
-throughput ratio. On CUDA each run is also read against its floor (bench/roofline.py:
+mode, both workloads on it, the cache emptied before each, `--repeat` times in a row);
+`both` adds the on/off throughput ratio (of the modes' medians where repeated). On CUDA each run is also read against its floor (bench/roofline.py:
 its projections and prefill attention at the bf16 matmul rate, its decode attention's
 KV reads at the copy bandwidth, both measured at start): `floor_s` and `of_floor` (the
 floor over the run's time), and with `both` the ratio of the two floors, the on/off
@@ -42,9 +42,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import itertools
 import json
 import os
 import random
+import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -295,20 +297,23 @@ def bench(
     rates: Rates | None = None,
     stacks: tuple[int, int] | None = None,
     stacks_interval_s: float = 0.001,
+    repeat: int = 1,
 ) -> list[dict[str, Any]]:
-    """One engine per radix mode (`make_engine(radix)`), every workload on it: one row
-    each, read against its floor where the device's `rates` are given (and with the
-    host's stacks over steps `stacks`, printed)."""
+    """One engine per radix mode (`make_engine(radix)`), every workload on it `repeat`
+    times in a row: one row each (`run` its index), read against its floor where the
+    device's `rates` are given (and with the host's stacks over steps `stacks`,
+    printed)."""
     rows = []
     for radix in radix_modes:
         engine = make_engine(radix)
         try:
             run_offline(engine, warmup_requests(workloads))
-            for workload in workloads:
+            for workload, run in itertools.product(workloads, range(repeat)):
                 floor = None if rates is None else floor_of(engine, workload, radix, rates)
                 row = {
                     "workload": workload.name,
                     "radix": "on" if radix else "off",
+                    "run": run,
                     **run_offline(engine, workload.requests, floor, stacks, stacks_interval_s),
                 }
                 shown = {k: v for k, v in row.items() if k != "step_series" and "stacks" not in k}
@@ -327,17 +332,22 @@ def bench(
 
 
 def _on_and_off(rows: Sequence[dict[str, Any]], key: str) -> dict[str, tuple[float, float]]:
-    """Per workload run both ways (with `key`): its value with the radix cache and without."""
-    by_key = {(r["workload"], r["radix"]): r[key] for r in rows if key in r}
+    """Per workload run both ways (with `key`): its value with the radix cache and
+    without, the median of each mode's runs."""
+    by_key: dict[tuple[str, str], list[float]] = {}
+    for r in rows:
+        if key in r:
+            by_key.setdefault((r["workload"], r["radix"]), []).append(r[key])
     return {
-        name: (by_key[(name, "on")], by_key[(name, "off")])
-        for name, mode in by_key
+        name: (statistics.median(values), statistics.median(by_key[(name, "off")]))
+        for (name, mode), values in by_key.items()
         if mode == "on" and (name, "off") in by_key
     }
 
 
 def radix_ratios(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
-    """Per workload run both ways: total throughput with the radix cache over without."""
+    """Per workload run both ways: total throughput with the radix cache over without
+    (medians over repeated runs)."""
     return {name: on / off for name, (on, off) in _on_and_off(rows, "total_throughput").items()}
 
 
@@ -411,6 +421,12 @@ def main(argv: list[str] | None = None) -> int:
         help="sample the host's Python stacks over these steps of each run (host_stacks.py)",
     )
     ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="runs of each workload per engine; ratios are of the modes' medians",
+    )
+    ap.add_argument(
         "--host-stacks-ms",
         type=float,
         default=1.0,
@@ -428,7 +444,17 @@ def main(argv: list[str] | None = None) -> int:
             f"bf16 matmul {rates.matmul / 1e12:.0f} TFLOP/s"
         )
     stacks = None if args.host_stacks is None else (args.host_stacks[0], args.host_stacks[1])
-    rows = bench(engine_factory(args), workloads, modes, rates, stacks, args.host_stacks_ms / 1e3)
+    if args.repeat < 1:
+        ap.error("--repeat must be at least 1")
+    rows = bench(
+        engine_factory(args),
+        workloads,
+        modes,
+        rates,
+        stacks,
+        args.host_stacks_ms / 1e3,
+        args.repeat,
+    )
     ratios = radix_ratios(rows)
     at_floor = floor_ratios(rows)
     if args.json:
@@ -452,6 +478,19 @@ def main(argv: list[str] | None = None) -> int:
         floor = at_floor.get(name)
         shown = "" if floor is None else f" (the floors' ratio: {floor:.2f}x)"
         print(f"{name}: radix on / off total throughput {ratio:.2f}x{shown}")
+        if args.repeat > 1:
+            off = statistics.median(
+                r["total_throughput"] for r in rows if (r["workload"], r["radix"]) == (name, "off")
+            )
+            each = [
+                r["total_throughput"] / off
+                for r in rows
+                if (r["workload"], r["radix"]) == (name, "on")
+            ]
+            print(
+                f"  medians of {args.repeat} runs a mode; each radix-on run over the radix-off "
+                f"median: {', '.join(f'{x:.2f}x' for x in each)}"
+            )
     return 0
 
 

@@ -144,12 +144,25 @@ def test_cli_on_a_dummy_tiny_model(
     args = ["--shape", "tiny", "--tokenizer", str(tiny_llama_dir), "--device", "cpu"]
     # Seed 208 draws two short ShareGPT-like requests (31 and 28 output tokens).
     args += ["--workloads", "sharegpt", "--scale", "0.002", "--seed", "208", "--json", str(out)]
-    args += ["--host-stacks", "0", "1000"]
+    args += ["--host-stacks", "0", "1000", "--repeat", "2"]
     assert offline.main(args) == 0
     result = json.loads(out.read_text())
     expected = offline.sharegpt_workload(0.002, 208).requests
     assert len(expected) == 2
-    assert [r["radix"] for r in result["rows"]] == ["on", "off"]
+    # Two runs a mode on one engine each; the ratio is of the modes' medians.
+    assert [(r["radix"], r["run"]) for r in result["rows"]] == [
+        ("on", 0),
+        ("on", 1),
+        ("off", 0),
+        ("off", 1),
+    ]
+    on, off = (
+        [r["total_throughput"] for r in result["rows"] if r["radix"] == mode]
+        for mode in ("on", "off")
+    )
+    assert result["radix_on_over_off"]["sharegpt"] == pytest.approx(
+        (on[0] + on[1]) / (off[0] + off[1])
+    )
     for row in result["rows"]:
         assert row["completed"] == 2
         assert row["input_tokens"] == sum(r.prompt_len for r in expected)
