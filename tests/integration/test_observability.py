@@ -234,6 +234,7 @@ def delta(before: Samples, after: Samples, name: str, **labels: str) -> float:
 
 
 FORWARD_PASSES = "radixserve:forward_passes_total"
+DEVICE_WAIT = "radixserve:step_device_wait_seconds_total"
 
 
 def completion(url: str, **body: Any) -> dict[str, Any]:
@@ -360,13 +361,18 @@ def test_every_service_counts_what_the_responses_add_up_to(observed: Observed) -
     eager = {"kind": "eager", **w}
     deadline = time.monotonic() + 10
     while True:
-        passes = delta(w0, scrape(observed.metrics_urls["worker"])[0], FORWARD_PASSES, **eager)
+        latest = scrape(observed.metrics_urls["worker"])[0]
+        passes = delta(w0, latest, FORWARD_PASSES, **eager)
         if passes >= completion_tokens / n or time.monotonic() > deadline:
             break
         time.sleep(0.2)
     assert passes >= completion_tokens / n
     for kind in ("decode_graph", "prefill_pieces"):
         assert value(w1, FORWARD_PASSES, kind=kind, **w) == 0
+    # The steps' waits for the device, from the same ticks: part of the steps' time.
+    assert (DEVICE_WAIT, frozenset(w.items())) in latest
+    waited = delta(w0, latest, DEVICE_WAIT, **w)
+    assert 0 <= waited <= delta(w0, latest, "radixserve:step_duration_seconds_sum", **w)
 
     t0, t1 = before["tokenizer"], after["tokenizer"]
     assert delta(t0, t1, "radixserve:tokenizer_prompt_tokens_total") == prompt_tokens

@@ -238,15 +238,20 @@ def test_worker_counters_are_the_sums_of_its_step_outputs() -> None:
 
     kv = SimpleNamespace(used_tokens=25, pool_size=100)
     passes = {"decode_graph": 7, "prefill_pieces": 2, "eager": 1}
-    load = SimpleNamespace(num_running_reqs=2, num_queue_reqs=1, kv=kv, forward_passes=passes)
+    load = SimpleNamespace(
+        num_running_reqs=2, num_queue_reqs=1, kv=kv, forward_passes=passes, device_wait_seconds=1.5
+    )
     assert telemetry.observe_load(load) == pytest.approx(24 / 40)  # type: ignore[arg-type]
     assert sample(r, "radixserve:token_usage", **w) == 0.25
     # The engine's pass totals: the counter follows them from tick to tick.
     assert sample(r, "radixserve:forward_passes_total", kind="decode_graph", **w) == 7
+    assert sample(r, "radixserve:step_device_wait_seconds_total", **w) == 1.5
     load.forward_passes = {"decode_graph": 10, "prefill_pieces": 2, "eager": 4}
+    load.device_wait_seconds = 2.25
     telemetry.observe_load(load)  # type: ignore[arg-type]
     for kind, total in load.forward_passes.items():
         assert sample(r, "radixserve:forward_passes_total", kind=kind, **w) == total
+    assert sample(r, "radixserve:step_device_wait_seconds_total", **w) == 2.25
     assert sample(r, "radixserve:num_queue_reqs", **w) == 1
     assert sample(r, "radixserve:cache_hit_rate", **w) == pytest.approx(0.6)
     telemetry.metrics.set_cache_config(page_size=16, num_pages=512)

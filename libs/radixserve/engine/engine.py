@@ -66,6 +66,9 @@ class EngineLoad:
     kv: KVUsage
     # Forward passes so far by kind (runner.FORWARD_PASS_KINDS): totals, not a window.
     forward_passes: dict[str, int] = field(default_factory=dict)
+    # Seconds the steps so far spent blocked on the device (a total): the rest of their
+    # time was the host's own work.
+    device_wait_seconds: float = 0.0
 
 
 class Engine:
@@ -226,6 +229,7 @@ class Engine:
                 num_queue_reqs=len(self.scheduler.waiting),
                 kv=self.scheduler.usage(),
                 forward_passes=dict(self.runner.forward_passes),
+                device_wait_seconds=self.scheduler.total_device_wait_s,
             )
 
     # -- the convenience API ------------------------------------------------------

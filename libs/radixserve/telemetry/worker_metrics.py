@@ -99,6 +99,13 @@ class WorkerMetrics:
         self.step_duration = _histogram(
             r, "step_duration_seconds", "One engine step (schedule, forward, sample)", STEP_BUCKETS
         )
+        self.step_device_wait = _counter(
+            r,
+            "step_device_wait_seconds",
+            "Seconds engine steps spent blocked on the device (the step before's tokens); "
+            "the rest of step_duration_seconds is the host's own work",
+            w,
+        )
         self.batch_size = _histogram(
             r, "batch_size", "Requests that got a token in one engine step", BATCH_SIZE_BUCKETS
         )
@@ -177,6 +184,7 @@ class WorkerTelemetry:
         self._hit_total = 0  # the cache counters' values, for the hit-rate window
         self._query_total = 0
         self._passes_seen: dict[str, int] = {}  # the engine's forward-pass totals, last tick
+        self._device_wait_seen = 0.0  # the engine's device-wait total, last tick
         # Engine-thread side (and `received`): spans and timing, under the lock.
         self._tracks: OrderedDict[str, _Track] = OrderedDict()
         self._lock = threading.Lock()
@@ -268,6 +276,9 @@ class WorkerTelemetry:
             seen = self._passes_seen.get(kind, 0)
             self.metrics.forward_passes.labels(kind=kind, **w).inc(max(total - seen, 0))
             self._passes_seen[kind] = total
+        waited = load.device_wait_seconds - self._device_wait_seen
+        self.metrics.step_device_wait.labels(**w).inc(max(waited, 0.0))
+        self._device_wait_seen = load.device_wait_seconds
         return rate
 
     # -- the engine thread ----------------------------------------------------------------
