@@ -102,7 +102,7 @@ class WorkerMetrics:
         self.step_device_wait = _counter(
             r,
             "step_device_wait_seconds",
-            "Seconds engine steps spent blocked on the device (the step before's tokens); "
+            "Seconds engine steps spent blocked on the device for sampled tokens; "
             "the rest of step_duration_seconds is the host's own work",
             w,
         )
