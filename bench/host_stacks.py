@@ -30,7 +30,7 @@ import threading
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from types import FrameType, TracebackType
+from types import FrameType
 
 MAX_DEPTH = 64  # frames walked from the innermost one
 
@@ -108,12 +108,7 @@ class StackSampler:
         self._thread.start()
         return self
 
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.active = False
         self._stop.set()
         if self._thread is not None:

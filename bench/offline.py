@@ -474,14 +474,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['output_throughput']:>10.0f} {r['total_throughput']:>11.0f} "
             f"{r['cache_hit_rate']:>8.3f} {r.get('of_floor', float('nan')):>8.2f}"
         )
+    medians = _on_and_off(rows, "total_throughput")
     for name, ratio in ratios.items():
         floor = at_floor.get(name)
         shown = "" if floor is None else f" (the floors' ratio: {floor:.2f}x)"
         print(f"{name}: radix on / off total throughput {ratio:.2f}x{shown}")
         if args.repeat > 1:
-            off = statistics.median(
-                r["total_throughput"] for r in rows if (r["workload"], r["radix"]) == (name, "off")
-            )
+            off = medians[name][1]
             each = [
                 r["total_throughput"] / off
                 for r in rows
