@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from radixserve import Engine
+from radixserve.engine import blas
 from tests.helpers.tiny_models import make_tiny_llama
 from tests.unit.engine_helpers import (
     assert_matches_reference,
@@ -42,6 +43,24 @@ def test_cuda_float32_matches_hf(tiny_dir: Path) -> None:
     # The runner routed the GEMMs above through cuBLASLt unless the process chose.
     if "TORCH_BLAS_PREFER_CUBLASLT" not in os.environ:
         assert "Cublaslt" in str(torch.backends.cuda.preferred_blas_library())
+
+
+@pytest.mark.skipif(blas.CAPACITY_ENV in os.environ, reason="the process sized the cache")
+def test_heuristics_cache_holds_the_eager_steps(tiny_dir: Path) -> None:
+    """The started engine raised cuBLASLt's heuristics cache (8192 problems by default)
+    to hold every eager step's row count, and a smaller request never lowers it."""
+    engine = Engine(
+        model_path=str(tiny_dir),
+        device="cuda",
+        dtype="float32",  # cuBLASLt's too; the tiny heads are too small for FlashInfer
+        max_total_tokens=8192,
+        chunked_prefill_size=4096,
+    )
+    wanted = blas.heuristics_cache_capacity(engine.config, engine.runner.max_running_requests)
+    assert wanted > 8192
+    in_force = blas.size_heuristics_cache(1)
+    assert in_force is not None and in_force >= wanted
+    engine.shutdown()
 
 
 @pytest.mark.parametrize(

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 
 import torch
 
 from radixserve.engine.attention.base import AttentionBackend
 from radixserve.engine.attention.sm90_prefill import is_sm90
+from radixserve.engine.blas import heuristics_cache_capacity, prefer_cublaslt, size_heuristics_cache
 from radixserve.engine.config import EngineConfig
 from radixserve.engine.distributed import SINGLE, TPGroup, with_direct_nccl
 from radixserve.engine.forward_batch import ForwardBatch, ForwardMode, SharedPrefix
@@ -167,15 +167,6 @@ def _auto_backend(device: torch.device, dtype: torch.dtype | None) -> str:
     return "triton" if importlib.util.find_spec("triton") is not None else "torch"
 
 
-def prefer_cublaslt() -> None:
-    """Route torch's GEMMs through cuBLASLt (process-wide), unless the process chose with
-    TORCH_BLAS_PREFER_CUBLASLT. On the H100 its kernels made an 8B decode step at batch
-    64 0.12 ms shorter (8.05 against 8.17 ms, three runs each) and left batch 1 and
-    prefill as they were (docs/performance.md)."""
-    if "TORCH_BLAS_PREFER_CUBLASLT" not in os.environ:
-        torch.backends.cuda.preferred_blas_library("cublaslt")
-
-
 class ModelRunner:
     def __init__(self, config: EngineConfig, tp: TPGroup = SINGLE) -> None:
         """`tp`: this process's rank of a tensor-parallel engine (it holds that shard of
@@ -262,6 +253,7 @@ class ModelRunner:
             self.attn.start_kernel_builds(
                 c.num_attention_heads // tp.size, self.local_kv_heads, c.head_dim, self.dtype
             )
+            size_heuristics_cache(heuristics_cache_capacity(config, self.max_running_requests))
 
     def _capture_graphs(self) -> CudaGraphRunner | None:
         """Decode graphs, on CUDA with a backend that supports them, unless disabled."""
