@@ -43,10 +43,11 @@ def _norm_weight(dtype: torch.dtype) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tokens", [1, 2, 16, 32])
+@pytest.mark.parametrize("tokens", [1, 2, 16, 32, 48, 64])
 def test_projections_match_the_unfused_path(dtype: torch.dtype, tokens: int) -> None:
     """One token: the fused GEMVs; 2-32 (16-bit): the norm or activation kernel, then
-    the few-token GEMV; float32 beyond one token: cuBLAS."""
+    the few-token GEMV; 48 and 64: cuBLAS for these (not wide) weights; float32 beyond
+    one token: cuBLAS."""
     x = cases.randn((tokens, HIDDEN), dtype, CUDA, seed=1)
     residual = cases.randn((tokens, HIDDEN), dtype, CUDA, seed=2)
     norm_w = _norm_weight(dtype)
@@ -71,7 +72,7 @@ def test_projections_match_the_unfused_path(dtype: torch.dtype, tokens: int) -> 
     cases.assert_close_projection(silu_mul_linear(gate_up, down_w, None), ref)
 
 
-@pytest.mark.parametrize("tokens", [1, 4, 16])
+@pytest.mark.parametrize("tokens", [1, 4, 16, 64])
 def test_head_writes_the_logits_buffer(tokens: int) -> None:
     """The head with its final norm, with and without the residual add (the model's
     forward adds the last residual there), into the runner's logits buffer."""
@@ -91,7 +92,7 @@ def test_head_writes_the_logits_buffer(tokens: int) -> None:
     cases.assert_close_projection(logits, cases.project_f64(normed, head, None))
 
 
-@pytest.mark.parametrize("tokens", [1, 8])
+@pytest.mark.parametrize("tokens", [1, 8, 64])
 def test_decoder_chain_replays_in_a_cuda_graph(tokens: int) -> None:
     """Two layers of qkv (add + norm), o, gate_up (add + norm), down (SiLU x mul), each
     kernel dependent on the one before (one token: the fused GEMVs; eight: the norm and

@@ -175,23 +175,30 @@ def test_rows_refuse_what_they_cannot_run() -> None:
 
 def test_projections_take_the_rows_gemv_for_a_few_cuda_tokens_only() -> None:
     """Which path a projection takes: the few-token GEMV from 2 to GEMV_MAX_ROWS tokens
-    of a 16-bit dtype on CUDA; never on the CPU."""
-    weight = torch.empty((linear_ops.GEMV_ROWS_MIN_N, 16), dtype=torch.bfloat16)
-    assert not linear_ops._use_gemv_rows(torch.empty((4, 16), dtype=torch.bfloat16), weight)
+    of a 16-bit dtype on CUDA (to GEMV_WIDE_MAX_ROWS over a weight GEMV_WIDE_RATIO times
+    wider than deep); never on the CPU."""
+    n = linear_ops.GEMV_ROWS_MIN_N
+    weight = torch.empty((n, n), dtype=torch.bfloat16)
+    assert not linear_ops._use_gemv_rows(torch.empty((4, n), dtype=torch.bfloat16), weight)
     if torch.cuda.is_available() and not INTERPRETED:
-        cuda_w = weight.cuda()
+        square = weight.cuda()
+        wide = torch.empty((linear_ops.GEMV_WIDE_RATIO * n, n), dtype=torch.bfloat16).cuda()
+        narrow = square[: n - 1]
         rows = [
-            linear_ops._use_gemv_rows(torch.empty((m, 16), dtype=dt, device="cuda"), w)
+            linear_ops._use_gemv_rows(torch.empty((m, n), dtype=dt, device="cuda"), w)
             for m, dt, w in [
-                (1, torch.bfloat16, cuda_w),
-                (2, torch.bfloat16, cuda_w),
-                (linear_ops.GEMV_MAX_ROWS, torch.bfloat16, cuda_w),
-                (linear_ops.GEMV_MAX_ROWS + 1, torch.bfloat16, cuda_w),
-                (4, torch.float32, cuda_w.float()),
-                (4, torch.bfloat16, cuda_w[: linear_ops.GEMV_ROWS_MIN_N - 1]),
+                (1, torch.bfloat16, square),
+                (2, torch.bfloat16, square),
+                (linear_ops.GEMV_MAX_ROWS, torch.bfloat16, square),
+                (linear_ops.GEMV_MAX_ROWS + 1, torch.bfloat16, square),
+                (4, torch.float32, square.float()),
+                (4, torch.bfloat16, narrow),
+                (linear_ops.GEMV_MAX_ROWS + 1, torch.bfloat16, wide),
+                (linear_ops.GEMV_WIDE_MAX_ROWS, torch.bfloat16, wide),
+                (linear_ops.GEMV_WIDE_MAX_ROWS + 1, torch.bfloat16, wide),
             ]
         ]
-        assert rows == [False, True, True, False, False, False]
+        assert rows == [False, True, True, False, False, False, True, True, False]
 
 
 @pytest.mark.parametrize(
@@ -201,9 +208,23 @@ def test_projections_take_the_rows_gemv_for_a_few_cuda_tokens_only() -> None:
 def test_rows_config_keeps_at_least_64_programs(n: int, k: int, block_n: int) -> None:
     """Weight rows per program shrink with the weight, so that at least 64 programs share
     its read (the 8B shapes keep their measured options)."""
-    chosen, _, _, _ = gemv._rows_config(n, k)
+    chosen, _, _, _ = gemv._rows_config(n, k, 16)
     assert chosen == block_n
     assert -(-n // chosen) >= 64
+
+
+@pytest.mark.parametrize(
+    ("n", "k", "config"),
+    [
+        (28672, 4096, (64, 128, 4, 3)),  # gate_up past 32 tokens: the measured best
+        (128256, 4096, (64, 128, 4, 3)),  # the head
+        (3072, 1024, None),  # too few weight rows for 64 programs of 64: the small-m choice
+    ],
+)
+def test_rows_config_past_32_tokens(
+    n: int, k: int, config: tuple[int, int, int, int] | None
+) -> None:
+    assert gemv._rows_config(n, k, 64) == (config or gemv._rows_config(n, k, 16))
 
 
 def test_public_ops_match_the_unfused_path_off_cuda() -> None:

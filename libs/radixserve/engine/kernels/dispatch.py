@@ -15,6 +15,12 @@ TENSOR_CORE_DTYPES = (torch.bfloat16, torch.float16)
 # cuBLAS's 5.71-5.93, at 24-32 tokens 5.59 against 5.80-5.84 (bench/gemv_rows.py, H100;
 # decode steps of 24 and 32 requests 2-3% shorter, docs/performance.md).
 GEMV_MAX_ROWS = 32
+# Weights at least GEMV_WIDE_RATIO times wider than deep (gate_up, the head; not qkv, o
+# or down) keep the GEMV to this many tokens: at 48 and 64 tokens it streamed gate_up in
+# 85.6-85.8 us against cuBLASLt's 88.6-89.1 and the head in 364-369 against 387-392,
+# while o and down ran faster on cuBLASLt (bench/gemv_rows.py, H100, 2026-11-28).
+GEMV_WIDE_MAX_ROWS = 64
+GEMV_WIDE_RATIO = 3
 
 
 def use_triton(x: torch.Tensor) -> bool:

@@ -5,8 +5,8 @@ head), `silu_mul_linear` (SiLU x mul, then down) and `linear` (o). For one token
 each is a single Triton GEMV with the op folded into its read of the input
 (triton_ops/gemv.py): at batch 1 a projection streams its weight, and the norm and
 activation kernels between them, with their launch gaps, were ~8% of a decode step.
-From 2 to GEMV_MAX_ROWS tokens (16-bit dtypes, weights of GEMV_ROWS_MIN_N rows or
-more) the op's kernel (kernels/norm.py, activation.py) then the few-token Triton GEMV,
+From 2 to GEMV_MAX_ROWS tokens (GEMV_WIDE_MAX_ROWS over the wide weights: gate_up, the
+head; 16-bit dtypes, weights of GEMV_ROWS_MIN_N rows or more) the op's kernel (kernels/norm.py, activation.py) then the few-token Triton GEMV,
 which streams each weight once for all the tokens on the tensor cores: cuBLAS's kernels
 for so few rows (split over K, with a reduce kernel) read the weights ~8% slower. Otherwise the op's kernel then cuBLAS, and
 on the CPU the torch reference. The GEMVs sum in float32 in another order than cuBLAS,
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from radixserve.engine.kernels import dispatch
 from radixserve.engine.kernels.activation import silu_and_mul
-from radixserve.engine.kernels.dispatch import GEMV_MAX_ROWS
+from radixserve.engine.kernels.dispatch import GEMV_MAX_ROWS, GEMV_WIDE_MAX_ROWS, GEMV_WIDE_RATIO
 from radixserve.engine.kernels.norm import fused_add_rms_norm, rms_norm
 
 # Weights of fewer rows leave most SMs idle in the few-token GEMV (one program per 16
@@ -35,11 +35,13 @@ def _use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def _use_gemv_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """2 to GEMV_MAX_ROWS tokens of a 16-bit dtype over a large enough weight: the
-    few-token GEMV (after the op's own kernel)."""
+    """2 to GEMV_MAX_ROWS tokens (GEMV_WIDE_MAX_ROWS over a wide weight) of a 16-bit
+    dtype over a large enough weight: the few-token GEMV (after the op's own kernel)."""
+    n, k = weight.shape
+    max_rows = GEMV_WIDE_MAX_ROWS if n >= GEMV_WIDE_RATIO * k else GEMV_MAX_ROWS
     return (
         x.dim() == 2
-        and 2 <= x.shape[0] <= GEMV_MAX_ROWS
+        and 2 <= x.shape[0] <= max_rows
         and weight.shape[0] >= GEMV_ROWS_MIN_N
         and x.dtype in dispatch.TENSOR_CORE_DTYPES
         and _gemv_operands(x, weight)

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from radixserve.engine.attention.triton_ops.common import INTERPRETED, programmatic_launch
-from radixserve.engine.kernels.dispatch import TENSOR_CORE_DTYPES
+from radixserve.engine.kernels.dispatch import GEMV_MAX_ROWS, TENSOR_CORE_DTYPES
 from radixserve.engine.kernels.triton_ops.activation import silu_mul
 from radixserve.engine.kernels.triton_ops.norm import weighted_norm
 
@@ -239,16 +239,20 @@ def _gemv_rows_kernel(
     tl.store(out, acc.to(Out.dtype.element_ty), mask=rmask[:, None] & tmask[None, :])
 
 
-def _rows_config(n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, warps, stages) for a few tokens over an [n, k] weight.
+def _rows_config(n: int, k: int, m: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, stages) for `m` tokens over an [n, k] weight.
 
-    From `bench/gemv_rows.py` on the H100 (Llama-3.1-8B shapes, 1-32 tokens, in a CUDA
-    graph; the best option was the same at every token count, within 0.5 us): long rows
+    From `bench/gemv_rows.py` on the H100 (Llama-3.1-8B shapes, in a CUDA graph; at 1-32
+    tokens the best option was the same at every token count, within 0.5 us): long rows
     (down, k = 14336) and the head stream best as 32 rows x 512, qkv and gate_up as 64 x
     128, o (n = 4096) as 64 or 32 x 256 alike. Fewer weight rows take smaller blocks, so
     that at least 64 programs share the read (one SM streams ~40 GB/s: 64 programs of o
     reached 2.4 TB/s); kernels/linear.py leaves weights of fewer than 1024 rows to cuBLAS.
+    Past GEMV_MAX_ROWS tokens (the wide weights only, kernels/linear.py) 64 x 128 in three
+    stages was the best or within 0.5 us of it for gate_up and the head at 48 and 64.
     """
+    if m > GEMV_MAX_ROWS and n >= 64 * 64:
+        return 64, 128, 4, 3
     if k > 8192 or n >= 65536:
         return 32, 512, 4, 4
     if n >= 96 * 64:
@@ -282,7 +286,7 @@ def gemv_rows_triton(
     elif out.shape != (m, n) or out.stride(-1) != 1 or out.dtype != x.dtype:
         raise ValueError(f"gemv_rows writes [{m}, {n}] {x.dtype} rows with unit stride")
     pdl = programmatic_launch(x.device)
-    block_n, block_k, warps, stages = config or _rows_config(n, k)
+    block_n, block_k, warps, stages = config or _rows_config(n, k, m)
     _gemv_rows_kernel[(triton.cdiv(n, block_n),)](
         x,
         weight,
