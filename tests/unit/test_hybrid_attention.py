@@ -46,7 +46,7 @@ def test_config_checks_the_per_pass_backends(field: str) -> None:
 def test_auto_decodes_with_triton_where_it_prefills_with_flashinfer(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(runner, "_auto_backend", lambda device, dtype: "flashinfer")
+    monkeypatch.setattr(runner, "_auto_backend", lambda device, dtype, head_dim: "flashinfer")
     assert attention_backend_names("auto", CUDA) == ("flashinfer", "triton")
     # Named backends run every pass, unless a per-pass option says otherwise.
     assert attention_backend_names("flashinfer", CUDA) == ("flashinfer", "flashinfer")
@@ -55,7 +55,7 @@ def test_auto_decodes_with_triton_where_it_prefills_with_flashinfer(
         "flashinfer",
         "triton",
     )
-    monkeypatch.setattr(runner, "_auto_backend", lambda device, dtype: "triton")
+    monkeypatch.setattr(runner, "_auto_backend", lambda device, dtype, head_dim: "triton")
     assert attention_backend_names("auto", CUDA) == ("triton", "triton")
     assert attention_backend_names("auto", CUDA, prefill="torch") == ("torch", "triton")
 

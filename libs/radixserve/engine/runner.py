@@ -97,8 +97,10 @@ def make_attention_backend(
     prefill: str | None = None,
     decode: str | None = None,
     sm90_prefill: bool = False,
+    head_dim: int | None = None,
 ) -> AttentionBackend:
-    """The attention backend for `device` and a model of `dtype` (None: not known):
+    """The attention backend for `device` and a model of `dtype` and `head_dim` (None:
+    not known):
     `name` (one EngineConfig admits) for every pass, or where `prefill` or `decode`
     names another backend for that kind of pass, a hybrid of the two
     (attention/hybrid.py).
@@ -108,10 +110,21 @@ def make_attention_backend(
     Triton's decode keeps its tables in the graph, FlashInfer's prefill serves cached
     prefixes beside decoders best); else triton when it is installed (CUDA builds of
     torch bring it); the torch reference elsewhere (on the CPU triton runs only under
-    its interpreter). Backends are imported only when chosen: they import packages CPU
-    installs lack.
+    its interpreter). FlashInfer's kernels are built for heads of FLASHINFER_HEAD_DIMS
+    only: "auto" passes it over for other models, and naming it for one is an error.
+    Backends are imported only when chosen: they import packages CPU installs lack.
     """
-    prefill_name, decode_name = attention_backend_names(name, device, dtype, prefill, decode)
+    prefill_name, decode_name = attention_backend_names(
+        name, device, dtype, prefill, decode, head_dim
+    )
+    if "flashinfer" in (prefill_name, decode_name) and head_dim not in (
+        None,
+        *FLASHINFER_HEAD_DIMS,
+    ):
+        raise ValueError(
+            f"the flashinfer attention backend runs heads of {FLASHINFER_HEAD_DIMS} "
+            f"elements; this model's have {head_dim}: use --attention-backend triton"
+        )
     if prefill_name == decode_name:
         return _backend(prefill_name, device, dtype, sm90_prefill)
     from radixserve.engine.attention.hybrid import HybridAttentionBackend
@@ -134,9 +147,10 @@ def attention_backend_names(
     dtype: torch.dtype | None = None,
     prefill: str | None = None,
     decode: str | None = None,
+    head_dim: int | None = None,
 ) -> tuple[str, str]:
     """(prefill, decode) backend names that make_attention_backend builds."""
-    chosen = _auto_backend(device, dtype) if name == "auto" else name
+    chosen = _auto_backend(device, dtype, head_dim) if name == "auto" else name
     auto_decode = "triton" if name == "auto" and chosen == "flashinfer" else chosen
     return prefill or chosen, decode or auto_decode
 
@@ -158,11 +172,17 @@ def _backend(
     return TorchAttentionBackend()
 
 
-def _auto_backend(device: torch.device, dtype: torch.dtype | None) -> str:
+# The head sizes FlashInfer's prefill and decode kernels are built for: a tiny model's
+# 16-element heads failed its prefill ("Invalid configuration", H100, 0.7.2.post1).
+FLASHINFER_HEAD_DIMS = (64, 128, 256)
+
+
+def _auto_backend(device: torch.device, dtype: torch.dtype | None, head_dim: int | None) -> str:
     if device.type != "cuda":
         return "torch"
     half = dtype in (torch.float16, torch.bfloat16)
-    if half and importlib.util.find_spec("flashinfer") is not None:
+    heads_fit = head_dim is None or head_dim in FLASHINFER_HEAD_DIMS
+    if half and heads_fit and importlib.util.find_spec("flashinfer") is not None:
         return "flashinfer"
     return "triton" if importlib.util.find_spec("triton") is not None else "torch"
 
@@ -223,6 +243,7 @@ class ModelRunner:
             prefill=config.prefill_attention_backend,
             decode=config.decode_attention_backend,
             sm90_prefill=config.enable_sm90_prefill,
+            head_dim=self.model_config.head_dim,
         )
         if config.enable_sm90_prefill and not sm90_prefill_applies(self.attn, self.device):
             log.warning(
