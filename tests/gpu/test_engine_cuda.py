@@ -45,6 +45,22 @@ def test_cuda_float32_matches_hf(tiny_dir: Path) -> None:
         assert "Cublaslt" in str(torch.backends.cuda.preferred_blas_library())
 
 
+def test_auto_runs_heads_flashinfer_lacks_on_triton(tiny_dir: Path) -> None:
+    """The tiny model's 16-element heads in bfloat16: `auto` picks Triton (FlashInfer's
+    prefill failed on them with "Invalid configuration"), and the tokens are Hugging
+    Face's within bfloat16's ties."""
+    engine = Engine(
+        model_path=str(tiny_dir), device="cuda", dtype="bfloat16", max_total_tokens=8192
+    )
+    assert engine.runner.attn.name == "triton"
+    prompts = make_prompts(engine.runner.vocab_size, [5, 17, 40])
+    ours = engine_outputs(engine, prompts, 16)
+    engine.shutdown()
+    refs = hf_greedy(tiny_dir, prompts, 16, device="cuda")  # float32
+    for out, ref in zip(ours, refs, strict=True):
+        assert_matches_reference(out, ref, tolerance=0.5)
+
+
 @pytest.mark.skipif(blas.CAPACITY_ENV in os.environ, reason="the process sized the cache")
 def test_heuristics_cache_holds_the_eager_steps(tiny_dir: Path) -> None:
     """The started engine raised cuBLASLt's heuristics cache (8192 problems by default)
