@@ -3,16 +3,17 @@
 Every eager step (a prefill chunk with the decoders beside it, past the prefill pieces'
 largest bucket) runs the model's projections at its own row count. cuBLASLt chooses an
 algorithm per problem and caches the choice; a problem it has not seen costs a heuristic
-on the host (~150 us against ~26, docs/performance.md). A server that meets thousands
-of distinct row counts may cycle that cache. This probe, on the 8B shape's four
+on the host. A server that meets thousands of distinct row counts may cycle that cache
+(engine/blas.py sizes it at start-up; docs/performance.md has this probe's figures). This probe, on the 8B shape's four
 projections (bf16, torch's matmul through cuBLASLt as the engine runs it), asks:
 
 1. `key`: is the choice cached per problem or per call? A new row count, timed on
    `--layers` layers' distinct weights in turn (as a step's layers run it), then again;
 2. `cycle`: the capacity the process starts with (`cublasLtHeuristicsCacheGetCapacity`),
    and the host time per call over `--counts` row counts from `--first` run twice in a
-   row, at that capacity and then at `--capacity` (`...SetCapacity`): a second pass that
-   still misses means the counts' problems overflow the cache.
+   row, at that capacity and then raised to `--capacity` (engine/blas.py's
+   `size_heuristics_cache`): a second pass that still misses means the counts' problems
+   overflow the cache.
 
     python bench/heuristics_cache.py --counts 3072
 """
@@ -20,13 +21,15 @@ projections (bf16, torch's matmul through cuBLASLt as the engine runs it), asks:
 from __future__ import annotations
 
 import argparse
-import ctypes
+import os
 import statistics
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
+
+from radixserve.engine import blas
 
 HIDDEN = 4096
 # (name, out features, in features) of the 8B shape's projections
@@ -36,22 +39,6 @@ PROJECTIONS = (
     ("gate_up", 28672, HIDDEN),
     ("down", HIDDEN, 14336),
 )
-
-
-def cublaslt() -> ctypes.CDLL:
-    """The libcublasLt torch loaded (found in the process's maps after a first matmul)."""
-    with open("/proc/self/maps") as maps:
-        paths = {line.split()[-1] for line in maps if "libcublasLt" in line}
-    if not paths:
-        raise RuntimeError("libcublasLt is not loaded")
-    return ctypes.CDLL(sorted(paths)[0])
-
-
-def capacity(lib: ctypes.CDLL) -> int:
-    value = ctypes.c_size_t()
-    if lib.cublasLtHeuristicsCacheGetCapacity(ctypes.byref(value)) != 0:
-        raise RuntimeError("cublasLtHeuristicsCacheGetCapacity failed")
-    return value.value
 
 
 def rss_mib() -> float:
@@ -118,7 +105,7 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench/heuristics_cache.py needs a CUDA GPU", file=sys.stderr)
         return 2
-    torch.backends.cuda.preferred_blas_library("cublaslt")
+    blas.prefer_cublaslt()
     largest = args.first + args.counts + 64
     inputs = {
         inp: torch.randn(largest, inp, device="cuda", dtype=torch.bfloat16)
@@ -130,8 +117,11 @@ def main() -> int:
     }
     F.linear(inputs[HIDDEN][:8], weights["o"])
     torch.cuda.synchronize()
-    lib = cublaslt()
-    start_capacity = capacity(lib)
+    lib = blas.cublaslt_library()
+    if lib is None or blas.CAPACITY_ENV in os.environ:
+        print(f"libcublasLt is not loaded, or {blas.CAPACITY_ENV} is set", file=sys.stderr)
+        return 2
+    start_capacity = blas.heuristics_cache_size(lib)
     print(
         f"{torch.cuda.get_device_name()}: cuBLASLt heuristics cache capacity {start_capacity}",
         flush=True,
@@ -140,14 +130,14 @@ def main() -> int:
     rows = range(args.first, args.first + args.counts)
     problems = 4 * len(rows)
     for cap in (start_capacity, args.capacity):
-        if cap != capacity(lib) and lib.cublasLtHeuristicsCacheSetCapacity(ctypes.c_size_t(cap)):
-            raise RuntimeError("cublasLtHeuristicsCacheSetCapacity failed")
+        if cap is not None:
+            blas.size_heuristics_cache(cap)
         before = rss_mib()
         passes = [one_pass(inputs, weights, rows) for _ in range(2)]
         print(
-            f"cycle at capacity {capacity(lib)}: {len(rows)} row counts from {args.first} "
-            f"({problems} problems), host us a call (median, p90): first pass "
-            f"{passes[0][0]:.1f}, {passes[0][1]:.1f}; second pass {passes[1][0]:.1f}, "
+            f"cycle at capacity {blas.heuristics_cache_size(lib)}: {len(rows)} row counts "
+            f"from {args.first} ({problems} problems), host us a call (median, p90): first "
+            f"pass {passes[0][0]:.1f}, {passes[0][1]:.1f}; second pass {passes[1][0]:.1f}, "
             f"{passes[1][1]:.1f}; host RSS {before:.0f} -> {rss_mib():.0f} MiB",
             flush=True,
         )

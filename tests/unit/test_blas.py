@@ -28,13 +28,13 @@ def test_capacity_is_bounded() -> None:
 
 def test_process_choice_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(blas.CAPACITY_ENV, "100")
-    monkeypatch.setattr(blas, "_loaded_cublaslt", lambda: pytest.fail("library asked"))
+    monkeypatch.setattr(blas, "cublaslt_library", lambda: pytest.fail("library asked"))
     assert blas.size_heuristics_cache(1 << 15) is None
 
 
 def test_without_cublaslt_nothing_is_set(monkeypatch: pytest.MonkeyPatch) -> None:
     """CPU torch loads no libcublasLt: the cache is left alone, without an error."""
     monkeypatch.delenv(blas.CAPACITY_ENV, raising=False)
-    if blas._loaded_cublaslt() is not None:
+    if blas.cublaslt_library() is not None:
         pytest.skip("this process loaded libcublasLt (CUDA torch)")
     assert blas.size_heuristics_cache(1 << 15) is None

@@ -48,8 +48,9 @@ def heuristics_cache_capacity(config: EngineConfig, max_running: int) -> int:
     return min(PROBLEMS_PER_ROW_COUNT * (prefill + max_running), MAX_CAPACITY)
 
 
-def _loaded_cublaslt() -> ctypes.CDLL | None:
-    """The libcublasLt this process loaded (torch's), from the process's memory maps."""
+def cublaslt_library() -> ctypes.CDLL | None:
+    """The libcublasLt this process loaded (torch's), from the process's memory maps;
+    None where it is not loaded (CPU torch, or no GEMM yet)."""
     try:
         with open("/proc/self/maps") as maps:
             paths = sorted({line.split()[-1] for line in maps if "/libcublasLt" in line})
@@ -58,24 +59,32 @@ def _loaded_cublaslt() -> ctypes.CDLL | None:
     return ctypes.CDLL(paths[0]) if paths else None
 
 
+def heuristics_cache_size(lib: ctypes.CDLL) -> int | None:
+    """The capacity of `lib`'s heuristics cache, in problems (None if it cannot say)."""
+    current = ctypes.c_size_t()
+    if lib.cublasLtHeuristicsCacheGetCapacity(ctypes.byref(current)) != 0:
+        return None
+    return current.value
+
+
 def size_heuristics_cache(capacity: int) -> int | None:
     """Raise cuBLASLt's heuristics cache to `capacity` problems (never lower it), unless
     the process set its own with CUBLASLT_HEURISTICS_CACHE_CAPACITY. Returns the
     capacity in force, or None where the library is not loaded or not asked."""
     if CAPACITY_ENV in os.environ:
         return None
-    lib = _loaded_cublaslt()
+    lib = cublaslt_library()
     if lib is None:
         log.debug("libcublasLt is not loaded: its heuristics cache is left as it is")
         return None
-    current = ctypes.c_size_t()
-    if lib.cublasLtHeuristicsCacheGetCapacity(ctypes.byref(current)) != 0:
+    current = heuristics_cache_size(lib)
+    if current is None:
         log.warning("cublasLtHeuristicsCacheGetCapacity failed: the cache is left as it is")
         return None
-    if current.value >= capacity:
-        return current.value
+    if current >= capacity:
+        return current
     if lib.cublasLtHeuristicsCacheSetCapacity(ctypes.c_size_t(capacity)) != 0:
         log.warning("cublasLtHeuristicsCacheSetCapacity(%d) failed", capacity)
-        return current.value
-    log.info("cuBLASLt heuristics cache: %d -> %d problems", current.value, capacity)
+        return current
+    log.info("cuBLASLt heuristics cache: %d -> %d problems", current, capacity)
     return capacity
