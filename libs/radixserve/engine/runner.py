@@ -99,11 +99,10 @@ def make_attention_backend(
     sm90_prefill: bool = False,
     head_dim: int | None = None,
 ) -> AttentionBackend:
-    """The attention backend for `device` and a model of `dtype` and `head_dim` (None:
-    not known):
-    `name` (one EngineConfig admits) for every pass, or where `prefill` or `decode`
-    names another backend for that kind of pass, a hybrid of the two
-    (attention/hybrid.py).
+    """The attention backend for `device` and a model of `dtype` and `head_dim` (either
+    None: not known): `name` (one EngineConfig admits) for every pass, or where
+    `prefill` or `decode` names another backend for that kind of pass, a hybrid of the
+    two (attention/hybrid.py).
 
     "auto": on CUDA, for a float16 or bfloat16 model with flashinfer installed,
     FlashInfer's prefill with Triton's decode (the H100 figures in docs/performance.md:

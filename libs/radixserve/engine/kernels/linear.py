@@ -6,10 +6,11 @@ each is a single Triton GEMV with the op folded into its read of the input
 (triton_ops/gemv.py): at batch 1 a projection streams its weight, and the norm and
 activation kernels between them, with their launch gaps, were ~8% of a decode step.
 From 2 to GEMV_MAX_ROWS tokens (GEMV_WIDE_MAX_ROWS over the wide weights: gate_up, the
-head; 16-bit dtypes, weights of GEMV_ROWS_MIN_N rows or more) the op's kernel (kernels/norm.py, activation.py) then the few-token Triton GEMV,
-which streams each weight once for all the tokens on the tensor cores: cuBLAS's kernels
-for so few rows (split over K, with a reduce kernel) read the weights ~8% slower. Otherwise the op's kernel then cuBLAS, and
-on the CPU the torch reference. The GEMVs sum in float32 in another order than cuBLAS,
+head; 16-bit dtypes, weights of GEMV_ROWS_MIN_N rows or more) the op's kernel
+(kernels/norm.py, activation.py) then the few-token Triton GEMV, which streams each
+weight once for all the tokens on the tensor cores: cuBLAS's kernels for so few rows
+(split over K, with a reduce kernel) read the weights ~8% slower. Otherwise the op's
+kernel then cuBLAS, and on the CPU the torch reference. The GEMVs sum in float32 in another order than cuBLAS,
 so outputs may differ from the unfused path by an ulp of the output dtype in a few
 elements.
 """
