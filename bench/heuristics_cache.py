@@ -22,31 +22,25 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
+from gemv_rows import SHAPES
 
 from radixserve.engine import blas
 
 HIDDEN = 4096
-# (name, out features, in features) of the 8B shape's projections
-PROJECTIONS = (
-    ("qkv", 6144, HIDDEN),
-    ("o", HIDDEN, HIDDEN),
-    ("gate_up", 28672, HIDDEN),
-    ("down", HIDDEN, 14336),
-)
+# (name, out features, in features) of the 8B shape's four projections (not the head)
+PROJECTIONS = [shape for shape in SHAPES if shape[0] != "head"]
 
 
-def rss_mib() -> float:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+def peak_rss_mib() -> float:
+    """The process's peak resident memory (it only grows here)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def timed(x: torch.Tensor, w: torch.Tensor) -> float:
@@ -132,13 +126,13 @@ def main() -> int:
     for cap in (start_capacity, args.capacity):
         if cap is not None:
             blas.size_heuristics_cache(cap)
-        before = rss_mib()
+        before = peak_rss_mib()
         passes = [one_pass(inputs, weights, rows) for _ in range(2)]
         print(
             f"cycle at capacity {blas.heuristics_cache_size(lib)}: {len(rows)} row counts "
             f"from {args.first} ({problems} problems), host us a call (median, p90): first "
             f"pass {passes[0][0]:.1f}, {passes[0][1]:.1f}; second pass {passes[1][0]:.1f}, "
-            f"{passes[1][1]:.1f}; host RSS {before:.0f} -> {rss_mib():.0f} MiB",
+            f"{passes[1][1]:.1f}; peak host RSS {before:.0f} -> {peak_rss_mib():.0f} MiB",
             flush=True,
         )
     return 0
