@@ -9,6 +9,7 @@ are replayed from a CUDA graph, so no host launch time sits between them.
 
     python bench/gemv_rows.py                         # needs CUDA
     python bench/gemv_rows.py --rows 2 8 --json gemv_rows.json
+    python bench/gemv_rows.py --rows 64 --shapes o down --block-n 64 128 --stages 3 4
 """
 
 from __future__ import annotations
@@ -32,8 +33,6 @@ SHAPES = [
     ("down", 4096, 14336),
     ("head", 128256, 4096),
 ]
-# (BLOCK_N, BLOCK_K, warps, stages)
-CONFIGS = list(itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 4, 5)))
 ROTATION_BYTES = 400e6
 
 
@@ -66,7 +65,14 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--shapes", nargs="+", default=[name for name, _, _ in SHAPES])
+    # The sweep: (BLOCK_N, BLOCK_K, warps, stages), every combination.
+    ap.add_argument("--block-n", type=int, nargs="+", default=[16, 32, 64])
+    ap.add_argument("--block-k", type=int, nargs="+", default=[128, 256, 512])
+    ap.add_argument("--warps", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--stages", type=int, nargs="+", default=[3, 4, 5])
     args = ap.parse_args()
+    configs = list(itertools.product(args.block_n, args.block_k, args.warps, args.stages))
     if not torch.cuda.is_available():
         raise SystemExit("bench/gemv_rows.py needs a CUDA device")
     from radixserve.engine.kernels.triton_ops import gemv
@@ -76,6 +82,8 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     results = []
     for name, n, k in SHAPES:
+        if name not in args.shapes:
+            continue
         weights = _copies(n, k)
         floor_us = n * k * 2 / bandwidth * 1e6
         for m in args.rows:
@@ -83,7 +91,7 @@ def main() -> None:
             ref = F.linear(x, weights[0]).float()
             torch_us = _per_call_us(lambda w, x=x: F.linear(x, w), weights, args.reps)
             timed = []
-            for config in CONFIGS:
+            for config in configs:
                 try:
                     out = gemv.gemv_rows_triton(x, weights[0], None, config=config)
                 except Exception as e:  # a tile the SM cannot hold
@@ -123,7 +131,7 @@ def main() -> None:
         del weights
         torch.cuda.empty_cache()
     print("\nA decode step's projections (32 layers + head), ms:")
-    for m in args.rows:
+    for m in args.rows if len(args.shapes) == len(SHAPES) else []:
         rows = {r["shape"]: r for r in results if r["m"] == m}
 
         def step(key: str, rows: dict = rows) -> float:  # type: ignore[type-arg]

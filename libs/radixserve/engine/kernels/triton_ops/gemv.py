@@ -9,7 +9,8 @@ the normalised (or activated) input slice by slice from L2, which costs nothing 
 its slice of the weight. One program per BLOCK_N output rows, no split over K (no
 reduce kernel); the products accumulate in float32 per lane and are summed once. On
 Hopper each GEMV is launched as a programmatic dependent: it waits for the kernel
-before it, and releases the next one as soon as its own loop is done.
+before it, and releases the next one as soon as its own loop is done (the few-token
+GEMV of up to EARLY_TRIGGER_MAX_ROWS tokens as soon as its programs have waited).
 """
 
 from __future__ import annotations
@@ -22,6 +23,14 @@ from radixserve.engine.attention.triton_ops.common import INTERPRETED, programma
 from radixserve.engine.kernels.dispatch import GEMV_MAX_ROWS, TENSOR_CORE_DTYPES
 from radixserve.engine.kernels.triton_ops.activation import silu_mul
 from radixserve.engine.kernels.triton_ops.norm import weighted_norm
+
+# Up to this many tokens the few-token GEMV releases the next kernel's launch as soon as
+# its programs have all passed their wait for the kernel before, not after their loops:
+# a 32-layer chain of the 8B shape's projections ran 0.6-1.7% shorter at 2-16 tokens
+# and 1.4-1.6% longer at 32; decode steps of 2-16 requests ~1% shorter, 32 as before
+# (bench/gemv_chain.py, bench/ab_one_batch.sh, H100, 2026-11-28). The one-token GEMV
+# gained nothing so (4.867 against 4.865 ms a chain) and keeps its trigger after the loop.
+EARLY_TRIGGER_MAX_ROWS = 16
 
 # What the kernel reads as its input row.
 PLAIN = 0  # x as it is
@@ -204,6 +213,7 @@ def _gemv_rows_kernel(
     BLOCK_K: tl.constexpr,
     INTERPRETED_DOT: tl.constexpr,
     PDL: tl.constexpr,
+    EARLY_TRIGGER: tl.constexpr,
 ):
     """out[:M] = x[:M] @ W.T for a few tokens: one program per BLOCK_N weight rows streams
     them once for every token, W tile [BLOCK_N, BLOCK_K] times the tokens' slice on the
@@ -215,6 +225,8 @@ def _gemv_rows_kernel(
     tmask = toks < M
     if PDL:
         tl.extra.cuda.gdc_wait()
+        if EARLY_TRIGGER:
+            tl.extra.cuda.gdc_launch_dependents()
     w_rows = W + rows[:, None].to(tl.int64) * K
     x_rows = X + toks[:, None] * stride_x
     acc = tl.zeros([BLOCK_N, BLOCK_T], dtype=tl.float32)
@@ -231,7 +243,7 @@ def _gemv_rows_kernel(
             acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
         else:
             acc = tl.dot(w, tl.trans(x), acc)
-    if PDL:
+    if PDL and not EARLY_TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
     if HAS_BIAS:
         acc += tl.load(Bias + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
@@ -267,9 +279,11 @@ def gemv_rows_triton(
     *,
     out: torch.Tensor | None = None,
     config: tuple[int, int, int, int] | None = None,
+    early_trigger: bool | None = None,
 ) -> torch.Tensor:
     """x @ weight.T (+ bias) for a few tokens x [m, k] of a 16-bit dtype -> [m, n], written
-    into `out` when given. `config` overrides the launch options (benchmarks). Each
+    into `out` when given. `config` and `early_trigger` (default: up to
+    EARLY_TRIGGER_MAX_ROWS tokens) override the launch options (benchmarks). Each
     program holds all m tokens' sums, so this pays for small m only (kernels/linear.py
     decides)."""
     m, width = x.shape
@@ -303,6 +317,7 @@ def gemv_rows_triton(
         BLOCK_K=block_k,
         INTERPRETED_DOT=INTERPRETED,
         PDL=pdl,
+        EARLY_TRIGGER=m <= EARLY_TRIGGER_MAX_ROWS if early_trigger is None else early_trigger,
         launch_pdl=pdl,
         num_warps=warps,
         num_stages=stages,
