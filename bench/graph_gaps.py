@@ -14,7 +14,9 @@ one engine per process (8B shape, random bf16 weights, `auto` attention, the pie
 
 Runs at `--graphs` 0, 1, 10, 100 and 330 tell whether the number of captured
 graphs, or of their kernels, matters; `--max-bs 512` against 64 whether a serving
-engine's own decode graphs (a graph per size to 512) already put it in the slow state.
+engine's own decode graphs (a graph per size to 512) already put it in the slow state;
+`--no-pdl` whether it needs the programmatic dependent launches in the decode graphs
+(every Triton kernel then launches plainly, as off Hopper).
 
     python bench/graph_gaps.py --tokenizer DIR --graphs 0 10 330 --nodes 30
 """
@@ -139,6 +141,16 @@ def refresh(engine: Any, how: str) -> None:
     torch.cuda.synchronize()
 
 
+def no_programmatic_launch() -> None:
+    """Launch every Triton kernel plainly (as off Hopper): the modules that took
+    `programmatic_launch` by name, and `few_token_dependent` through common's."""
+    from radixserve.engine.attention.triton_ops import common, decode, shared_prefix
+    from radixserve.engine.kernels.triton_ops import gemv
+
+    for module in (common, decode, shared_prefix, gemv):
+        module.programmatic_launch = lambda device: False  # type: ignore[attr-defined]
+
+
 def measure(engine: Any, label: str, reps: int) -> dict[str, Any]:
     walls = [decode_steps(engine, 20) for _ in range(reps)]
     busy, idle, gaps = idle_per_step(engine, 10)
@@ -177,6 +189,7 @@ def main() -> int:
         "capture them on the decode graphs' stream, memory pool or both",
     )
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--no-pdl", action="store_true", help="no programmatic dependent launch")
     ap.add_argument(
         "--then",
         choices=("upload", "recapture"),
@@ -186,6 +199,8 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench/graph_gaps.py needs a CUDA GPU", file=sys.stderr)
         return 2
+    if args.no_pdl:
+        no_programmatic_launch()
     folder = write_model_folder(args.tokenizer, dict(LLAMA_31_8B))
     engine = dummy_engine(
         folder,
@@ -204,7 +219,8 @@ def main() -> int:
         engine.submit([11 + i] * 512, params)
     for _ in range(12):  # the prefill and the first decode steps
         engine.step()
-    measure(engine, f"decode graphs to {args.max_bs}", args.reps)
+    pdl = " (no PDL)" if args.no_pdl else ""
+    measure(engine, f"decode graphs to {args.max_bs}{pdl}", args.reps)
     dummies = disturb(engine, args.what, args.graphs, args.nodes)
     label = f"+{args.graphs} graphs x {args.nodes}"
     if args.what != "capture":
