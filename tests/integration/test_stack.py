@@ -30,7 +30,10 @@ from tests.unit.engine_helpers import make_prompts
 pytestmark = pytest.mark.timeout(300)
 
 CONTEXT = 100_000  # longer than the model was built for: long requests for the 504 test
-WORKER_ARGS = ["--device", "cpu", "--max-total-tokens", "16384"]
+# float32: these tests compare answers across batchings (concurrent against one at a
+# time, the stack against the engine), and bfloat16 ("auto" on a CPU that multiplies it
+# natively) rounds sums differently by batch.
+WORKER_ARGS = ["--device", "cpu", "--dtype", "float32", "--max-total-tokens", "16384"]
 
 
 @pytest.fixture(scope="module", params=["tiny", pytest.param("smollm2", marks=pytest.mark.slow)])
@@ -43,7 +46,7 @@ def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
 
 @pytest.fixture(scope="module")
 def engine(model_dir: Path) -> Engine:
-    return Engine(model_path=str(model_dir), device="cpu", context_length=CONTEXT)
+    return Engine(model_path=str(model_dir), device="cpu", dtype="float32", context_length=CONTEXT)
 
 
 @pytest.fixture(scope="module")

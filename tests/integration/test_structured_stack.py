@@ -33,7 +33,10 @@ from tests.integration.stack_fixture import RunningStack, running_stack
 
 pytestmark = pytest.mark.timeout(300)
 
-WORKER_ARGS = ["--device", "cpu", "--max-total-tokens", "16384"]
+# float32: these tests compare answers across batchings (concurrent against one at a
+# time, the stack against the engine), and bfloat16 ("auto" on a CPU that multiplies it
+# natively) rounds sums differently by batch.
+WORKER_ARGS = ["--device", "cpu", "--dtype", "float32", "--max-total-tokens", "16384"]
 CONTEXT = 1024
 
 
@@ -61,7 +64,7 @@ def stack(
 
 @pytest.fixture(scope="module")
 def engine(model_dir: Path) -> Engine:
-    return Engine(model_path=str(model_dir), device="cpu", context_length=CONTEXT)
+    return Engine(model_path=str(model_dir), device="cpu", dtype="float32", context_length=CONTEXT)
 
 
 @pytest.fixture()

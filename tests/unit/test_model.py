@@ -405,3 +405,28 @@ def test_dummy_load_format_needs_only_the_config(tiny_llama_dir: Path, tmp_path:
     assert isinstance(out, dict) and len(out["output_ids"]) == 4
     with pytest.raises(ValueError, match="load_format"):
         Engine(model_path=str(folder), load_format="bogus")
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_dtype_by_device_and_cpu(native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """'auto': the config's dtype on a GPU; on the CPU bfloat16 only for a bfloat16 model
+    on a CPU that multiplies bfloat16 natively, else float32; a named dtype as named."""
+    from radixserve.engine.model import loader
+
+    monkeypatch.setattr(loader, "cpu_multiplies_bfloat16", lambda: native)
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+
+    def config(dtype: str | None) -> ModelConfig:
+        return ModelConfig.from_dict({**BASE, "torch_dtype": dtype})
+
+    assert loader.resolve_dtype("auto", cpu, config("bfloat16")) == (
+        torch.bfloat16 if native else torch.float32
+    )
+    for other in ("float32", "float16", None):
+        assert loader.resolve_dtype("auto", cpu, config(other)) == torch.float32
+    assert loader.resolve_dtype("auto", gpu, config("float16")) == torch.float16
+    assert loader.resolve_dtype("auto", gpu, config(None)) == torch.bfloat16
+    assert loader.resolve_dtype("float32", cpu, config("bfloat16")) == torch.float32
+    assert loader.resolve_dtype(torch.float16, cpu, config("bfloat16")) == torch.float16
+    with pytest.raises(ValueError, match="dtype must be auto"):
+        loader.resolve_dtype("fp8", cpu, config("bfloat16"))

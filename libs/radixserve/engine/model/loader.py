@@ -5,6 +5,7 @@ Model paths are always local: nothing here downloads.
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 
@@ -43,16 +44,30 @@ def resolve_model_path(model_path: str | Path | None, cache_dir: Path | None = N
 def resolve_dtype(
     dtype: str | torch.dtype, device: torch.device, config: ModelConfig
 ) -> torch.dtype:
-    """'auto' -> the config's dtype on a GPU, float32 on the CPU (half matmuls are slow there)."""
+    """'auto' -> the config's dtype on a GPU (bfloat16 where it names none). On the CPU:
+    bfloat16 for a model whose config names bfloat16, where the CPU multiplies bfloat16
+    natively (cpu_multiplies_bfloat16), else float32 (16-bit matmuls are emulated, and
+    slow, elsewhere)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
+        named = _DTYPES.get(config.torch_dtype or "")
         if device.type == "cpu":
-            return torch.float32
-        return _DTYPES.get(config.torch_dtype or "", torch.bfloat16)
+            native = named == torch.bfloat16 and cpu_multiplies_bfloat16()
+            return torch.bfloat16 if native else torch.float32
+        return named or torch.bfloat16
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be auto, {', '.join(_DTYPES)}; got {dtype!r}")
     return _DTYPES[dtype]
+
+
+@functools.cache
+def cpu_multiplies_bfloat16() -> bool:
+    """Whether this CPU has bfloat16 matmul instructions (AVX512-BF16 or AMX), where
+    torch's bfloat16 matmuls ran 2.2-2.4x faster than float32 and the embedded model's
+    engine 2x (docs/performance.md, "Engine on the CPU")."""
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
 
 
 def load_model(
