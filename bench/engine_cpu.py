@@ -89,7 +89,9 @@ def main() -> None:
     ap.add_argument("--skip-hf-single", action="store_true")
     ap.add_argument("--model", default=None, help="model folder (default: the embedded SmolLM2)")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32")
+    # "auto" is what a user gets: bfloat16 on a CPU with bfloat16 instructions (the
+    # embedded model is a bfloat16 one), float32 elsewhere; HF runs the same dtype.
+    ap.add_argument("--dtype", default="auto")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
