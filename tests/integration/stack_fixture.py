@@ -16,6 +16,12 @@ from radixserve import Engine
 from radixserve.stack import Stack, StackSpec
 from tests.helpers.tiny_models import make_tiny_llama
 
+# float32 for the tests that compare answers across batchings (concurrent against one at
+# a time, the stack against the in-process engine): bfloat16 ("auto" on a CPU that
+# multiplies it natively) rounds sums differently by batch.
+BATCH_EXACT_DTYPE = "float32"
+CPU_WORKER_ARGS = ["--device", "cpu", "--dtype", BATCH_EXACT_DTYPE, "--max-total-tokens", "16384"]
+
 
 @dataclass(frozen=True)
 class RunningStack:

@@ -24,16 +24,17 @@ import pytest
 from radixserve import Engine, protocol
 from radixserve.bus import Bus, BusMsg
 from tests.helpers.tiny_models import embedded_model_dir, make_tiny_llama
-from tests.integration.stack_fixture import RunningStack, running_stack
+from tests.integration.stack_fixture import (
+    BATCH_EXACT_DTYPE,
+    CPU_WORKER_ARGS,
+    RunningStack,
+    running_stack,
+)
 from tests.unit.engine_helpers import make_prompts
 
 pytestmark = pytest.mark.timeout(300)
 
 CONTEXT = 100_000  # longer than the model was built for: long requests for the 504 test
-# float32: these tests compare answers across batchings (concurrent against one at a
-# time, the stack against the engine), and bfloat16 ("auto" on a CPU that multiplies it
-# natively) rounds sums differently by batch.
-WORKER_ARGS = ["--device", "cpu", "--dtype", "float32", "--max-total-tokens", "16384"]
 
 
 @pytest.fixture(scope="module", params=["tiny", pytest.param("smollm2", marks=pytest.mark.slow)])
@@ -46,7 +47,9 @@ def model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
 
 @pytest.fixture(scope="module")
 def engine(model_dir: Path) -> Engine:
-    return Engine(model_path=str(model_dir), device="cpu", dtype="float32", context_length=CONTEXT)
+    return Engine(
+        model_path=str(model_dir), device="cpu", dtype=BATCH_EXACT_DTYPE, context_length=CONTEXT
+    )
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +61,7 @@ def stack(
         redis_url,
         model_dir,
         tmp_path_factory.mktemp("stack_logs"),
-        WORKER_ARGS,
+        CPU_WORKER_ARGS,
         extra_args={
             "gateway": ["--request-timeout-s", "20"],
             "scheduler": ["--max-pending-requests", "24"],

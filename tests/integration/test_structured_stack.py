@@ -29,14 +29,15 @@ from tests.helpers.structured_cases import (
     check_regex,
 )
 from tests.helpers.tiny_models import embedded_model_dir, make_tiny_llama
-from tests.integration.stack_fixture import RunningStack, running_stack
+from tests.integration.stack_fixture import (
+    BATCH_EXACT_DTYPE,
+    CPU_WORKER_ARGS,
+    RunningStack,
+    running_stack,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
-# float32: these tests compare answers across batchings (concurrent against one at a
-# time, the stack against the engine), and bfloat16 ("auto" on a CPU that multiplies it
-# natively) rounds sums differently by batch.
-WORKER_ARGS = ["--device", "cpu", "--dtype", "float32", "--max-total-tokens", "16384"]
 CONTEXT = 1024
 
 
@@ -56,7 +57,7 @@ def stack(
         redis_url,
         model_dir,
         tmp_path_factory.mktemp("structured_logs"),
-        WORKER_ARGS,
+        CPU_WORKER_ARGS,
         context_length=CONTEXT,
     ) as running:
         yield running
@@ -64,7 +65,9 @@ def stack(
 
 @pytest.fixture(scope="module")
 def engine(model_dir: Path) -> Engine:
-    return Engine(model_path=str(model_dir), device="cpu", dtype="float32", context_length=CONTEXT)
+    return Engine(
+        model_path=str(model_dir), device="cpu", dtype=BATCH_EXACT_DTYPE, context_length=CONTEXT
+    )
 
 
 @pytest.fixture()
