@@ -10,9 +10,9 @@ head; 16-bit dtypes, weights of GEMV_ROWS_MIN_N rows or more) the op's kernel
 (kernels/norm.py, activation.py) then the few-token Triton GEMV, which streams each
 weight once for all the tokens on the tensor cores: cuBLAS's kernels for so few rows
 (split over K, with a reduce kernel) read the weights ~8% slower. Otherwise the op's
-kernel then cuBLAS, and on the CPU the torch reference. The GEMVs sum in float32 in another order than cuBLAS,
-so outputs may differ from the unfused path by an ulp of the output dtype in a few
-elements.
+kernel then cuBLAS, and on the CPU the torch reference. The GEMVs sum in float32 in
+another order than cuBLAS, so outputs may differ from the unfused path by an ulp of the
+output dtype in a few elements.
 """
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ def resolve_dtype(
 def cpu_multiplies_bfloat16() -> bool:
     """Whether this CPU has bfloat16 matmul instructions (AVX512-BF16 or AMX), where
     torch's bfloat16 matmuls ran 2.2-2.4x faster than float32 and the embedded model's
-    engine 2x (docs/performance.md, "Engine on the CPU")."""
+    engine 1.8-2x (docs/performance.md, "bfloat16 where the CPU multiplies it")."""
     probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
     return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
 
