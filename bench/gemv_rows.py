@@ -10,11 +10,13 @@ are replayed from a CUDA graph, so no host launch time sits between them.
     python bench/gemv_rows.py                         # needs CUDA
     python bench/gemv_rows.py --rows 2 8 --json gemv_rows.json
     python bench/gemv_rows.py --rows 64 --shapes o down --block-n 64 128 --stages 3 4
+    python bench/gemv_rows.py --one-token --block-n 2 4 8 --block-k 1024 2048 --stages 2 3 4
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 from pathlib import Path
@@ -34,6 +36,8 @@ SHAPES = [
     ("head", 128256, 4096),
 ]
 ROTATION_BYTES = 400e6
+# The one-token GEMV's prologue for each projection, as the engine runs it.
+ONE_TOKEN_PROLOGUE = {"qkv": "ADD_NORM", "o": "PLAIN", "gate_up": "ADD_NORM", "down": "SILU_MUL"}
 
 
 def _copies(n: int, k: int) -> list[torch.Tensor]:
@@ -60,6 +64,47 @@ def _per_call_us(fn, weights: list[torch.Tensor], reps: int) -> float:  # type: 
     return time_ms(graph.replay, reps) * 1e3 / len(weights)
 
 
+def _one_token_call(name: str, k: int):  # type: ignore[no-untyped-def]
+    """(the reference's input, call(w, config)): the one-token GEMV with the engine's
+    prologue for the projection `name`."""
+    from radixserve.engine.kernels.triton_ops import gemv
+
+    prologue = ONE_TOKEN_PROLOGUE.get(name, "NORM")
+    width = 2 * k if prologue == "SILU_MUL" else k
+    x = torch.randn(1, width, device="cuda", dtype=torch.bfloat16)
+    residual = torch.randn_like(x)
+    summed = torch.empty_like(x)
+    norm_w = torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
+    if prologue == "SILU_MUL":
+        ref_in = F.silu(x[:, :k].float()) * x[:, k:].float()
+    elif prologue == "PLAIN":
+        ref_in = x.float()
+    else:
+        h = (x.float() + residual.float()) if prologue == "ADD_NORM" else x.float()
+        ref_in = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5) * norm_w.float()
+    kwargs = {"norm_weight": norm_w, "eps": 1e-5} if prologue in ("NORM", "ADD_NORM") else {}
+    if prologue == "ADD_NORM":
+        kwargs.update(residual=residual, residual_out=summed)
+    code = getattr(gemv, prologue)
+
+    def call(w: torch.Tensor, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+        return gemv.gemv_triton(x, w, None, code, config=config, **kwargs)
+
+    return ref_in, call
+
+
+def _plain_one(x: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int, int] | None):  # type: ignore[no-untyped-def]
+    from radixserve.engine.kernels.triton_ops import gemv
+
+    return gemv.gemv_triton(x, w, None, config=config)
+
+
+def _rows_call(x: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int, int] | None):  # type: ignore[no-untyped-def]
+    from radixserve.engine.kernels.triton_ops import gemv
+
+    return gemv.gemv_rows_triton(x, w, None, config=config)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
@@ -71,11 +116,15 @@ def main() -> None:
     ap.add_argument("--block-k", type=int, nargs="+", default=[128, 256, 512])
     ap.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--stages", type=int, nargs="+", default=[3, 4, 5])
+    ap.add_argument(
+        "--one-token", action="store_true", help="sweep the one-token GEMV (gemv_triton) instead"
+    )
     args = ap.parse_args()
+    if args.one_token:
+        args.rows = [1]
     configs = list(itertools.product(args.block_n, args.block_k, args.warps, args.stages))
     if not torch.cuda.is_available():
         raise SystemExit("bench/gemv_rows.py needs a CUDA device")
-    from radixserve.engine.kernels.triton_ops import gemv
 
     torch.manual_seed(0)
     bandwidth = measure_bandwidth()
@@ -89,11 +138,15 @@ def main() -> None:
         for m in args.rows:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = F.linear(x, weights[0]).float()
+            call = functools.partial(_rows_call, x)
+            if args.one_token:
+                ref_in, call = _one_token_call(name, k)
+                ref = F.linear(ref_in, weights[0].float())
             torch_us = _per_call_us(lambda w, x=x: F.linear(x, w), weights, args.reps)
             timed = []
             for config in configs:
                 try:
-                    out = gemv.gemv_rows_triton(x, weights[0], None, config=config)
+                    out = call(weights[0], config)
                 except Exception as e:  # a tile the SM cannot hold
                     if "OutOfResources" not in type(e).__name__:
                         raise
@@ -101,7 +154,7 @@ def main() -> None:
                 if not torch.allclose(out.float(), ref, atol=3e-2, rtol=3e-2):
                     raise SystemExit(f"{name} m={m} {config}: the GEMV differs from torch")
                 us = _per_call_us(
-                    lambda w, x=x, c=config: gemv.gemv_rows_triton(x, w, None, config=c),
+                    lambda w, c=config, call=call: call(w, c),
                     weights,
                     args.reps,
                 )
@@ -109,12 +162,15 @@ def main() -> None:
             best_us, best = min(timed)
             one = None
             if m == 1:
-                one = _per_call_us(lambda w, x=x: gemv.gemv_triton(x, w, None), weights, args.reps)
+                # The engine's launch options (with its prologue when sweeping those).
+                engine_call = call if args.one_token else functools.partial(_plain_one, x)
+                one = _per_call_us(lambda w, f=engine_call: f(w, None), weights, args.reps)
             row = {
                 "shape": name,
                 "m": m,
                 "floor_us": floor_us,
                 "torch_us": torch_us,
+                "kernel": "gemv_triton" if args.one_token else "gemv_rows_triton",
                 "rows_us": best_us,
                 "rows_config": best,
                 "gemv_one_us": one,

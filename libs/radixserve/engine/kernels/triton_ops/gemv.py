@@ -128,13 +128,15 @@ def _gemv_kernel(
 def _config(n: int, k: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, warps, stages) for an [n, k] weight.
 
-    From a sweep on the H100 over the Llama-3.1-8B shapes (docs/performance.md): long
-    rows (down, k = 14336) stream best as 8 rows x 1024; rows of 4096 as 2 (n >= 16384:
-    gate_up, the head) or 4 rows x 2048 with 8 warps.
+    From sweeps over the Llama-3.1-8B shapes with the engine's prologues (H100, then
+    H200; docs/performance.md): long rows (down, k = 14336) stream best as 8 rows x 1024,
+    rows of 4096 as 4 rows x 2048 with 8 warps. Each program of a norm prologue first
+    reads the whole input row for its norm, so fewer rows a program cost more: 2 rows
+    took gate_up 65 us on the H200 against 58 with 4.
     """
     if k > 8192:
         return 8, 1024, 4, 4
-    return (2 if n >= 16384 else 4), min(2048, triton.next_power_of_2(k)), 8, 3
+    return 4, min(2048, triton.next_power_of_2(k)), 8, 3
 
 
 def gemv_triton(
@@ -148,9 +150,11 @@ def gemv_triton(
     norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
     out: torch.Tensor | None = None,
+    config: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """weight @ f(x) (+ bias) for one token x ([1, k], or [1, 2k] for SILU_MUL) -> [1, n],
-    written into `out` when given."""
+    written into `out` when given. `config` (BLOCK_N, BLOCK_K, warps, stages) overrides
+    the launch options (benchmarks)."""
     n, k = weight.shape
     width = 2 * k if prologue == SILU_MUL else k
     if x.shape != (1, width) or x.stride(-1) != 1 or not weight.is_contiguous():
@@ -170,7 +174,7 @@ def gemv_triton(
     elif out.shape != (1, n) or out.stride(-1) != 1 or out.dtype != x.dtype:
         raise ValueError(f"gemv writes a contiguous [1, {n}] {x.dtype} row")
     pdl = programmatic_launch(x.device)
-    block_n, block_k, warps, stages = _config(n, k)
+    block_n, block_k, warps, stages = config or _config(n, k)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x,
         x if residual is None else residual,
