@@ -1,6 +1,7 @@
 """The sampler's Triton draw compiled on CUDA over the Llama-3 vocabulary (128256)
-against the torch sampler's sort-based draw, and the engine's `sample` on CUDA (which
-takes the kernel) against the same sampler on the CPU (the torch path).
+against the torch sampler's sort-based draw, the engine's `sample` on CUDA (which
+takes the kernel) against the same sampler on the CPU (the torch path), and the greedy
+rows' chunked argmax against torch's.
 
 Without CUDA the module skips before it imports the kernels (see
 test_triton_attention_cuda.py: defining them here would fix them as compiled).
@@ -17,6 +18,7 @@ pytest.importorskip("triton", reason="triton is not installed")
 
 from radixserve.engine.attention.triton_ops.common import INTERPRETED
 from radixserve.engine.sampling import SamplingBatch, SamplingParams, SamplingRequest, sample
+from radixserve.engine.sampling.sampler import argmax_rows
 from tests.helpers import sampling_cases as cases
 
 pytestmark = [
@@ -118,3 +120,12 @@ def test_warm_up_compiles_the_one_kernel_every_filter_mix_then_uses() -> None:
     sample(logits, batch)
     sample(logits.float(), batch)
     assert compiled() == before
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("vocab", [VOCAB, 49152, 151936, 1000])
+def test_greedy_argmax_on_cuda_is_torchs_first_index_on_ties(
+    dtype: torch.dtype, vocab: int
+) -> None:
+    for name, logits in cases.argmax_cases(vocab, DEVICE, dtype).items():
+        assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1)), name

@@ -1,5 +1,6 @@
 """Cases for the sampler's Triton draw against the torch sampler's sort-based draw,
-shared by the interpreter tests (tests/unit) and the compiled ones (tests/gpu).
+shared by the interpreter tests (tests/unit) and the compiled ones (tests/gpu), and for
+its greedy rows' argmax.
 
 The two sum the kept masses in different orders, so on continuous logits a pick may
 differ only where the reference's target lies within rounding of the border between
@@ -129,3 +130,21 @@ def _assert_border_within_rounding(
     before = p[(logits > logits[later]) | ((logits == logits[later]) & (ids < later))].sum()
     bound = top_p * p.sum()
     assert abs(float(before - bound)) <= 1e-5 * float(p.sum()), (a, b, float(before), float(bound))
+
+
+def argmax_cases(vocab: int, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Logits where the first index decides an argmax: random rows, ties (three distinct
+    values), one finite value among -inf (at either end), NaNs scattered."""
+    g = torch.Generator().manual_seed(0)
+    lone = torch.full((2, vocab), float("-inf"))
+    lone[0, vocab - 1] = 1.0
+    lone[1, 0] = -1.0
+    nans = torch.randn(3, vocab, generator=g)
+    nans[:, torch.randint(0, vocab, (4,), generator=g)] = float("nan")
+    cases = {
+        "random": torch.randn(5, vocab, generator=g),
+        "ties": torch.randint(0, 3, (5, vocab), generator=g).float(),
+        "lone": lone,
+        "nans": nans,
+    }
+    return {name: t.to(device=device, dtype=dtype) for name, t in cases.items()}
