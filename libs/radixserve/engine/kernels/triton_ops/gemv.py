@@ -125,8 +125,8 @@ def _gemv_kernel(
     tl.store(Out + rows, y.to(dtype), mask=rmask)
 
 
-def _config(n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, warps, stages) for an [n, k] weight.
+def _config(k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, stages) for a weight of rows of k.
 
     From sweeps over the Llama-3.1-8B shapes with the engine's prologues (H100, then
     H200; docs/performance.md): long rows (down, k = 14336) stream best as 8 rows x 1024,
@@ -174,7 +174,7 @@ def gemv_triton(
     elif out.shape != (1, n) or out.stride(-1) != 1 or out.dtype != x.dtype:
         raise ValueError(f"gemv writes a contiguous [1, {n}] {x.dtype} row")
     pdl = programmatic_launch(x.device)
-    block_n, block_k, warps, stages = config or _config(n, k)
+    block_n, block_k, warps, stages = config or _config(k)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x,
         x if residual is None else residual,
