@@ -11,8 +11,6 @@ must equal what the responses' `usage` and `finish_reason` add up to.
 from __future__ import annotations
 
 import json
-import random
-import socket
 import subprocess
 import sys
 import threading
@@ -31,6 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from radixserve.stack import Stack, StackSpec
 from tests.helpers.tiny_models import make_tiny_llama
+from tests.integration.stack_fixture import free_port_block
 from tests.unit.test_telemetry_dashboards import dashboard_metric_names
 
 pytestmark = pytest.mark.timeout(240)
@@ -128,26 +127,6 @@ def attributes_of(items: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 # -- the stack --------------------------------------------------------------------------------
-
-
-def free_port_block(count: int) -> int:
-    """A base port with `count` free ports from it (checked by binding each)."""
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20000, 60000 - count)
-        sockets = []
-        try:
-            for port in range(base, base + count):
-                sock = socket.socket()
-                sockets.append(sock)
-                sock.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in sockets:
-                sock.close()
-    raise RuntimeError("no block of free ports")
 
 
 @dataclass(frozen=True)
