@@ -36,8 +36,9 @@ SHAPES = [
     ("head", 128256, 4096),
 ]
 ROTATION_BYTES = 400e6
-# The one-token GEMV's prologue for each projection, as the engine runs it.
-ONE_TOKEN_PROLOGUE = {"qkv": "ADD_NORM", "o": "PLAIN", "gate_up": "ADD_NORM", "down": "SILU_MUL"}
+# The one-token GEMV's prologue for each projection, as the engine runs it (gate_up also
+# with its SiLU x mul epilogue).
+ONE_TOKEN_PROLOGUE = {"qkv": "ADD_NORM", "o": "PLAIN", "gate_up": "ADD_NORM", "down": "PLAIN"}
 
 
 def _copies(n: int, k: int) -> list[torch.Tensor]:
@@ -65,19 +66,17 @@ def _per_call_us(fn, weights: list[torch.Tensor], reps: int) -> float:  # type: 
 
 
 def _one_token_call(name: str, k: int):  # type: ignore[no-untyped-def]
-    """(the reference's input, call(w, config)): the one-token GEMV with the engine's
-    prologue for the projection `name`."""
+    """(reference(w), call(w, config)): the one-token GEMV with the engine's prologue for
+    the projection `name` (and gate_up's SiLU x mul epilogue), and its float32 result."""
     from radixserve.engine.kernels.triton_ops import gemv
 
     prologue = ONE_TOKEN_PROLOGUE.get(name, "NORM")
-    width = 2 * k if prologue == "SILU_MUL" else k
-    x = torch.randn(1, width, device="cuda", dtype=torch.bfloat16)
+    gated = name == "gate_up"
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     residual = torch.randn_like(x)
     summed = torch.empty_like(x)
     norm_w = torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
-    if prologue == "SILU_MUL":
-        ref_in = F.silu(x[:, :k].float()) * x[:, k:].float()
-    elif prologue == "PLAIN":
+    if prologue == "PLAIN":
         ref_in = x.float()
     else:
         h = (x.float() + residual.float()) if prologue == "ADD_NORM" else x.float()
@@ -87,10 +86,17 @@ def _one_token_call(name: str, k: int):  # type: ignore[no-untyped-def]
         kwargs.update(residual=residual, residual_out=summed)
     code = getattr(gemv, prologue)
 
-    def call(w: torch.Tensor, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-        return gemv.gemv_triton(x, w, None, code, config=config, **kwargs)
+    def reference(w: torch.Tensor) -> torch.Tensor:
+        y = F.linear(ref_in, w.float())
+        if gated:
+            gate, up = y.chunk(2, dim=-1)
+            y = F.silu(gate) * up
+        return y
 
-    return ref_in, call
+    def call(w: torch.Tensor, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+        return gemv.gemv_triton(x, w, None, code, gated=gated, config=config, **kwargs)
+
+    return reference, call
 
 
 def _plain_one(x: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int, int] | None):  # type: ignore[no-untyped-def]
@@ -140,8 +146,8 @@ def main() -> None:
             ref = F.linear(x, weights[0]).float()
             call = functools.partial(_rows_call, x)
             if args.one_token:
-                ref_in, call = _one_token_call(name, k)
-                ref = F.linear(ref_in, weights[0].float())
+                reference, call = _one_token_call(name, k)
+                ref = reference(weights[0])
             torch_us = _per_call_us(lambda w, x=x: F.linear(x, w), weights, args.reps)
             timed = []
             for config in configs:

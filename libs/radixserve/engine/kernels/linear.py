@@ -1,10 +1,11 @@
 """The decoder's projections with the elementwise op before them.
 
-`add_norm_linear` (RMSNorm with the residual add, then a projection: qkv, gate_up, the
-head), `silu_mul_linear` (SiLU x mul, then down) and `linear` (o). For one token on CUDA
-each is a single Triton GEMV with the op folded into its read of the input
-(triton_ops/gemv.py): at batch 1 a projection streams its weight, and the norm and
-activation kernels between them, with their launch gaps, were ~8% of a decode step.
+`add_norm_linear` (RMSNorm with the residual add, then a projection: qkv, the head),
+`add_norm_gated_linear` (the same over gate_up, then SiLU x mul) and `linear` (o, down).
+For one token on CUDA each is a single Triton GEMV with the norm folded into its read
+of the input and SiLU x mul into its output (triton_ops/gemv.py): at batch 1 a
+projection streams its weight, and the norm and activation kernels between them, with
+their launch gaps, were ~8% of a decode step.
 From 2 to GEMV_MAX_ROWS tokens (GEMV_WIDE_MAX_ROWS over the wide weights: gate_up, the
 head; 16-bit dtypes, weights of GEMV_ROWS_MIN_N rows or more) the op's kernel
 (kernels/norm.py, activation.py) then the few-token Triton GEMV, which streams each
@@ -112,15 +113,34 @@ def add_norm_linear(
     return _project(normed, weight, bias, out), summed
 
 
-def silu_mul_linear(
-    gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """linear(silu(gate) * up) for gate_up [tokens, 2 * k] holding gate then up."""
-    if _use_gemv(gate_up, weight):
+def add_norm_gated_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(silu(gate) * up, x + residual) for [tokens, k] rows, where [gate | up] =
+    linear(rms_norm(x + residual)) and `weight` holds the gate rows, then the up rows."""
+    if _use_gemv(x, weight) and weight.shape[0] % 2 == 0:
         from radixserve.engine.kernels.triton_ops import gemv
 
-        return gemv.gemv_triton(gate_up, weight, bias, gemv.SILU_MUL)
-    return _project(silu_and_mul(gate_up), weight, bias, None)
+        summed = torch.empty_like(x)
+        act = gemv.gemv_triton(
+            x,
+            weight,
+            bias,
+            gemv.ADD_NORM,
+            residual=residual,
+            residual_out=summed,
+            norm_weight=norm_weight,
+            eps=eps,
+            gated=True,
+        )
+        return act, summed
+    gate_up, summed = add_norm_linear(x, residual, norm_weight, eps, weight, bias)
+    return silu_and_mul(gate_up), summed
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
