@@ -6,7 +6,8 @@
 # device slows over consecutive runs: compare trees in an alternating order, e.g.
 # new base base new (docs/performance.md).
 #
-# Here:   bash bench/ab_offline.sh --prepare <commit>    # its libs/ into .carry/base
+# Here:   bash bench/ab_offline.sh --prepare <commit> [name]  # its libs/ into .carry/<name>
+#         (name: base by default; a tree named X below runs .carry/X/libs, new runs libs/)
 # Device: carry [".carry/whl", ".carry/base"], then
 #         source bench/device_carry.sh --env || exit 1; bash bench/ab_offline.sh new base base new
 # Each run writes $OUT/run<i>-<tree>.json and prints its total time, mixed-step and
@@ -14,10 +15,12 @@
 set -euo pipefail
 
 if [ "${1:-}" = "--prepare" ]; then
-  commit=${2:?usage: bash bench/ab_offline.sh --prepare <commit>}
-  rm -rf .carry/base && mkdir -p .carry/base
-  git archive "$commit" libs | tar -x -C .carry/base
-  echo "libs/ of $(git rev-parse --short "$commit") in .carry/base"
+  commit=${2:?usage: bash bench/ab_offline.sh --prepare <commit> [name]}
+  name=${3:-base}
+  case $name in new | */* | .*) echo "a tree name is a plain word, not new: $name" >&2; exit 2 ;; esac
+  rm -rf ".carry/$name" && mkdir -p ".carry/$name"
+  git archive "$commit" libs | tar -x -C ".carry/$name"
+  echo "libs/ of $(git rev-parse --short "$commit") in .carry/$name"
   exit 0
 fi
 
@@ -25,11 +28,9 @@ out=${OUT:?OUT must name the folder for the results (the device sets it)}
 i=0
 for tree in "$@"; do
   i=$((i + 1))
-  case $tree in
-    new) libs=$PWD/libs ;;
-    base) libs=$PWD/.carry/base/libs ;;
-    *) echo "a tree is new or base, not $tree" >&2; exit 2 ;;
-  esac
+  libs=$PWD/libs
+  [ "$tree" = new ] || libs=$PWD/.carry/$tree/libs
+  [ -d "$libs" ] || { echo "no tree $tree: bash bench/ab_offline.sh --prepare <commit> $tree" >&2; exit 2; }
   json="$out/run$i-$tree.json"
   PYTHONPATH=/tmp/site:$libs:$PWD python3 bench/offline.py \
     --workloads shared-prefix --radix on --json "$json" >/dev/null

@@ -2,7 +2,8 @@
 # A/B of bench/one_batch.py between this tree and another commit's libs/, in one device
 # call (trees alternating: the device drifts over consecutive runs).
 #
-# Here:   bash bench/ab_offline.sh --prepare <commit>    # its libs/ into .carry/base
+# Here:   bash bench/ab_offline.sh --prepare <commit> [name]  # its libs/ into .carry/<name>
+#         (a tree named X runs .carry/X/libs, new runs libs/; carry each)
 # Device: carry [".carry/whl", ".carry/base"], then
 #         source bench/device_carry.sh --env || exit 1
 #         bash bench/ab_one_batch.sh "new base base new" --backends triton \
@@ -16,11 +17,9 @@ shift
 i=0
 for tree in $trees; do
   i=$((i + 1))
-  case $tree in
-    new) libs=$PWD/libs ;;
-    base) libs=$PWD/.carry/base/libs ;;
-    *) echo "a tree is new or base, not $tree" >&2; exit 2 ;;
-  esac
+  libs=$PWD/libs
+  [ "$tree" = new ] || libs=$PWD/.carry/$tree/libs
+  [ -d "$libs" ] || { echo "no tree $tree: bash bench/ab_offline.sh --prepare <commit> $tree" >&2; exit 2; }
   echo "== $i $tree"
   PYTHONPATH=/tmp/site:$libs:$PWD timeout "${RUN_TIMEOUT_S:-300}" python3 bench/one_batch.py \
     --tokenizer "${RADIXSERVE_TEST_TOKENIZER_DIR:?source bench/device_carry.sh --env first}" \
