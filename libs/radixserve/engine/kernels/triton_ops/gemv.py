@@ -136,18 +136,21 @@ def _gemv_kernel(
     tl.store(Out + rows, y.to(dtype), mask=rmask)
 
 
-def _config(k: int, gated: bool) -> tuple[int, int, int, int]:
+def _config(k: int, prologue: int, gated: bool) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, warps, stages) for a weight of rows of k.
 
     From sweeps over the Llama-3.1-8B shapes with the engine's prologues (H100, then
-    H200; docs/performance.md): rows of 4096 stream best as 4 rows x 2048 with 8 warps
-    (gated: 2 gate rows and their 2 up rows). Each program of a norm prologue first reads
-    the whole input row for its norm, so fewer rows a program cost more: 2 rows took
-    gate_up 65 us on the H200 against 58 with 4. Long plain rows (down, k = 14336) as 2
-    rows x 1024 with 8 warps: 30.2 us against 39.4 with 8 rows x 1024 and 4 warps.
+    H200; docs/performance.md): rows of 4096 after a norm stream best as 4 rows x 2048
+    with 8 warps (gated: 2 gate rows and their 2 up rows). Each program of a norm
+    prologue first reads the whole input row for its norm, so fewer rows a program cost
+    more: 2 rows took gate_up 65 us on the H200 against 58 with 4. Plain rows need no
+    such read: o (k = 4096) as 1 row x 1024, 9.2 us against 9.8 with 4 x 2048; down
+    (k = 14336) as 2 rows x 1024, 30.2 us against 39.4 with 8 rows x 1024 and 4 warps.
     """
     if k > 8192:
         return 2, 1024, 8, 4
+    if prologue == PLAIN and not gated:
+        return 1, min(1024, triton.next_power_of_2(k)), 8, 4
     return (2 if gated else 4), min(2048, triton.next_power_of_2(k)), 8, 3
 
 
@@ -191,7 +194,7 @@ def gemv_triton(
     elif out.shape != (1, n) or out.stride(-1) != 1 or out.dtype != x.dtype:
         raise ValueError(f"gemv writes a contiguous [1, {n}] {x.dtype} row")
     pdl = programmatic_launch(x.device)
-    block_n, block_k, warps, stages = config or _config(k, gated)
+    block_n, block_k, warps, stages = config or _config(k, prologue, gated)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x,
         x if residual is None else residual,
