@@ -75,8 +75,12 @@ def test_norm(dtype: torch.dtype, n: int, k: int) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("n", "k"), SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_add_norm_stores_the_sum(dtype: torch.dtype, n: int, k: int, bias: bool) -> None:
-    x, weight, b = _inputs(n, k, dtype, bias)
+@pytest.mark.parametrize("gated", [False, True])
+def test_add_norm_stores_the_sum(
+    dtype: torch.dtype, n: int, k: int, bias: bool, gated: bool
+) -> None:
+    # Gated: weight [2n, k] holds gate rows then up rows; out [1, n] = silu(gate) * up.
+    x, weight, b = _inputs(2 * n if gated else n, k, dtype, bias)
     residual = cases.randn((1, k), dtype, DEVICE, seed=4)
     norm_w = _norm_weight(k, dtype)
     summed = torch.full_like(x, float("nan"))
@@ -90,40 +94,13 @@ def test_add_norm_stores_the_sum(dtype: torch.dtype, n: int, k: int, bias: bool)
         residual_out=summed,
         norm_weight=norm_w,
         eps=EPS,
+        gated=gated,
     )
     normed, ref_sum = fused_add_rms_norm_torch(x, residual, norm_w, EPS)
     assert torch.equal(summed, ref_sum)
-    _assert_close(out, _project(normed, weight, b))
+    ref = _project(normed, weight, b)
+    _assert_close(out, silu_and_mul_torch(ref) if gated else ref)
     assert torch.equal(x, before[0]) and torch.equal(residual, before[1])
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("n", "k"), SHAPES)
-@pytest.mark.parametrize("bias", [False, True])
-def test_gated_add_norm_is_silu_mul_of_gate_and_up(
-    dtype: torch.dtype, n: int, k: int, bias: bool
-) -> None:
-    # weight [2n, k]: gate rows then up rows; out [1, n] = silu(gate) * up.
-    x, weight, b = _inputs(2 * n, k, dtype, bias)
-    residual = cases.randn((1, k), dtype, DEVICE, seed=4)
-    norm_w = _norm_weight(k, dtype)
-    summed = torch.full_like(x, float("nan"))
-    out = gemv.gemv_triton(
-        x,
-        weight,
-        b,
-        gemv.ADD_NORM,
-        residual=residual,
-        residual_out=summed,
-        norm_weight=norm_w,
-        eps=EPS,
-        gated=True,
-    )
-    normed, ref_sum = fused_add_rms_norm_torch(x, residual, norm_w, EPS)
-    assert torch.equal(summed, ref_sum)
-    gate_up = _project(normed, weight, b)
-    assert out.shape == (1, n)
-    _assert_close(out, silu_and_mul_torch(gate_up))
 
 
 def test_gated_plain_and_odd_rows() -> None:

@@ -87,26 +87,7 @@ def add_norm_linear(
     """(linear(rms_norm(x + residual)), x + residual) for [tokens, k] rows; with residual
     None, (linear(rms_norm(x)), x). The projection is written into `out` when given."""
     if _use_gemv(x, weight):
-        from radixserve.engine.kernels.triton_ops import gemv
-
-        if residual is None:
-            y = gemv.gemv_triton(
-                x, weight, bias, gemv.NORM, norm_weight=norm_weight, eps=eps, out=out
-            )
-            return y, x
-        summed = torch.empty_like(x)
-        y = gemv.gemv_triton(
-            x,
-            weight,
-            bias,
-            gemv.ADD_NORM,
-            residual=residual,
-            residual_out=summed,
-            norm_weight=norm_weight,
-            eps=eps,
-            out=out,
-        )
-        return y, summed
+        return _norm_gemv(x, residual, norm_weight, eps, weight, bias, out)
     if residual is None:
         return _project(rms_norm(x, norm_weight, eps), weight, bias, out), x
     normed, summed = fused_add_rms_norm(x, residual, norm_weight, eps)
@@ -124,23 +105,43 @@ def add_norm_gated_linear(
     """(silu(gate) * up, x + residual) for [tokens, k] rows, where [gate | up] =
     linear(rms_norm(x + residual)) and `weight` holds the gate rows, then the up rows."""
     if _use_gemv(x, weight) and weight.shape[0] % 2 == 0:
-        from radixserve.engine.kernels.triton_ops import gemv
-
-        summed = torch.empty_like(x)
-        act = gemv.gemv_triton(
-            x,
-            weight,
-            bias,
-            gemv.ADD_NORM,
-            residual=residual,
-            residual_out=summed,
-            norm_weight=norm_weight,
-            eps=eps,
-            gated=True,
-        )
-        return act, summed
+        return _norm_gemv(x, residual, norm_weight, eps, weight, bias, None, gated=True)
     gate_up, summed = add_norm_linear(x, residual, norm_weight, eps, weight, bias)
     return silu_and_mul(gate_up), summed
+
+
+def _norm_gemv(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor | None,
+    gated: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one-token GEMV with the norm (and the residual add) folded into its read."""
+    from radixserve.engine.kernels.triton_ops import gemv
+
+    if residual is None:
+        y = gemv.gemv_triton(
+            x, weight, bias, gemv.NORM, norm_weight=norm_weight, eps=eps, out=out, gated=gated
+        )
+        return y, x
+    summed = torch.empty_like(x)
+    y = gemv.gemv_triton(
+        x,
+        weight,
+        bias,
+        gemv.ADD_NORM,
+        residual=residual,
+        residual_out=summed,
+        norm_weight=norm_weight,
+        eps=eps,
+        out=out,
+        gated=gated,
+    )
+    return y, summed
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
