@@ -16,7 +16,6 @@ are replayed from a CUDA graph, so no host launch time sits between them.
 from __future__ import annotations
 
 import argparse
-import functools
 import itertools
 import json
 from pathlib import Path
@@ -65,10 +64,12 @@ def _per_call_us(fn, weights: list[torch.Tensor], reps: int) -> float:  # type: 
     return time_ms(graph.replay, reps) * 1e3 / len(weights)
 
 
-def _one_token_call(name: str, k: int):  # type: ignore[no-untyped-def]
-    """(reference(w), call(w, config)): the one-token GEMV with the engine's prologue for
-    the projection `name` (and gate_up's SiLU x mul epilogue), and its float32 result."""
-    from radixserve.engine.kernels.triton_ops import gemv
+def _one_token_call(gemv, name: str, k: int):  # type: ignore[no-untyped-def]
+    """(reference(w), call(w, config)): the one-token GEMV (module `gemv`) with the
+    engine's prologue for the projection `name` (and gate_up's SiLU x mul epilogue), and
+    its float32 result from the torch references of the unfused ops."""
+    from radixserve.engine.kernels.activation import silu_and_mul_torch
+    from radixserve.engine.kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
 
     prologue = ONE_TOKEN_PROLOGUE.get(name, "NORM")
     gated = name == "gate_up"
@@ -76,39 +77,26 @@ def _one_token_call(name: str, k: int):  # type: ignore[no-untyped-def]
     residual = torch.randn_like(x)
     summed = torch.empty_like(x)
     norm_w = torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
-    if prologue == "PLAIN":
-        ref_in = x.float()
+    eps = 1e-5
+    if prologue == "NORM":
+        ref_in = rms_norm_torch(x, norm_w, eps)
+    elif prologue == "ADD_NORM":
+        ref_in = fused_add_rms_norm_torch(x, residual, norm_w, eps)[0]
     else:
-        h = (x.float() + residual.float()) if prologue == "ADD_NORM" else x.float()
-        ref_in = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5) * norm_w.float()
-    kwargs = {"norm_weight": norm_w, "eps": 1e-5} if prologue in ("NORM", "ADD_NORM") else {}
+        ref_in = x
+    kwargs = {"norm_weight": norm_w, "eps": eps} if prologue in ("NORM", "ADD_NORM") else {}
     if prologue == "ADD_NORM":
         kwargs.update(residual=residual, residual_out=summed)
     code = getattr(gemv, prologue)
 
     def reference(w: torch.Tensor) -> torch.Tensor:
-        y = F.linear(ref_in, w.float())
-        if gated:
-            gate, up = y.chunk(2, dim=-1)
-            y = F.silu(gate) * up
-        return y
+        y = F.linear(ref_in.float(), w.float())
+        return silu_and_mul_torch(y) if gated else y
 
     def call(w: torch.Tensor, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
         return gemv.gemv_triton(x, w, None, code, gated=gated, config=config, **kwargs)
 
     return reference, call
-
-
-def _plain_one(x: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int, int] | None):  # type: ignore[no-untyped-def]
-    from radixserve.engine.kernels.triton_ops import gemv
-
-    return gemv.gemv_triton(x, w, None, config=config)
-
-
-def _rows_call(x: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int, int] | None):  # type: ignore[no-untyped-def]
-    from radixserve.engine.kernels.triton_ops import gemv
-
-    return gemv.gemv_rows_triton(x, w, None, config=config)
 
 
 def main() -> None:
@@ -131,6 +119,7 @@ def main() -> None:
     configs = list(itertools.product(args.block_n, args.block_k, args.warps, args.stages))
     if not torch.cuda.is_available():
         raise SystemExit("bench/gemv_rows.py needs a CUDA device")
+    from radixserve.engine.kernels.triton_ops import gemv
 
     torch.manual_seed(0)
     bandwidth = measure_bandwidth()
@@ -144,9 +133,14 @@ def main() -> None:
         for m in args.rows:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = F.linear(x, weights[0]).float()
-            call = functools.partial(_rows_call, x)
+
+            def call(
+                w: torch.Tensor, config: tuple[int, int, int, int] | None, x: torch.Tensor = x
+            ) -> torch.Tensor:
+                return gemv.gemv_rows_triton(x, w, None, config=config)
+
             if args.one_token:
-                reference, call = _one_token_call(name, k)
+                reference, call = _one_token_call(gemv, name, k)
                 ref = reference(weights[0])
             torch_us = _per_call_us(lambda w, x=x: F.linear(x, w), weights, args.reps)
             timed = []
@@ -169,8 +163,12 @@ def main() -> None:
             one = None
             if m == 1:
                 # The engine's launch options (with its prologue when sweeping those).
-                engine_call = call if args.one_token else functools.partial(_plain_one, x)
-                one = _per_call_us(lambda w, f=engine_call: f(w, None), weights, args.reps)
+                if args.one_token:
+                    one = _per_call_us(lambda w, f=call: f(w, None), weights, args.reps)
+                else:
+                    one = _per_call_us(
+                        lambda w, x=x: gemv.gemv_triton(x, w, None), weights, args.reps
+                    )
             row = {
                 "shape": name,
                 "m": m,

@@ -113,14 +113,11 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """[bs] int64: each row's argmax, the first index on ties (and the first NaN), as
     `logits.argmax(dim=-1)`."""
     bs, vocab = logits.shape
-    chunk = next((c for c in ARGMAX_CHUNKS if vocab % c == 0 and vocab >= 8 * c), None)
-    if (
-        chunk is None
-        or bs > CHUNKED_ARGMAX_MAX_ROWS
-        or not (logits.is_cuda and logits.is_contiguous())
-    ):
-        return logits.argmax(dim=-1)
-    return chunked_argmax(logits, chunk)
+    if bs <= CHUNKED_ARGMAX_MAX_ROWS and logits.is_cuda and logits.is_contiguous():
+        for chunk in ARGMAX_CHUNKS:
+            if vocab % chunk == 0 and vocab >= 8 * chunk:
+                return chunked_argmax(logits, chunk)
+    return logits.argmax(dim=-1)
 
 
 def chunked_argmax(logits: torch.Tensor, chunk: int) -> torch.Tensor:
