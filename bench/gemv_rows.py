@@ -35,8 +35,9 @@ SHAPES = [
     ("head", 128256, 4096),
 ]
 ROTATION_BYTES = 400e6
-# The one-token GEMV's prologue for each projection, as the engine runs it.
-ONE_TOKEN_PROLOGUE = {"qkv": "ADD_NORM", "o": "PLAIN", "gate_up": "ADD_NORM", "down": "SILU_MUL"}
+# The one-token GEMV's prologue for each projection, as the engine runs it (gate_up also
+# with its SiLU x mul epilogue).
+ONE_TOKEN_PROLOGUE = {"qkv": "ADD_NORM", "o": "PLAIN", "gate_up": "ADD_NORM", "down": "PLAIN"}
 
 
 def _copies(n: int, k: int) -> list[torch.Tensor]:
@@ -64,15 +65,15 @@ def _per_call_us(fn, weights: list[torch.Tensor], reps: int) -> float:  # type: 
 
 
 def _one_token_call(gemv, name: str, k: int):  # type: ignore[no-untyped-def]
-    """(the reference's input, call(w, config)): the one-token GEMV (module `gemv`) with
-    the engine's prologue for the projection `name`; the input as the torch references
-    of the unfused ops compute it."""
+    """(reference(w), call(w, config)): the one-token GEMV (module `gemv`) with the
+    engine's prologue for the projection `name` (and gate_up's SiLU x mul epilogue), and
+    its float32 result from the torch references of the unfused ops."""
     from radixserve.engine.kernels.activation import silu_and_mul_torch
     from radixserve.engine.kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
 
     prologue = ONE_TOKEN_PROLOGUE.get(name, "NORM")
-    width = 2 * k if prologue == "SILU_MUL" else k
-    x = torch.randn(1, width, device="cuda", dtype=torch.bfloat16)
+    gated = name == "gate_up"
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     residual = torch.randn_like(x)
     summed = torch.empty_like(x)
     norm_w = torch.rand(k, device="cuda", dtype=torch.bfloat16) + 0.5
@@ -81,8 +82,6 @@ def _one_token_call(gemv, name: str, k: int):  # type: ignore[no-untyped-def]
         ref_in = rms_norm_torch(x, norm_w, eps)
     elif prologue == "ADD_NORM":
         ref_in = fused_add_rms_norm_torch(x, residual, norm_w, eps)[0]
-    elif prologue == "SILU_MUL":
-        ref_in = silu_and_mul_torch(x)
     else:
         ref_in = x
     kwargs = {"norm_weight": norm_w, "eps": eps} if prologue in ("NORM", "ADD_NORM") else {}
@@ -90,10 +89,14 @@ def _one_token_call(gemv, name: str, k: int):  # type: ignore[no-untyped-def]
         kwargs.update(residual=residual, residual_out=summed)
     code = getattr(gemv, prologue)
 
-    def call(w: torch.Tensor, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-        return gemv.gemv_triton(x, w, None, code, config=config, **kwargs)
+    def reference(w: torch.Tensor) -> torch.Tensor:
+        y = F.linear(ref_in.float(), w.float())
+        return silu_and_mul_torch(y) if gated else y
 
-    return ref_in.float(), call
+    def call(w: torch.Tensor, config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+        return gemv.gemv_triton(x, w, None, code, gated=gated, config=config, **kwargs)
+
+    return reference, call
 
 
 def main() -> None:
@@ -137,8 +140,8 @@ def main() -> None:
                 return gemv.gemv_rows_triton(x, w, None, config=config)
 
             if args.one_token:
-                ref_in, call = _one_token_call(gemv, name, k)
-                ref = F.linear(ref_in, weights[0].float())
+                reference, call = _one_token_call(gemv, name, k)
+                ref = reference(weights[0])
             torch_us = _per_call_us(lambda w, x=x: F.linear(x, w), weights, args.reps)
             timed = []
             for config in configs:

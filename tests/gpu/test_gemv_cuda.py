@@ -19,7 +19,7 @@ pytest.importorskip("triton", reason="triton is not installed")
 
 from radixserve.engine.attention.triton_ops.common import INTERPRETED
 from radixserve.engine.kernels.activation import silu_and_mul_torch
-from radixserve.engine.kernels.linear import add_norm_linear, linear, silu_mul_linear
+from radixserve.engine.kernels.linear import add_norm_gated_linear, add_norm_linear, linear
 from radixserve.engine.kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
 from tests.helpers import fused_kernel_cases as cases
 
@@ -46,8 +46,8 @@ def _norm_weight(dtype: torch.dtype) -> torch.Tensor:
 @pytest.mark.parametrize("tokens", [1, 2, 16, 32, 48, 64])
 def test_projections_match_the_unfused_path(dtype: torch.dtype, tokens: int) -> None:
     """One token: the fused GEMVs; 2-32 (16-bit): the norm or activation kernel, then
-    the few-token GEMV; 48 and 64: cuBLAS for these (not wide) weights; float32 beyond
-    one token: cuBLAS."""
+    the few-token GEMV; 48 and 64: cuBLAS for these (not wide) weights (the few-token
+    GEMV for gate_up); float32 beyond one token: cuBLAS."""
     x = cases.randn((tokens, HIDDEN), dtype, CUDA, seed=1)
     residual = cases.randn((tokens, HIDDEN), dtype, CUDA, seed=2)
     norm_w = _norm_weight(dtype)
@@ -67,9 +67,13 @@ def test_projections_match_the_unfused_path(dtype: torch.dtype, tokens: int) -> 
 
     cases.assert_close_projection(linear(x, o_w, None), cases.project_f64(x, o_w, None))
 
-    gate_up = 2 * cases.randn((tokens, 2 * INTERMEDIATE), dtype, CUDA, seed=8)
-    ref = cases.project_f64(silu_and_mul_torch(gate_up), down_w, None)
-    cases.assert_close_projection(silu_mul_linear(gate_up, down_w, None), ref)
+    gate_up_w = _weight(2 * INTERMEDIATE, HIDDEN, dtype, 8)
+    act, summed = add_norm_gated_linear(x, residual, norm_w, EPS, gate_up_w, None)
+    assert torch.equal(summed, ref_sum)
+    ref = silu_and_mul_torch(cases.project_f64(normed, gate_up_w, None))
+    cases.assert_close_projection(act, ref)
+    act = 2 * cases.randn((tokens, INTERMEDIATE), dtype, CUDA, seed=9)
+    cases.assert_close_projection(linear(act, down_w, None), cases.project_f64(act, down_w, None))
 
 
 @pytest.mark.parametrize("tokens", [1, 4, 16, 64])
@@ -94,7 +98,7 @@ def test_head_writes_the_logits_buffer(tokens: int) -> None:
 
 @pytest.mark.parametrize("tokens", [1, 8, 16, 32, 64])
 def test_decoder_chain_replays_in_a_cuda_graph(tokens: int) -> None:
-    """Two layers of qkv (add + norm), o, gate_up (add + norm), down (SiLU x mul), each
+    """Two layers of qkv (add + norm), o, gate_up (add + norm, SiLU x mul), down, each
     kernel dependent on the one before (one token: the fused GEMVs; 8 to 32: the norm and
     activation kernels and the few-token GEMV, all launched as programmatic dependents
     on Hopper, the GEMVs releasing the next launch early up to 16): replays on new
@@ -119,8 +123,8 @@ def test_decoder_chain_replays_in_a_cuda_graph(tokens: int) -> None:
         for qkv_w, o_w, gate_up_w, down_w in layers:
             qkv, res = add_norm_linear(hidden, res, norm_w, EPS, qkv_w, None)
             attn_out = linear(qkv[:, :HIDDEN], o_w, None)
-            gate_up, res = add_norm_linear(attn_out, res, norm_w, EPS, gate_up_w, None)
-            hidden = silu_mul_linear(gate_up, down_w, None)
+            act, res = add_norm_gated_linear(attn_out, res, norm_w, EPS, gate_up_w, None)
+            hidden = linear(act, down_w, None)
         return hidden, res
 
     def unfused() -> tuple[torch.Tensor, torch.Tensor]:

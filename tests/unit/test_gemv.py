@@ -1,7 +1,8 @@
 """The one-token GEMV (engine/kernels/triton_ops/gemv.py) under the Triton interpreter on
 the CPU, against the unfused path: the op before the projection (RMSNorm with and
-without the residual add, SiLU x mul) as its torch reference computes it, then the
-projection summed in float64. Odd shapes exercise the row and column masks.
+without the residual add) as its torch reference computes it, then the projection
+summed in float64 (and, gated, SiLU x mul of its gate and up halves as the torch
+reference computes it). Odd shapes exercise the row and column masks.
 
 The GEMV sums in float32 in its own order, so 16-bit outputs may round an ulp apart
 from the float64 sum; a wrong prologue, row or bias is off by far more. The residual
@@ -74,8 +75,12 @@ def test_norm(dtype: torch.dtype, n: int, k: int) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("n", "k"), SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_add_norm_stores_the_sum(dtype: torch.dtype, n: int, k: int, bias: bool) -> None:
-    x, weight, b = _inputs(n, k, dtype, bias)
+@pytest.mark.parametrize("gated", [False, True])
+def test_add_norm_stores_the_sum(
+    dtype: torch.dtype, n: int, k: int, bias: bool, gated: bool
+) -> None:
+    # Gated: weight [2n, k] holds gate rows then up rows; out [1, n] = silu(gate) * up.
+    x, weight, b = _inputs(2 * n if gated else n, k, dtype, bias)
     residual = cases.randn((1, k), dtype, DEVICE, seed=4)
     norm_w = _norm_weight(k, dtype)
     summed = torch.full_like(x, float("nan"))
@@ -89,20 +94,21 @@ def test_add_norm_stores_the_sum(dtype: torch.dtype, n: int, k: int, bias: bool)
         residual_out=summed,
         norm_weight=norm_w,
         eps=EPS,
+        gated=gated,
     )
     normed, ref_sum = fused_add_rms_norm_torch(x, residual, norm_w, EPS)
     assert torch.equal(summed, ref_sum)
-    _assert_close(out, _project(normed, weight, b))
+    ref = _project(normed, weight, b)
+    _assert_close(out, silu_and_mul_torch(ref) if gated else ref)
     assert torch.equal(x, before[0]) and torch.equal(residual, before[1])
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("n", "k"), SHAPES)
-def test_silu_mul(dtype: torch.dtype, n: int, k: int) -> None:
-    _, weight, _ = _inputs(n, k, dtype, bias=False)
-    gate_up = cases.randn((1, 2 * k), dtype, DEVICE, seed=5)
-    out = gemv.gemv_triton(gate_up, weight, None, gemv.SILU_MUL)
-    _assert_close(out, _project(silu_and_mul_torch(gate_up), weight, None))
+def test_gated_plain_and_odd_rows() -> None:
+    x, weight, _ = _inputs(2 * 37, 96, torch.float32, bias=False)
+    out = gemv.gemv_triton(x, weight, None, gated=True)
+    _assert_close(out, silu_and_mul_torch(_project(x, weight, None)))
+    with pytest.raises(ValueError, match="gate and up rows alike"):
+        gemv.gemv_triton(x, weight[:73], None, gated=True)
 
 
 def test_writes_into_out() -> None:
@@ -116,8 +122,8 @@ def test_bad_shapes_are_refused() -> None:
     x, weight, _ = _inputs(37, 96, torch.bfloat16, bias=False)
     with pytest.raises(ValueError, match="one contiguous"):
         gemv.gemv_triton(torch.cat([x, x]), weight, None)
-    with pytest.raises(ValueError, match=r"\[1, 192\]"):
-        gemv.gemv_triton(x, weight, None, gemv.SILU_MUL)
+    with pytest.raises(ValueError, match=r"\[1, 96\]"):
+        gemv.gemv_triton(torch.cat([x, x], dim=1), weight, None)
     with pytest.raises(ValueError, match="norm_weight"):
         gemv.gemv_triton(x, weight, None, gemv.NORM)
     with pytest.raises(ValueError, match="separate residual_out"):
@@ -240,12 +246,9 @@ def test_public_ops_match_the_unfused_path_off_cuda() -> None:
     out, same = linear_ops.add_norm_linear(x, None, norm_w, EPS, weight, None)
     assert same is x
     assert torch.equal(out, torch.nn.functional.linear(rms_norm_torch(x, norm_w, EPS), weight))
-    gate_up = cases.randn((3, 80), torch.float32, torch.device("cpu"), seed=4)
-    down = cases.randn((96, 40), torch.float32, torch.device("cpu"), seed=5)
-    assert torch.equal(
-        linear_ops.silu_mul_linear(gate_up, down, None),
-        torch.nn.functional.linear(silu_and_mul_torch(gate_up), down),
-    )
+    act, summed = linear_ops.add_norm_gated_linear(x, residual, norm_w, EPS, weight, None)
+    assert torch.equal(summed, ref_sum)
+    assert torch.equal(act, silu_and_mul_torch(torch.nn.functional.linear(normed, weight)))
 
 
 def test_no_dependent_launch_off_hopper_or_interpreted() -> None:

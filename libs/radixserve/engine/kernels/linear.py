@@ -1,10 +1,11 @@
 """The decoder's projections with the elementwise op before them.
 
-`add_norm_linear` (RMSNorm with the residual add, then a projection: qkv, gate_up, the
-head), `silu_mul_linear` (SiLU x mul, then down) and `linear` (o). For one token on CUDA
-each is a single Triton GEMV with the op folded into its read of the input
-(triton_ops/gemv.py): at batch 1 a projection streams its weight, and the norm and
-activation kernels between them, with their launch gaps, were ~8% of a decode step.
+`add_norm_linear` (RMSNorm with the residual add, then a projection: qkv, the head),
+`add_norm_gated_linear` (the same over gate_up, then SiLU x mul) and `linear` (o, down).
+For one token on CUDA each is a single Triton GEMV with the norm folded into its read
+of the input and SiLU x mul into its output (triton_ops/gemv.py): at batch 1 a
+projection streams its weight, and the norm and activation kernels between them, with
+their launch gaps, were ~8% of a decode step.
 From 2 to GEMV_MAX_ROWS tokens (GEMV_WIDE_MAX_ROWS over the wide weights: gate_up, the
 head; 16-bit dtypes, weights of GEMV_ROWS_MIN_N rows or more) the op's kernel
 (kernels/norm.py, activation.py) then the few-token Triton GEMV, which streams each
@@ -86,41 +87,61 @@ def add_norm_linear(
     """(linear(rms_norm(x + residual)), x + residual) for [tokens, k] rows; with residual
     None, (linear(rms_norm(x)), x). The projection is written into `out` when given."""
     if _use_gemv(x, weight):
-        from radixserve.engine.kernels.triton_ops import gemv
-
-        if residual is None:
-            y = gemv.gemv_triton(
-                x, weight, bias, gemv.NORM, norm_weight=norm_weight, eps=eps, out=out
-            )
-            return y, x
-        summed = torch.empty_like(x)
-        y = gemv.gemv_triton(
-            x,
-            weight,
-            bias,
-            gemv.ADD_NORM,
-            residual=residual,
-            residual_out=summed,
-            norm_weight=norm_weight,
-            eps=eps,
-            out=out,
-        )
-        return y, summed
+        return _norm_gemv(x, residual, norm_weight, eps, weight, bias, out)
     if residual is None:
         return _project(rms_norm(x, norm_weight, eps), weight, bias, out), x
     normed, summed = fused_add_rms_norm(x, residual, norm_weight, eps)
     return _project(normed, weight, bias, out), summed
 
 
-def silu_mul_linear(
-    gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """linear(silu(gate) * up) for gate_up [tokens, 2 * k] holding gate then up."""
-    if _use_gemv(gate_up, weight):
-        from radixserve.engine.kernels.triton_ops import gemv
+def add_norm_gated_linear(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(silu(gate) * up, x + residual) for [tokens, k] rows, where [gate | up] =
+    linear(rms_norm(x + residual)) and `weight` holds the gate rows, then the up rows."""
+    if _use_gemv(x, weight) and weight.shape[0] % 2 == 0:
+        return _norm_gemv(x, residual, norm_weight, eps, weight, bias, None, gated=True)
+    gate_up, summed = add_norm_linear(x, residual, norm_weight, eps, weight, bias)
+    return silu_and_mul(gate_up), summed
 
-        return gemv.gemv_triton(gate_up, weight, bias, gemv.SILU_MUL)
-    return _project(silu_and_mul(gate_up), weight, bias, None)
+
+def _norm_gemv(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor | None,
+    gated: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one-token GEMV with the norm (and the residual add) folded into its read."""
+    from radixserve.engine.kernels.triton_ops import gemv
+
+    if residual is None:
+        y = gemv.gemv_triton(
+            x, weight, bias, gemv.NORM, norm_weight=norm_weight, eps=eps, out=out, gated=gated
+        )
+        return y, x
+    summed = torch.empty_like(x)
+    y = gemv.gemv_triton(
+        x,
+        weight,
+        bias,
+        gemv.ADD_NORM,
+        residual=residual,
+        residual_out=summed,
+        norm_weight=norm_weight,
+        eps=eps,
+        out=out,
+        gated=gated,
+    )
+    return y, summed
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -31,7 +31,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from radixserve.engine.distributed import SINGLE, TPGroup
-from radixserve.engine.kernels.linear import add_norm_linear, linear, silu_mul_linear
+from radixserve.engine.kernels.linear import add_norm_gated_linear, add_norm_linear, linear
 from radixserve.engine.kernels.norm import rms_norm
 from radixserve.engine.kernels.rotary import Rotation, apply_rotary_and_store
 from radixserve.engine.model.config import ModelConfig
@@ -169,11 +169,10 @@ class LlamaMLP(nn.Module):
     def shard_sizes(self) -> list[int]:
         return [self.intermediate_size, self.intermediate_size]
 
-    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """down_proj(silu(gate) * up) over the gate_up projection's output."""
-        return self.tp.all_reduce(
-            silu_mul_linear(gate_up, self.down_proj.weight, self.down_proj.bias)
-        )
+    def forward(self, act: torch.Tensor) -> torch.Tensor:
+        """down_proj over silu(gate) * up (the gate_up projection's, with the norm before
+        it: LlamaDecoderLayer.post_attention), summed over the ranks."""
+        return self.tp.all_reduce(linear(act, self.down_proj.weight, self.down_proj.bias))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -225,10 +224,10 @@ class LlamaDecoderLayer(nn.Module):
         """(MLP output, residual stream) from the attention's output [tokens, q_size]."""
         hidden = self.self_attn.project_out(out)
         norm, proj = self.post_attention_layernorm, self.mlp.gate_up_proj
-        gate_up, residual = add_norm_linear(
+        act, residual = add_norm_gated_linear(
             hidden, residual, norm.weight, norm.eps, proj.weight, proj.bias
         )
-        return self.mlp(gate_up), residual
+        return self.mlp(act), residual
 
 
 class LlamaModel(nn.Module):

@@ -3,11 +3,13 @@
 single pass over each weight serves every token, with no split-K reduce kernel).
 
 At one token a projection is a stream over its weight, so the RMSNorm (with the residual
-add) before qkv and gate_up, and SiLU x mul before down, are folded into the GEMV's
-read of its input instead of running as kernels of their own: each program recomputes
-the normalised (or activated) input slice by slice from L2, which costs nothing next to
-its slice of the weight. One program per BLOCK_N output rows, no split over K (no
-reduce kernel); the products accumulate in float32 per lane and are summed once. On
+add) before qkv and gate_up is folded into the GEMV's read of its input instead of
+running as a kernel of its own: each program recomputes the normalised input slice by
+slice from L2, which costs little next to its slice of the weight. SiLU x mul, after
+gate_up, is gate_up's epilogue (`gated`): each program streams a block of gate rows
+and the matching up rows, so down reads its input as it is. One program per BLOCK_N
+output rows, no split over K (no reduce kernel); the products accumulate in float32 per
+lane and are summed once. On
 Hopper each GEMV is launched as a programmatic dependent: it waits for the kernel
 before it, and releases the next one as soon as its own loop is done (the few-token
 GEMV of up to EARLY_TRIGGER_MAX_ROWS tokens as soon as its programs have waited).
@@ -36,7 +38,6 @@ EARLY_TRIGGER_MAX_ROWS = 16
 PLAIN = 0  # x as it is
 NORM = 1  # rms_norm(x) * norm_weight
 ADD_NORM = 2  # rms_norm(x + residual) * norm_weight; x + residual also stored
-SILU_MUL = 3  # silu(gate) * up of x = [gate | up]
 
 
 @triton.jit
@@ -47,9 +48,7 @@ def _input_slice(
     ks,
     kmask,
     rstd,
-    K: tl.constexpr,
     PROLOGUE: tl.constexpr,
-    LIBDEVICE_EXP: tl.constexpr,
 ):
     """The input's elements `ks` in float32, rounded where the unfused ops round."""
     dtype = X.dtype.element_ty
@@ -60,9 +59,6 @@ def _input_slice(
             x = x.to(tl.float32)
         w = tl.load(NormW + ks, mask=kmask, other=0.0).to(tl.float32)
         x = weighted_norm(x, rstd, w, dtype).to(tl.float32)
-    elif PROLOGUE == 3:
-        up = tl.load(X + K + ks, mask=kmask, other=0.0).to(tl.float32)
-        x = silu_mul(x, up, dtype, LIBDEVICE_EXP).to(tl.float32)
     return x
 
 
@@ -75,10 +71,11 @@ def _gemv_kernel(
     W,
     Bias,
     Out,
-    N,
+    N,  # output rows (with GATED, W holds 2N: N gate rows, then N up rows)
     eps,
     K: tl.constexpr,
     PROLOGUE: tl.constexpr,
+    GATED: tl.constexpr,  # out = silu(gate) * up, rounded as the unfused ops round
     HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -109,34 +106,52 @@ def _gemv_kernel(
             row = summed.to(tl.float32)
         rstd = tl.math.rsqrt(tl.sum(row * row, axis=0) / K + eps)
     w_rows = W + rows[:, None].to(tl.int64) * K
+    up_rows = W + (rows[:, None] + N).to(tl.int64) * K  # read with GATED only
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         kmask = ks < K
-        x = _input_slice(X, Residual, NormW, ks, kmask, rstd, K, PROLOGUE, LIBDEVICE_EXP)
-        w = tl.load(w_rows + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        x = _input_slice(X, Residual, NormW, ks, kmask, rstd, PROLOGUE)
+        wmask = rmask[:, None] & kmask[None, :]
+        w = tl.load(w_rows + ks[None, :], mask=wmask, other=0.0)
         acc += w.to(tl.float32) * x[None, :]
+        if GATED:
+            w_up = tl.load(up_rows + ks[None, :], mask=wmask, other=0.0)
+            acc_up += w_up.to(tl.float32) * x[None, :]
     if PDL:
         # Let the next kernel's programs launch while this one's last ones finish.
         tl.extra.cuda.gdc_launch_dependents()
     y = tl.sum(acc, axis=1)
     if HAS_BIAS:
         y += tl.load(Bias + rows, mask=rmask, other=0.0).to(tl.float32)
+    if GATED:
+        # gate and up rounded to the dtype as the projection's output would be, then
+        # SiLU x mul as its kernel computes it (triton_ops/activation.py).
+        up = tl.sum(acc_up, axis=1)
+        if HAS_BIAS:
+            up += tl.load(Bias + N + rows, mask=rmask, other=0.0).to(tl.float32)
+        gate = y.to(dtype).to(tl.float32)
+        y = silu_mul(gate, up.to(dtype).to(tl.float32), dtype, LIBDEVICE_EXP).to(tl.float32)
     tl.store(Out + rows, y.to(dtype), mask=rmask)
 
 
-def _config(k: int) -> tuple[int, int, int, int]:
+def _config(k: int, prologue: int, gated: bool) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, warps, stages) for a weight of rows of k.
 
     From sweeps over the Llama-3.1-8B shapes with the engine's prologues (H100, then
-    H200; docs/performance.md): long rows (down, k = 14336) stream best as 8 rows x 1024,
-    rows of 4096 as 4 rows x 2048 with 8 warps. Each program of a norm prologue first
-    reads the whole input row for its norm, so fewer rows a program cost more: 2 rows
-    took gate_up 65 us on the H200 against 58 with 4.
+    H200; docs/performance.md): rows of 4096 after a norm stream best as 4 rows x 2048
+    with 8 warps (gated: 2 gate rows and their 2 up rows). Each program of a norm
+    prologue first reads the whole input row for its norm, so fewer rows a program cost
+    more: 2 rows took gate_up 65 us on the H200 against 58 with 4. Plain rows need no
+    such read: o (k = 4096) as 1 row x 1024, 9.2 us against 9.8 with 4 x 2048; down
+    (k = 14336) as 2 rows x 1024, 30.2 us against 39.4 with 8 rows x 1024 and 4 warps.
     """
     if k > 8192:
-        return 8, 1024, 4, 4
-    return 4, min(2048, triton.next_power_of_2(k)), 8, 3
+        return 2, 1024, 8, 4
+    if prologue == PLAIN and not gated:
+        return 1, min(1024, triton.next_power_of_2(k)), 8, 4
+    return (2 if gated else 4), min(2048, triton.next_power_of_2(k)), 8, 3
 
 
 def gemv_triton(
@@ -150,18 +165,23 @@ def gemv_triton(
     norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
     out: torch.Tensor | None = None,
+    gated: bool = False,
     config: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
-    """weight @ f(x) (+ bias) for one token x ([1, k], or [1, 2k] for SILU_MUL) -> [1, n],
-    written into `out` when given. `config` (BLOCK_N, BLOCK_K, warps, stages) overrides
-    the launch options (benchmarks)."""
+    """weight @ f(x) (+ bias) for one token x ([1, k]) -> [1, n], written into `out` when
+    given. `gated`: weight (and bias) hold 2n rows, gate then up, and the output is
+    silu(gate) * up. `config` (BLOCK_N, BLOCK_K, warps, stages) overrides the launch
+    options (benchmarks)."""
     n, k = weight.shape
-    width = 2 * k if prologue == SILU_MUL else k
-    if x.shape != (1, width) or x.stride(-1) != 1 or not weight.is_contiguous():
+    if x.shape != (1, k) or x.stride(-1) != 1 or not weight.is_contiguous():
         raise ValueError(
-            f"gemv takes one contiguous [1, {width}] row and a contiguous weight, "
+            f"gemv takes one contiguous [1, {k}] row and a contiguous weight, "
             f"got {tuple(x.shape)} and {tuple(weight.shape)}"
         )
+    if gated:
+        if n % 2:
+            raise ValueError(f"a gated gemv takes gate and up rows alike, got {n} rows")
+        n //= 2
     if prologue in (NORM, ADD_NORM) and norm_weight is None:
         raise ValueError("a norm prologue needs norm_weight")
     if prologue == ADD_NORM and not all(
@@ -174,7 +194,7 @@ def gemv_triton(
     elif out.shape != (1, n) or out.stride(-1) != 1 or out.dtype != x.dtype:
         raise ValueError(f"gemv writes a contiguous [1, {n}] {x.dtype} row")
     pdl = programmatic_launch(x.device)
-    block_n, block_k, warps, stages = config or _config(k)
+    block_n, block_k, warps, stages = config or _config(k, prologue, gated)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x,
         x if residual is None else residual,
@@ -187,6 +207,7 @@ def gemv_triton(
         eps,
         K=k,
         PROLOGUE=prologue,
+        GATED=gated,
         HAS_BIAS=bias is not None,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
