@@ -19,7 +19,9 @@ forward and sampling calls until they return; read: reading the sampled ids, whi
 waits for them, and bookkeeping) and the device time of the forward (CUDA events
 around it). `--profile-bs N`
 writes the device kernels of a few decode steps at batch size N (torch.profiler) to
-`--profile-dir`. Against a tree without CUDA graphs (an older commit on PYTHONPATH)
+`--profile-dir`, with the device's idle time between kernels and the largest gaps by
+the kernels around them (from the trace: under the profiler the host launches the
+eager kernels between graph replays later than it would without). Against a tree without CUDA graphs (an older commit on PYTHONPATH)
 the decode rows say graphs "n/a".
 
 Under tensor parallelism (`--engine-args '{"tp_size": 2}'`) the figures are rank 0's:
@@ -247,9 +249,49 @@ def profile_decode(engine: Any, bs: int, input_len: int, label: str, out_dir: Pa
         sort_by="cuda_time_total", row_limit=40, max_name_column_width=60
     )
     out_dir.mkdir(parents=True, exist_ok=True)
+    trace = out_dir / f"trace_{label}_bs{bs}.json"
+    prof.export_chrome_trace(str(trace))
+    table += "\n" + device_idle(trace, steps=3)
     path = out_dir / f"profile_{label}_bs{bs}.txt"
     path.write_text(table)
     print(f"profile written to {path}\n{table[:3000]}", flush=True)
+
+
+def device_idle(trace: Path, steps: int, top: int = 12) -> str:
+    """From a chrome trace: the device's kernel time and its idle time between the
+    first and the last kernel (a step's share of each), and the idle gaps summed by the
+    pair of kernels around them, largest first."""
+    events = json.loads(trace.read_text())["traceEvents"]
+    kernels = sorted(
+        (e["ts"], e["ts"] + e["dur"], e["name"][:48])
+        for e in events
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e
+    )
+    if not kernels:
+        return "no device kernels in the trace\n"
+    busy = idle = 0.0
+    end = kernels[0][0]
+    by_pair: dict[tuple[str, str], list[float]] = {}
+    previous = ""
+    for start, stop, name in kernels:
+        if start > end:
+            gap = start - end
+            idle += gap
+            by_pair.setdefault((previous, name), []).append(gap)
+        busy += max(0.0, stop - max(start, end))
+        if stop >= end:
+            end, previous = stop, name
+    lines = [
+        f"device over {steps} steps: kernels {busy / steps / 1e3:.3f} ms a step, "
+        f"idle between them {idle / steps / 1e3:.3f} ms a step",
+        "idle gaps by the kernels around them (us a step, count a step, after -> before):",
+    ]
+    ranked = sorted(by_pair.items(), key=lambda kv: -sum(kv[1]))[:top]
+    for (after, before), gaps in ranked:
+        lines.append(
+            f"  {sum(gaps) / steps:8.1f} us  {len(gaps) / steps:6.1f}  {after} -> {before}"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def run_backend(
