@@ -19,7 +19,7 @@ pytest.importorskip("triton", reason="triton is not installed")
 
 from radixserve.engine.attention.triton_ops.common import INTERPRETED
 from radixserve.engine.kernels.activation import silu_and_mul_torch
-from radixserve.engine.kernels.linear import add_norm_gated_linear, add_norm_linear, linear
+from radixserve.engine.kernels.linear import add_norm_linear, linear
 from radixserve.engine.kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
 from tests.helpers import fused_kernel_cases as cases
 
@@ -68,7 +68,7 @@ def test_projections_match_the_unfused_path(dtype: torch.dtype, tokens: int) -> 
     cases.assert_close_projection(linear(x, o_w, None), cases.project_f64(x, o_w, None))
 
     gate_up_w = _weight(2 * INTERMEDIATE, HIDDEN, dtype, 8)
-    act, summed = add_norm_gated_linear(x, residual, norm_w, EPS, gate_up_w, None)
+    act, summed = add_norm_linear(x, residual, norm_w, EPS, gate_up_w, None, gated=True)
     assert torch.equal(summed, ref_sum)
     ref = silu_and_mul_torch(cases.project_f64(normed, gate_up_w, None))
     cases.assert_close_projection(act, ref)
@@ -123,7 +123,7 @@ def test_decoder_chain_replays_in_a_cuda_graph(tokens: int) -> None:
         for qkv_w, o_w, gate_up_w, down_w in layers:
             qkv, res = add_norm_linear(hidden, res, norm_w, EPS, qkv_w, None)
             attn_out = linear(qkv[:, :HIDDEN], o_w, None)
-            act, res = add_norm_gated_linear(attn_out, res, norm_w, EPS, gate_up_w, None)
+            act, res = add_norm_linear(attn_out, res, norm_w, EPS, gate_up_w, None, gated=True)
             hidden = linear(act, down_w, None)
         return hidden, res
 

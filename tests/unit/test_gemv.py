@@ -246,9 +246,31 @@ def test_public_ops_match_the_unfused_path_off_cuda() -> None:
     out, same = linear_ops.add_norm_linear(x, None, norm_w, EPS, weight, None)
     assert same is x
     assert torch.equal(out, torch.nn.functional.linear(rms_norm_torch(x, norm_w, EPS), weight))
-    act, summed = linear_ops.add_norm_gated_linear(x, residual, norm_w, EPS, weight, None)
+    act, summed = linear_ops.add_norm_linear(x, residual, norm_w, EPS, weight, None, gated=True)
     assert torch.equal(summed, ref_sum)
     assert torch.equal(act, silu_and_mul_torch(torch.nn.functional.linear(normed, weight)))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_public_ops_one_token_path(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The public ops' one-token branch (taken on CUDA; here forced, the kernels under the
+    interpreter): the norm, the residual add and the gate's SiLU x mul folded into the
+    GEMV, against the unfused path; the residual sum bit for bit."""
+    monkeypatch.setattr(linear_ops, "_use_gemv", lambda x, weight: x.shape[0] == 1)
+    x, weight, b = _inputs(130, 300, dtype, bias=True)
+    residual = cases.randn((1, 300), dtype, DEVICE, seed=4)
+    norm_w = _norm_weight(300, dtype)
+    normed, ref_sum = fused_add_rms_norm_torch(x, residual, norm_w, EPS)
+    for gated in (False, True):
+        ref = _project(normed, weight, b)
+        out, summed = linear_ops.add_norm_linear(x, residual, norm_w, EPS, weight, b, gated=gated)
+        assert torch.equal(summed, ref_sum)
+        _assert_close(out, silu_and_mul_torch(ref) if gated else ref)
+        out, same = linear_ops.add_norm_linear(x, None, norm_w, EPS, weight, b, gated=gated)
+        assert same is x
+        ref = _project(rms_norm_torch(x, norm_w, EPS), weight, b)
+        _assert_close(out, silu_and_mul_torch(ref) if gated else ref)
+    _assert_close(linear_ops.linear(x, weight, b), _project(x, weight, b))
 
 
 def test_no_dependent_launch_off_hopper_or_interpreted() -> None:

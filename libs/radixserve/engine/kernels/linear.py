@@ -1,7 +1,7 @@
 """The decoder's projections with the elementwise op before them.
 
-`add_norm_linear` (RMSNorm with the residual add, then a projection: qkv, the head),
-`add_norm_gated_linear` (the same over gate_up, then SiLU x mul) and `linear` (o, down).
+`add_norm_linear` (RMSNorm with the residual add, then a projection: qkv, the head; and
+`gated`, gate_up then SiLU x mul) and `linear` (o, down).
 For one token on CUDA each is a single Triton GEMV with the norm folded into its read
 of the input and SiLU x mul into its output (triton_ops/gemv.py): at batch 1 a
 projection streams its weight, and the norm and activation kernels between them, with
@@ -83,65 +83,37 @@ def add_norm_linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(linear(rms_norm(x + residual)), x + residual) for [tokens, k] rows; with residual
-    None, (linear(rms_norm(x)), x). The projection is written into `out` when given."""
-    if _use_gemv(x, weight):
-        return _norm_gemv(x, residual, norm_weight, eps, weight, bias, out)
-    if residual is None:
-        return _project(rms_norm(x, norm_weight, eps), weight, bias, out), x
-    normed, summed = fused_add_rms_norm(x, residual, norm_weight, eps)
-    return _project(normed, weight, bias, out), summed
-
-
-def add_norm_gated_linear(
-    x: torch.Tensor,
-    residual: torch.Tensor,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(silu(gate) * up, x + residual) for [tokens, k] rows, where [gate | up] =
-    linear(rms_norm(x + residual)) and `weight` holds the gate rows, then the up rows."""
-    if _use_gemv(x, weight) and weight.shape[0] % 2 == 0:
-        return _norm_gemv(x, residual, norm_weight, eps, weight, bias, None, gated=True)
-    gate_up, summed = add_norm_linear(x, residual, norm_weight, eps, weight, bias)
-    return silu_and_mul(gate_up), summed
-
-
-def _norm_gemv(
-    x: torch.Tensor,
-    residual: torch.Tensor | None,
-    norm_weight: torch.Tensor,
-    eps: float,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    out: torch.Tensor | None,
+    *,
     gated: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The one-token GEMV with the norm (and the residual add) folded into its read."""
-    from radixserve.engine.kernels.triton_ops import gemv
+    """(linear(rms_norm(x + residual)), x + residual) for [tokens, k] rows; with residual
+    None, (linear(rms_norm(x)), x). The projection is written into `out` when given.
+    `gated` (gate_up): `weight` holds the gate rows, then the up rows, and the first
+    result is silu(gate) * up of the projection [gate | up]."""
+    if _use_gemv(x, weight) and not (gated and weight.shape[0] % 2):
+        # The one-token GEMV with the norm (and the residual add) folded into its read.
+        from radixserve.engine.kernels.triton_ops import gemv
 
-    if residual is None:
+        summed = x if residual is None else torch.empty_like(x)
         y = gemv.gemv_triton(
-            x, weight, bias, gemv.NORM, norm_weight=norm_weight, eps=eps, out=out, gated=gated
+            x,
+            weight,
+            bias,
+            gemv.NORM if residual is None else gemv.ADD_NORM,
+            residual=residual,
+            residual_out=None if residual is None else summed,
+            norm_weight=norm_weight,
+            eps=eps,
+            out=out,
+            gated=gated,
         )
-        return y, x
-    summed = torch.empty_like(x)
-    y = gemv.gemv_triton(
-        x,
-        weight,
-        bias,
-        gemv.ADD_NORM,
-        residual=residual,
-        residual_out=summed,
-        norm_weight=norm_weight,
-        eps=eps,
-        out=out,
-        gated=gated,
-    )
-    return y, summed
+        return y, summed
+    if residual is None:
+        y, summed = _project(rms_norm(x, norm_weight, eps), weight, bias, out), x
+    else:
+        normed, summed = fused_add_rms_norm(x, residual, norm_weight, eps)
+        y = _project(normed, weight, bias, out)
+    return (silu_and_mul(y) if gated else y), summed
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -31,7 +31,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from radixserve.engine.distributed import SINGLE, TPGroup
-from radixserve.engine.kernels.linear import add_norm_gated_linear, add_norm_linear, linear
+from radixserve.engine.kernels.linear import add_norm_linear, linear
 from radixserve.engine.kernels.norm import rms_norm
 from radixserve.engine.kernels.rotary import Rotation, apply_rotary_and_store
 from radixserve.engine.model.config import ModelConfig
@@ -224,8 +224,8 @@ class LlamaDecoderLayer(nn.Module):
         """(MLP output, residual stream) from the attention's output [tokens, q_size]."""
         hidden = self.self_attn.project_out(out)
         norm, proj = self.post_attention_layernorm, self.mlp.gate_up_proj
-        act, residual = add_norm_gated_linear(
-            hidden, residual, norm.weight, norm.eps, proj.weight, proj.bias
+        act, residual = add_norm_linear(
+            hidden, residual, norm.weight, norm.eps, proj.weight, proj.bias, gated=True
         )
         return self.mlp(act), residual
 
