@@ -17,12 +17,12 @@ Decode runs with and without CUDA graphs (`--cuda-graph both`, the default; `on`
 scheduler phase (plan: slots and retraction; build: the ForwardBatch; launch: the
 forward and sampling calls until they return; read: reading the sampled ids, which
 waits for them, and bookkeeping) and the device time of the forward (CUDA events
-around it). `--profile-bs N`
-writes the device kernels of a few decode steps at batch size N (torch.profiler) to
-`--profile-dir`, with the device's idle time between kernels and the largest gaps by
-the kernels around them (from the trace: under the profiler the host launches the
-eager kernels between graph replays later than it would without). Against a tree without CUDA graphs (an older commit on PYTHONPATH)
-the decode rows say graphs "n/a".
+around it). `--profile-bs N` writes the device kernels of a few decode steps at batch
+size N (torch.profiler) to `--profile-dir`, with the device's idle time between kernels
+and the largest gaps by the kernels around them (from the trace: under the profiler
+the host launches the eager kernels between graph replays later than it would
+without). Against a tree without CUDA graphs (an older commit on PYTHONPATH) the
+decode rows say graphs "n/a".
 
 Under tensor parallelism (`--engine-args '{"tp_size": 2}'`) the figures are rank 0's:
 its shard of the weights, KV and heads against one device's roofline.
