@@ -134,17 +134,26 @@ def _assert_border_within_rounding(
 
 def argmax_cases(vocab: int, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Logits where the first index decides an argmax: random rows, ties (three distinct
-    values), one finite value among -inf (at either end), NaNs scattered."""
+    values), one finite value among -inf (at either end), NaNs scattered, signed zeros,
+    a row of -inf, +inf before a NaN."""
     g = torch.Generator().manual_seed(0)
     lone = torch.full((2, vocab), float("-inf"))
     lone[0, vocab - 1] = 1.0
     lone[1, 0] = -1.0
     nans = torch.randn(3, vocab, generator=g)
     nans[:, torch.randint(0, vocab, (4,), generator=g)] = float("nan")
+    # Signed zeros compare equal (the first wins), and the largest values are -inf in
+    # one row, +inf ahead of a later NaN in another.
+    edges = torch.full((3, vocab), float("-inf"))
+    edges[0, vocab // 3] = -0.0
+    edges[0, vocab // 2] = 0.0
+    edges[2, 1] = float("inf")
+    edges[2, vocab - 1] = float("nan")
     cases = {
         "random": torch.randn(5, vocab, generator=g),
         "ties": torch.randint(0, 3, (5, vocab), generator=g).float(),
         "lone": lone,
         "nans": nans,
+        "edges": edges,
     }
     return {name: t.to(device=device, dtype=dtype) for name, t in cases.items()}

@@ -22,8 +22,6 @@ from radixserve.engine.sampling import (
 )
 from radixserve.engine.sampling.noise import MASK32, fmix32, row_uniforms, uniform_from_hash
 from radixserve.engine.sampling.penalties import Penalties
-from radixserve.engine.sampling.sampler import chunked_argmax
-from tests.helpers.sampling_cases import argmax_cases
 
 # ---------------------------------------------------------------- helpers and references
 
@@ -540,10 +538,3 @@ def test_bad_inputs_raise() -> None:
         SamplingBatch.build([make_req(repetition_penalty=1.2, prompt=[10])], 10, "cpu")
     with pytest.raises(ValueError, match="token id -1"):
         SamplingBatch.build([make_req(stop=frozenset({-1}), min_new_tokens=1)], 10, "cpu")
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("chunk", [128, 1024])
-def test_chunked_argmax_is_the_argmax_first_index_on_ties(dtype: torch.dtype, chunk: int) -> None:
-    for name, logits in argmax_cases(chunk * 13, torch.device("cpu"), dtype).items():
-        assert torch.equal(chunked_argmax(logits, chunk), logits.argmax(dim=-1)), name

@@ -100,32 +100,16 @@ def _choose(logits: torch.Tensor, sampled: SampledRows | None) -> torch.Tensor:
     return argmax_rows(logits).index_copy(0, sampled.rows, drawn)
 
 
-# On CUDA a few rows' argmax is taken in two passes: the maximum of each chunk of the
-# vocabulary, then the first chunk holding the largest. torch's one-pass argmax gives a
-# row to one block: 26.8 us for one row of 128256 bf16 logits on an H200 against 11.1 in
-# two passes (12.5 against 27.0 at 8 rows); at 64 rows torch's is as fast (27.3 against
-# 29.1), at 512 twice as fast (docs/performance.md).
-ARGMAX_CHUNKS = (1024, 512, 256, 128)
-CHUNKED_ARGMAX_MAX_ROWS = 16
-
-
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """[bs] int64: each row's argmax, the first index on ties (and the first NaN), as
-    `logits.argmax(dim=-1)`."""
-    bs, vocab = logits.shape
-    if bs <= CHUNKED_ARGMAX_MAX_ROWS and logits.is_cuda and logits.is_contiguous():
-        for chunk in ARGMAX_CHUNKS:
-            if vocab % chunk == 0 and vocab >= 8 * chunk:
-                return chunked_argmax(logits, chunk)
+    `logits.argmax(dim=-1)`: on CUDA in two Triton kernels (kernels/triton_ops/argmax.py:
+    the vocabulary spread over rows x blocks programs, where torch's reduce gives a row
+    to one block of threads)."""
+    if dispatch.use_triton(logits) and logits.stride(-1) == 1:
+        from radixserve.engine.kernels.triton_ops.argmax import argmax_triton
+
+        return argmax_triton(logits)
     return logits.argmax(dim=-1)
-
-
-def chunked_argmax(logits: torch.Tensor, chunk: int) -> torch.Tensor:
-    """argmax_rows over chunks of `chunk` logits (`chunk` divides the vocabulary)."""
-    bs, vocab = logits.shape
-    values, within = logits.view(bs, vocab // chunk, chunk).max(dim=-1)  # first on ties
-    first = values.argmax(dim=-1, keepdim=True)  # the first chunk holding the maximum
-    return (first * chunk + within.gather(1, first)).squeeze(1)
 
 
 def _draw_triton(logits: torch.Tensor, rows: SampledRows) -> torch.Tensor:
