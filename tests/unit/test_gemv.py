@@ -21,6 +21,7 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed (the dev extra brings it on Linux)")
 
 from radixserve.engine.attention.triton_ops.common import INTERPRETED
+from radixserve.engine.kernels import dispatch
 from radixserve.engine.kernels import linear as linear_ops
 from radixserve.engine.kernels.activation import silu_and_mul_torch
 from radixserve.engine.kernels.dispatch import TENSOR_CORE_DTYPES
@@ -181,7 +182,7 @@ def test_rows_refuse_what_they_cannot_run() -> None:
 
 def test_projections_take_the_rows_gemv_for_a_few_cuda_tokens_only() -> None:
     """Which path a projection takes: the few-token GEMV from 2 to GEMV_MAX_ROWS tokens
-    of a 16-bit dtype on CUDA (to GEMV_WIDE_MAX_ROWS over a weight GEMV_WIDE_RATIO times
+    of a 16-bit dtype on CUDA (to the device's gemv_wide_max_rows over a weight GEMV_WIDE_RATIO times
     wider than deep); never on the CPU."""
     n = linear_ops.GEMV_ROWS_MIN_N
     weight = torch.empty((n, n), dtype=torch.bfloat16)
@@ -190,6 +191,7 @@ def test_projections_take_the_rows_gemv_for_a_few_cuda_tokens_only() -> None:
         square = weight.cuda()
         wide = torch.empty((linear_ops.GEMV_WIDE_RATIO * n, n), dtype=torch.bfloat16).cuda()
         narrow = square[: n - 1]
+        wide_rows = dispatch.gemv_wide_max_rows(square.device)
         rows = [
             linear_ops._use_gemv_rows(torch.empty((m, n), dtype=dt, device="cuda"), w)
             for m, dt, w in [
@@ -200,11 +202,27 @@ def test_projections_take_the_rows_gemv_for_a_few_cuda_tokens_only() -> None:
                 (4, torch.float32, square.float()),
                 (4, torch.bfloat16, narrow),
                 (linear_ops.GEMV_MAX_ROWS + 1, torch.bfloat16, wide),
-                (linear_ops.GEMV_WIDE_MAX_ROWS, torch.bfloat16, wide),
-                (linear_ops.GEMV_WIDE_MAX_ROWS + 1, torch.bfloat16, wide),
+                (wide_rows, torch.bfloat16, wide),
+                (wide_rows + 1, torch.bfloat16, wide),
             ]
         ]
         assert rows == [False, True, True, False, False, False, True, True, False]
+
+
+@pytest.mark.parametrize(
+    ("device_name", "rows"),
+    [
+        ("NVIDIA H100 80GB HBM3", dispatch.GEMV_WIDE_MAX_ROWS),
+        ("NVIDIA H200", 48),
+        ("NVIDIA H200 NVL", 48),
+        ("NVIDIA A100-SXM4-80GB", dispatch.GEMV_WIDE_MAX_ROWS),
+    ],
+)
+def test_wide_weights_keep_the_gemv_to_the_devices_row_count(device_name: str, rows: int) -> None:
+    """gate_up and the head take the few-token GEMV to 64 tokens, but to 48 on an H200,
+    whose bandwidth lets cuBLASLt stream them faster at 64 (docs/performance.md)."""
+    assert dispatch.wide_max_rows_for(device_name) == rows
+    assert dispatch.GEMV_MAX_ROWS < rows
 
 
 @pytest.mark.parametrize(

@@ -6,8 +6,8 @@ For one token on CUDA each is a single Triton GEMV with the norm folded into its
 of the input and SiLU x mul into its output (triton_ops/gemv.py): at batch 1 a
 projection streams its weight, and the norm and activation kernels between them, with
 their launch gaps, were ~8% of a decode step.
-From 2 to GEMV_MAX_ROWS tokens (GEMV_WIDE_MAX_ROWS over the wide weights: gate_up, the
-head; 16-bit dtypes, weights of GEMV_ROWS_MIN_N rows or more) the op's kernel
+From 2 to GEMV_MAX_ROWS tokens (`dispatch.gemv_wide_max_rows` over the wide weights:
+gate_up, the head, 64 tokens on the H100, 48 on the H200; 16-bit dtypes, weights of GEMV_ROWS_MIN_N rows or more) the op's kernel
 (kernels/norm.py, activation.py) then the few-token Triton GEMV, which streams each
 weight once for all the tokens on the tensor cores: cuBLAS's kernels for so few rows
 (split over K, with a reduce kernel) read the weights ~8% slower. Otherwise the op's
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from radixserve.engine.kernels import dispatch
 from radixserve.engine.kernels.activation import silu_and_mul
-from radixserve.engine.kernels.dispatch import GEMV_MAX_ROWS, GEMV_WIDE_MAX_ROWS, GEMV_WIDE_RATIO
+from radixserve.engine.kernels.dispatch import GEMV_MAX_ROWS, GEMV_WIDE_RATIO
 from radixserve.engine.kernels.norm import fused_add_rms_norm, rms_norm
 
 # Weights of fewer rows leave most SMs idle in the few-token GEMV (one program per 16
@@ -37,17 +37,21 @@ def _use_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def _use_gemv_rows(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """2 to GEMV_MAX_ROWS tokens (GEMV_WIDE_MAX_ROWS over a wide weight) of a 16-bit
-    dtype over a large enough weight: the few-token GEMV (after the op's own kernel)."""
+    """2 to GEMV_MAX_ROWS tokens (dispatch.gemv_wide_max_rows over a wide weight) of a
+    16-bit dtype over a large enough weight: the few-token GEMV (after the op's own
+    kernel)."""
     n, k = weight.shape
-    max_rows = GEMV_WIDE_MAX_ROWS if n >= GEMV_WIDE_RATIO * k else GEMV_MAX_ROWS
-    return (
+    if not (
         x.dim() == 2
-        and 2 <= x.shape[0] <= max_rows
-        and weight.shape[0] >= GEMV_ROWS_MIN_N
+        and x.shape[0] >= 2
+        and n >= GEMV_ROWS_MIN_N
         and x.dtype in dispatch.TENSOR_CORE_DTYPES
         and _gemv_operands(x, weight)
-    )
+    ):
+        return False
+    if n >= GEMV_WIDE_RATIO * k:
+        return x.shape[0] <= dispatch.gemv_wide_max_rows(x.device)
+    return x.shape[0] <= GEMV_MAX_ROWS
 
 
 def _gemv_operands(x: torch.Tensor, weight: torch.Tensor) -> bool:
