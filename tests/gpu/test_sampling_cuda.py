@@ -1,7 +1,7 @@
 """The sampler's Triton draw compiled on CUDA over the Llama-3 vocabulary (128256)
 against the torch sampler's sort-based draw, the engine's `sample` on CUDA (which
 takes the kernel) against the same sampler on the CPU (the torch path), and the greedy
-rows' chunked argmax against torch's.
+rows' argmax (two Triton kernels) against torch's.
 
 Without CUDA the module skips before it imports the kernels (see
 test_triton_attention_cuda.py: defining them here would fix them as compiled).
@@ -129,3 +129,11 @@ def test_greedy_argmax_on_cuda_is_torchs_first_index_on_ties(
 ) -> None:
     for name, logits in cases.argmax_cases(vocab, DEVICE, dtype).items():
         assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1)), name
+
+
+@pytest.mark.parametrize("rows", [64, 512])
+def test_greedy_argmax_of_a_large_batch_is_torchs(rows: int) -> None:
+    """A decode step's worth of rows (the kernel's grid grows with them), with ties."""
+    g = torch.Generator(device=DEVICE).manual_seed(rows)
+    logits = torch.randint(0, 50, (rows, VOCAB), generator=g, device=DEVICE).bfloat16()
+    assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
