@@ -223,6 +223,8 @@ def test_wide_weights_keep_the_gemv_to_the_devices_row_count(device_name: str, r
     whose bandwidth lets cuBLASLt stream them faster at 64 (docs/performance.md)."""
     assert dispatch.wide_max_rows_for(device_name) == rows
     assert dispatch.GEMV_MAX_ROWS < rows
+    # Off CUDA (the interpreter's tests force the Triton path there) no device to ask.
+    assert dispatch.gemv_wide_max_rows(torch.device("cpu")) == dispatch.GEMV_WIDE_MAX_ROWS
 
 
 @pytest.mark.parametrize(
