@@ -46,18 +46,13 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on")
 
 
+@functools.cache
 def gemv_wide_max_rows(device: torch.device) -> int:
     """How many tokens the few-token GEMV takes over a wide weight on this device
     (GEMV_WIDE_MAX_ROWS off CUDA: the Triton interpreter's tests run the kernels there)."""
     if device.type != "cuda":
         return GEMV_WIDE_MAX_ROWS
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _wide_max_rows_of(index)
-
-
-@functools.cache
-def _wide_max_rows_of(index: int) -> int:
-    return wide_max_rows_for(torch.cuda.get_device_name(index))
+    return wide_max_rows_for(torch.cuda.get_device_name(device))
 
 
 def wide_max_rows_for(device_name: str) -> int:

@@ -7,7 +7,8 @@ of the input and SiLU x mul into its output (triton_ops/gemv.py): at batch 1 a
 projection streams its weight, and the norm and activation kernels between them, with
 their launch gaps, were ~8% of a decode step.
 From 2 to GEMV_MAX_ROWS tokens (`dispatch.gemv_wide_max_rows` over the wide weights:
-gate_up, the head, 64 tokens on the H100, 48 on the H200; 16-bit dtypes, weights of GEMV_ROWS_MIN_N rows or more) the op's kernel
+gate_up, the head, 64 tokens on the H100, 48 on the H200; 16-bit dtypes, weights of
+GEMV_ROWS_MIN_N rows or more) the op's kernel
 (kernels/norm.py, activation.py) then the few-token Triton GEMV, which streams each
 weight once for all the tokens on the tensor cores: cuBLAS's kernels for so few rows
 (split over K, with a reduce kernel) read the weights ~8% slower. Otherwise the op's

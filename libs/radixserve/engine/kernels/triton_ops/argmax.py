@@ -92,8 +92,10 @@ def argmax_triton(logits: torch.Tensor) -> torch.Tensor:
     if rows == 0:
         return out
     num_blocks = triton.cdiv(vocab, BLOCK)
-    block_keys = torch.empty(rows, num_blocks, dtype=torch.int32, device=logits.device)
-    block_idx = torch.empty(rows, num_blocks, dtype=torch.int32, device=logits.device)
+    # Each block's key, then its first index: one allocation for both.
+    block_keys, block_idx = torch.empty(
+        2, rows, num_blocks, dtype=torch.int32, device=logits.device
+    ).unbind()
     _block_argmax_kernel[(rows, num_blocks)](
         logits,
         logits.stride(0),
