@@ -122,6 +122,30 @@ def test_warm_up_compiles_the_one_kernel_every_filter_mix_then_uses() -> None:
     assert compiled() == before
 
 
+def test_warm_up_compiles_the_greedy_argmax_the_steps_then_use() -> None:
+    """A greedy first request on a fresh machine built the argmax's two kernels inside
+    itself (~0.8 s on an H200, bench/start_up.py) until the warm-up ran them."""
+    from radixserve.engine.kernels.triton_ops import argmax
+    from radixserve.engine.sampling import sampler
+
+    def compiled() -> int:
+        kernels = (argmax._block_argmax_kernel, argmax._row_argmax_kernel)
+        return sum(len(c[0]) for k in kernels for c in k.device_caches.values())
+
+    vocab = 32064  # no other test here uses it: its kernels are not built yet
+    before = compiled()
+    sampler.warm_up(vocab, torch.bfloat16, DEVICE)
+    warmed = compiled()
+    assert warmed >= before + 3  # pass 1 for bf16 and for float32 logits, pass 2 once
+    greedy = SamplingBatch.build(
+        [SamplingRequest(SamplingParams(temperature=0.0), seed=0)] * 3, vocab, DEVICE
+    )
+    logits = torch.randn(3, vocab, device=DEVICE).bfloat16()
+    for rows in (logits, logits.float()):
+        assert torch.equal(sample(rows, greedy).next_token_ids, rows.argmax(dim=-1))
+    assert compiled() == warmed
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("vocab", [VOCAB, 49152, 151936, 1000])
 def test_greedy_argmax_on_cuda_is_torchs_first_index_on_ties(

@@ -128,13 +128,16 @@ def _draw_triton(logits: torch.Tensor, rows: SampledRows) -> torch.Tensor:
 
 
 def warm_up(vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
-    """Compile the draw kernel now, for logits of the model's `dtype` and of float32
-    (what penalties write), rather than in the first sampled step (a stall of a second or
-    more for the whole batch): its two variants, temperature only and any filters, each
-    on rows built as every step builds them."""
+    """Compile the sampling kernels now, for logits of the model's `dtype` and of float32
+    (what penalties write), rather than in the first step that needs them (a stall of a
+    second or more for the whole batch): the greedy argmax's two kernels, and the draw
+    kernel's two variants, temperature only and any filters, each on rows built as every
+    step builds them."""
     probe = torch.zeros(1, vocab_size, device=device)
     if not dispatch.use_triton(probe):
         return
+    for logits_dtype in dict.fromkeys((dtype, torch.float32)):
+        argmax_rows(probe.to(logits_dtype))
     for params in (SamplingParams(temperature=0.5), SamplingParams(temperature=0.5, top_p=0.5)):
         rows = SamplingBatch.build([SamplingRequest(params, seed=0)], vocab_size, device).sampled
         assert rows is not None  # a temperature above 0 is sampled
