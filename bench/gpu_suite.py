@@ -23,7 +23,9 @@ Runs, each stage in its own process (a failing stage is reported, the rest still
    GPU, `bash bench/device_carry.sh --stack` carries them);
 6. bench/start_up.py: start-up in a fresh process with empty kernel caches (the 8B shape
    cut to 4 layers): time to ready, then the first and the second request's latency (a
-   first request seconds long means a kernel was still built inside it);
+   first request seconds long means a kernel was still built inside it), then each kind
+   of request in its FIRST_KINDS (other prompt lengths, sampled, penalised, logprobs, a
+   JSON schema) a first time and a second;
 7. bench/ttft.py: the in-process engine's time to first token on the 8B shape, one
    request at a time on an idle engine (16 to 2048 prompt tokens), beside the prefill
    step's own device time.
@@ -183,7 +185,7 @@ def run_suite(args: argparse.Namespace) -> dict[str, Any]:
         stack = stages.run("stack", [*argv, "--json", str(path)], path)
     path = out / "start_up.json"
     argv = [str(BENCH / "start_up.py"), "--tokenizer", tokenizer, "--layers", "4"]
-    argv += ["--json", str(path), "--engine-args", args.engine_args]
+    argv += ["--first-of-each", "--json", str(path), "--engine-args", args.engine_args]
     start_up = stages.run("start-up", argv, path)
     path = out / "ttft.json"
     argv = [str(BENCH / "ttft.py"), "--tokenizer", tokenizer, "--overlap", "on"]
@@ -409,6 +411,18 @@ def _start_up_table(rows: list[dict[str, Any]] | None) -> list[str]:
             f"| {'on' if r['prefill_warm_up'] else 'off'} | {r['ready_s']:.1f} | "
             f"{r['first_ms']:.1f} | {r['second_ms']:.1f} | {r['first_ms'] / r['second_ms']:.1f} |"
         )
+    for r in rows:
+        if not r.get("kinds"):
+            continue
+        lines += [
+            "",
+            "Then each kind of request a first time and a second (ms; 8 tokens out):",
+            "",
+            "| request | first | second | first / second |",
+            "| --- | --- | --- | --- |",
+        ]
+        for name, (first, second) in r["kinds"].items():
+            lines.append(f"| {name} | {first:.1f} | {second:.1f} | {first / second:.1f} |")
     return lines
 
 

@@ -13,7 +13,10 @@ tokens:
 - second: the same again, once every kernel it needs has been built.
 
 first / second near 1 means the start-up built what requests need; a first request
-seconds long means a kernel was still built inside it. `--skip-prefill-warm-up` runs
+seconds long means a kernel was still built inside it. `--first-of-each` then sends each
+kind of request in FIRST_KINDS twice (prompts of other lengths, sampled, penalised,
+with logprobs, constrained by a JSON schema): a kind whose first takes far longer than
+its second built something inside that request. `--skip-prefill-warm-up` runs
 the engine without its start-up prefill pass (`ModelRunner._warm_up_prefill`), to
 measure what that pass buys; `--compare` runs both, one process each.
 
@@ -37,6 +40,41 @@ sys.path.insert(0, str(BENCH))
 
 from offline import SHAPES  # noqa: E402
 from one_batch import dummy_engine, write_model_folder  # noqa: E402
+
+
+# (name, prompt tokens, sampling parameters besides max_new_tokens): the requests
+# `--first-of-each` times, each a first time and a second. The prompt lengths give the
+# projections other row counts than the start-up's passes ran. The two JSON requests
+# have schemas of their own, so each compiles its grammar and their difference is what
+# only a first constrained request pays.
+def _schema(key: str) -> str:
+    return json.dumps(
+        {"type": "object", "properties": {key: {"type": "integer"}}, "required": [key]}
+    )
+
+
+_GREEDY = {"temperature": 0, "ignore_eos": True}
+FIRST_KINDS: list[tuple[str, int, tuple[dict[str, Any], ...]]] = [
+    ("prompt of 5", 5, (_GREEDY, _GREEDY)),
+    ("prompt of 24", 24, (_GREEDY, _GREEDY)),
+    ("prompt of 40", 40, (_GREEDY, _GREEDY)),
+    ("prompt of 100", 100, (_GREEDY, _GREEDY)),
+    ("top-p 0.9", 64, ({"temperature": 0.7, "top_p": 0.9, "ignore_eos": True},) * 2),
+    (
+        "penalties",
+        64,
+        ({"temperature": 0, "repetition_penalty": 1.1, "frequency_penalty": 0.5},) * 2,
+    ),
+    ("logprobs", 64, ({"temperature": 0, "return_logprob": True, "top_logprobs_num": 5},) * 2),
+    (
+        "json schema",
+        64,
+        (
+            {"temperature": 0, "json_schema": _schema("a")},
+            {"temperature": 0, "json_schema": _schema("b")},
+        ),
+    ),
+]
 
 
 def fresh_cache_env(root: Path) -> dict[str, str]:
@@ -74,6 +112,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         latencies.append(time.perf_counter() - t0)
         if len(out[0]["output_ids"]) != args.output_len:
             raise SystemExit(f"expected {args.output_len} tokens, got {out[0]['output_ids']}")
+    kinds = first_of_each(engine, gen, vocab, args.output_len) if args.first_of_each else {}
     engine.shutdown()
     return {
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
@@ -83,7 +122,25 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "ready_s": ready_s,
         "first_ms": latencies[0] * 1e3,
         "second_ms": latencies[1] * 1e3,
+        "kinds": kinds,
     }
+
+
+def first_of_each(engine: Any, gen: Any, vocab: int, output_len: int) -> dict[str, list[float]]:
+    """Each of FIRST_KINDS sent twice, one after the other: {name: [first ms, second ms]}."""
+    import torch
+
+    kinds: dict[str, list[float]] = {}
+    for name, input_len, both in FIRST_KINDS:
+        for extra in both:
+            params = {"max_new_tokens": output_len, **extra}
+            prompt = torch.randint(10, vocab, (input_len,), generator=gen).tolist()
+            t0 = time.perf_counter()
+            out = engine.generate(input_ids=[prompt], sampling_params=params)
+            kinds.setdefault(name, []).append((time.perf_counter() - t0) * 1e3)
+            if not out[0]["output_ids"]:
+                raise SystemExit(f"{name}: no tokens came back")
+    return kinds
 
 
 def run_fresh(args: argparse.Namespace, skip: bool) -> dict[str, Any]:
@@ -110,6 +167,8 @@ def run_fresh(args: argparse.Namespace, skip: bool) -> dict[str, Any]:
             "--child-json",
             str(out),
         ]
+        if args.first_of_each:
+            argv.append("--first-of-each")
         if args.layers:
             argv += ["--layers", str(args.layers)]
         if skip:
@@ -133,6 +192,7 @@ def main() -> int:
     ap.add_argument("--engine-args", default="{}", help="more Engine options, a JSON object")
     ap.add_argument("--skip-prefill-warm-up", action="store_true")
     ap.add_argument("--compare", action="store_true", help="with and without the warm-up pass")
+    ap.add_argument("--first-of-each", action="store_true", help="then each of FIRST_KINDS, twice")
     ap.add_argument("--timeout-s", type=float, default=900, help="per run")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--child-json", type=Path, default=None, help=argparse.SUPPRESS)
@@ -148,6 +208,14 @@ def main() -> int:
             f"{'on' if r['prefill_warm_up'] else 'off':<16} {r['ready_s']:>8.1f} "
             f"{r['first_ms']:>9.1f} {r['second_ms']:>9.1f} {r['first_ms'] / r['second_ms']:>6.2f}"
         )
+    for r in rows:
+        if r["kinds"]:
+            print(
+                f"\nwarm-up {'on' if r['prefill_warm_up'] else 'off'}: {'request':<16} "
+                f"{'first ms':>9} {'second ms':>9} {'ratio':>6}"
+            )
+        for name, (first, second) in r["kinds"].items():
+            print(f"{'':<15} {name:<16} {first:>9.1f} {second:>9.1f} {first / second:>6.2f}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
     return 0

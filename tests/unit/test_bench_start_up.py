@@ -27,3 +27,19 @@ def test_compare_runs_both_variants_in_fresh_processes(
         assert row["ready_s"] > 0 and row["first_ms"] > 0 and row["second_ms"] > 0
     # The table names both runs.
     assert "\non " in done.stdout and "\noff " in done.stdout
+
+
+def test_first_of_each_times_every_kind_twice(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "rows.json"
+    argv = [sys.executable, str(BENCH_DIR / "start_up.py"), "--tokenizer", str(tiny_llama_dir)]
+    argv += ["--device", "cpu", "--shape", "tiny", "--input-len", "12", "--output-len", "3"]
+    argv += ["--first-of-each", "--timeout-s", "300", "--json", str(out)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (row,) = json.loads(out.read_text())
+    sys.path.insert(0, str(BENCH_DIR))
+    from start_up import FIRST_KINDS
+
+    assert list(row["kinds"]) == [name for name, _, _ in FIRST_KINDS]
+    assert all(len(ms) == 2 and min(ms) > 0 for ms in row["kinds"].values())
+    assert "json schema" in done.stdout
