@@ -16,7 +16,9 @@ Runs at `--graphs` 0, 1, 10, 100 and 330 tell whether the number of captured
 graphs, or of their kernels, matters; `--max-bs 512` against 64 whether a serving
 engine's own decode graphs (a graph per size to 512) already put it in the slow state;
 `--no-pdl` whether it needs the programmatic dependent launches in the decode graphs
-(every Triton kernel then launches plainly, as off Hopper).
+(every Triton kernel then launches plainly, as off Hopper); `--when start` whether a
+capture made before the engine's first step (its decode graphs captured, never yet
+replayed) slows them too (a run at `--graphs 0` is its control).
 
     python bench/graph_gaps.py --tokenizer DIR --graphs 0 10 330 --nodes 30
 """
@@ -191,6 +193,13 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--no-pdl", action="store_true", help="no programmatic dependent launch")
     ap.add_argument(
+        "--when",
+        choices=("between", "start"),
+        default="between",
+        help="disturb between the two measurements, or once the engine is up, before its "
+        "first step (then one measurement)",
+    )
+    ap.add_argument(
         "--then",
         choices=("upload", "recapture"),
         help="afterwards, upload the decode graphs again or capture them again, and time",
@@ -213,18 +222,25 @@ def main() -> int:
         disable_radix_cache=True,
         piecewise_cuda_graph_max_tokens=0,
     )
+    label = f"+{args.graphs} graphs x {args.nodes}"
+    if args.what != "capture":
+        label = args.what if "cache" in args.what else f"{label} {args.what}"
+    pdl = " (no PDL)" if args.no_pdl else ""
+    early = args.when == "start"
+    # Captured before any request: the decode graphs have not been replayed yet.
+    dummies = disturb(engine, args.what, args.graphs, args.nodes) if early else []
     steps_needed = 12 + (20 * args.reps + 10) * 3 + 20
     params = {"max_new_tokens": steps_needed, "ignore_eos": True, "temperature": 0}
     for i in range(args.batch):
         engine.submit([11 + i] * 512, params)
     for _ in range(12):  # the prefill and the first decode steps
         engine.step()
-    pdl = " (no PDL)" if args.no_pdl else ""
+    if early:
+        measure(engine, f"decode graphs to {args.max_bs}{pdl}, {label} at start", args.reps)
+        engine.shutdown()
+        return 0
     measure(engine, f"decode graphs to {args.max_bs}{pdl}", args.reps)
     dummies = disturb(engine, args.what, args.graphs, args.nodes)
-    label = f"+{args.graphs} graphs x {args.nodes}"
-    if args.what != "capture":
-        label = args.what if "cache" in args.what else f"{label} {args.what}"
     if args.free:
         dummies.clear()
         gc.collect()
