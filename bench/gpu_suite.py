@@ -416,7 +416,9 @@ def _start_up_table(rows: list[dict[str, Any]] | None) -> list[str]:
             continue
         lines += [
             "",
-            "Then each kind of request a first time and a second (ms; 8 tokens out):",
+            "Then the grammar warm-up a server's worker makes (xgrammar's tokenizer "
+            f"information, {r.get('grammar_warm_up_ms') or 0:.0f} ms) and each kind of "
+            "request a first time and a second (ms; 8 tokens out):",
             "",
             "| request | first | second | first / second |",
             "| --- | --- | --- | --- |",

@@ -152,11 +152,13 @@ def test_report_has_the_start_up_stage(suite: ModuleType) -> None:
             "ready_s": 55.64,
             "first_ms": 106.17,
             "second_ms": 14.0,
+            "grammar_warm_up_ms": 2345.6,
             "kinds": {"prompt of 5": [12.0, 10.0], "json schema": [900.0, 15.0]},
         }
     ]
     table = suite.markdown(_result(start_up=rows))
     assert "| on | 55.6 | 106.2 | 14.0 | 7.6 |" in table
+    assert "tokenizer information, 2346 ms" in table
     assert "| prompt of 5 | 12.0 | 10.0 | 1.2 |" in table
     assert "| json schema | 900.0 | 15.0 | 60.0 |" in table
     assert "Start-up with empty kernel caches" not in suite.markdown(_result(start_up=None))

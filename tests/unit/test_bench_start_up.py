@@ -42,4 +42,5 @@ def test_first_of_each_times_every_kind_twice(tiny_llama_dir: Path, tmp_path: Pa
 
     assert list(row["kinds"]) == [name for name, _, _ in FIRST_KINDS]
     assert all(len(ms) == 2 and min(ms) > 0 for ms in row["kinds"].values())
+    assert row["grammar_warm_up_ms"] > 0
     assert "json schema" in done.stdout
