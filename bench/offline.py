@@ -20,8 +20,10 @@ ratio a run reaches when both modes run at the same share of their floors. `--sc
 `WARMUP_REQUESTS` requests at their own prompts with short outputs, so the Triton
 kernels of mixed prefill and decode steps compile (on a fresh machine, several seconds)
 outside the timed run. Each run also reports its host-side stalls: the time to submit, the
-time outside the engine's steps, the collector's pauses, and the CUDA caching allocator's
-failed mallocs (retried after freeing its cache), device mallocs and frees; each step's
+time outside the engine's steps, the collector's pauses, the CUDA caching allocator's
+failed mallocs (retried after freeing its cache), device mallocs and frees, and the
+Triton kernels built inside its steps (compiled, or loaded from Triton's disk cache: a
+kernel variant the start-up and the warm-up slice did not build); each step's
 wait for the device (the host's own time is the rest); and on CUDA each step's time on
 the device and the device's idle time before it (`DeviceClock`: two events a step, no
 profiler). `--host-stacks FIRST LAST` samples the host's Python stacks over those steps
@@ -61,6 +63,7 @@ from roofline import ModelShape, RequestWork, work_floor
 from step_probes import (
     DeviceClock,
     GcClock,
+    KernelBuilds,
     Step,
     allocator_counts,
     stack_reports,
@@ -92,6 +95,7 @@ SHAPES = {"llama-3.1-8b": LLAMA_31_8B, "tiny": TINY_LLAMA}
 CONTEXT_LEN = 4096  # fits both workloads (2048 + 128 + 256 the longest)
 WARMUP_REQUESTS = 64  # four groups of the shared-prefix workload
 WARMUP_OUTPUT_LEN = 16
+KERNEL_BUILDS_LISTED = 40
 
 
 @dataclass(frozen=True)
@@ -170,7 +174,11 @@ def run_offline(
     _sync(engine)
     allocator_before = allocator_counts(engine)
     sampler = StackSampler(threading.get_ident(), stacks_interval_s)
-    with GcClock() as gc_clock, sampler if stacks else contextlib.nullcontext():
+    with (
+        GcClock() as gc_clock,
+        KernelBuilds() as builds,
+        sampler if stacks else contextlib.nullcontext(),
+    ):
         started, started_unix = time.perf_counter(), time.time()
         submit_all(engine, requests)
         submitted = time.perf_counter()
@@ -181,7 +189,7 @@ def run_offline(
         while engine.has_work():
             t0, prefilled = time.perf_counter(), sched.total_prefill_tokens
             decoded, waited = sched.total_decode_tokens, sched.total_device_wait_s
-            sampler.step = len(steps)
+            sampler.step = builds.step = len(steps)
             sampler.active = stacks is not None and stacks[0] <= len(steps) <= stacks[1]
             clock.begin()
             finished += [out.req for out in engine.step() if out.finished]
@@ -200,6 +208,9 @@ def run_offline(
         duration = time.perf_counter() - started
     for i, (device_s, idle_s) in enumerate(clock.read()):
         steps[i] = replace(steps[i], device_s=device_s, idle_s=idle_s)
+    for i, (count, seconds) in builds.by_step().items():
+        if 0 <= i < len(steps):
+            steps[i] = replace(steps[i], kernel_builds=count, kernel_builds_s=seconds)
     allocator = {
         key: count - allocator_before[key] for key, count in allocator_counts(engine).items()
     }
@@ -235,6 +246,13 @@ def run_offline(
         "gc_longest_s": gc_clock.longest,
         "gc_collections": gc_clock.by_generation,
         "allocator": allocator,
+        # Triton kernels built during the run (step_probes.KernelBuilds): how many, the
+        # host's seconds in them, and the first KERNEL_BUILDS_LISTED as (step, kernel, ms).
+        "kernel_builds": len(builds.builds),
+        "kernel_builds_s": sum(took for _, _, took in builds.builds),
+        "kernel_builds_listed": [
+            (step, name, took * 1e3) for step, name, took in builds.builds[:KERNEL_BUILDS_LISTED]
+        ],
         **step_profile(steps),
         **floors,
         # Every step in order, for plots: (seconds, prompt tokens, decode rows, seconds the

@@ -1,6 +1,7 @@
 """What bench/offline.py measures about each engine step beside its time: the collector's
-pauses, the CUDA caching allocator's stalls, the device's time (two CUDA events a step),
-the run's profile by step kind, and the host's sampled stacks (bench/host_stacks.py)."""
+pauses, the CUDA caching allocator's stalls, the Triton kernels built inside steps, the
+device's time (two CUDA events a step), the run's profile by step kind, and the host's
+sampled stacks (bench/host_stacks.py)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ class Step:
     # The host's time in the step blocked on the device (the tokens of the step before, under
     # overlap): the rest of `seconds` is its own work.
     wait_s: float = 0.0
+    # Triton kernels built in the step (KernelBuilds) and the host's seconds in them.
+    kernel_builds: int = 0
+    kernel_builds_s: float = 0.0
 
 
 ROW_BUCKET = 32
@@ -64,6 +68,61 @@ class GcClock:
 
     def __exit__(self, *exc: object) -> None:
         gc.callbacks.remove(self._callback)
+
+
+class KernelBuilds:
+    """Triton kernels built in this process while in use, each with the step it came in
+    (`step`, set by the caller before each step) and the host's time in it: Triton calls
+    triton.knobs' jit_cache_hook before it builds a kernel variant it has not built in
+    this process (compiled, or loaded from its on-disk cache) and jit_post_compile_hook
+    after. A build inside a step stalls the host, and under it the device, for
+    milliseconds (a load) to a second (a compile). The hooks that were set are called
+    too, and set back on exit. Records nothing where this Triton has no such hooks."""
+
+    def __init__(self) -> None:
+        self.step = -1
+        # (step, kernel name, seconds) in the order built.
+        self.builds: list[tuple[int, str, float]] = []
+        self._began: float | None = None
+        self._knobs: Any = None
+        self._saved: tuple[Any, Any] = (None, None)
+
+    def _before(self, **kwargs: Any) -> Any:
+        self._began = time.perf_counter()
+        return self._saved[0](**kwargs) if self._saved[0] else None
+
+    def _after(self, **kwargs: Any) -> Any:
+        took = 0.0 if self._began is None else time.perf_counter() - self._began
+        self._began = None
+        fn = kwargs.get("fn")
+        self.builds.append((self.step, str(getattr(fn, "name", fn)), took))
+        return self._saved[1](**kwargs) if self._saved[1] else None
+
+    def by_step(self) -> dict[int, tuple[int, float]]:
+        """{step: (kernels built in it, the host's seconds in them)}."""
+        out: dict[int, tuple[int, float]] = {}
+        for step, _, took in self.builds:
+            count, seconds = out.get(step, (0, 0.0))
+            out[step] = (count + 1, seconds + took)
+        return out
+
+    def __enter__(self) -> KernelBuilds:
+        try:
+            from triton import knobs
+        except ImportError:
+            return self
+        runtime = getattr(knobs, "runtime", None)
+        if runtime is None or not hasattr(runtime, "jit_post_compile_hook"):
+            return self
+        self._knobs = runtime
+        self._saved = (runtime.jit_cache_hook, runtime.jit_post_compile_hook)
+        runtime.jit_cache_hook, runtime.jit_post_compile_hook = self._before, self._after
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._knobs is not None:
+            self._knobs.jit_cache_hook, self._knobs.jit_post_compile_hook = self._saved
+            self._knobs = None
 
 
 # torch's caching allocator's counters that mean a stall: a cudaMalloc that failed, so
@@ -177,6 +236,8 @@ def step_profile(steps: Sequence[Step]) -> dict[str, Any]:
                 "wait_s": s.wait_s,
                 "prefill_tokens": s.prefill_tokens,
                 "rows": s.decode_rows,
+                "kernel_builds": s.kernel_builds,
+                "kernel_builds_s": s.kernel_builds_s,
             }
             for i, s in sorted(enumerate(steps), key=lambda p: -p[1].seconds)[:SLOWEST]
         ],

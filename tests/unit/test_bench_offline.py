@@ -73,6 +73,9 @@ def test_shared_prefix_counts_and_cache_hits(offline: ModuleType, tiny_llama_dir
         )
         assert 0 < row["submit_s"] <= row["outside_steps_s"]
         assert row["allocator"] == {}  # the caching allocator's counters are CUDA's
+        # No Triton kernel runs on the CPU, so none was built in a step.
+        assert row["kernel_builds"] == 0 and row["kernel_builds_listed"] == []
+        assert all(s["kernel_builds"] == 0 for s in row["slowest_steps"])
         # The device clock is CUDA's too: no device times, the series without them.
         assert row["device_idle_s"] == row["prefill_steps_device_s"] == 0.0
         assert all(s["device_s"] == s["idle_s"] == 0.0 for s in row["slowest_steps"])
@@ -343,3 +346,49 @@ def test_gpu_clocks_refuses_to_sample_without_nvidia_smi(
     command = [sys.executable, "-c", f"open({str(marker)!r}, 'w')"]
     assert gpu_clocks.main(["--samples", str(tmp_path / "smi.csv"), "--", *command]) == 2
     assert not marker.exists()  # the command did not run unsampled
+
+
+def test_kernel_builds_counts_each_build_in_its_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """KernelBuilds hooks Triton's build hooks (called here as Triton calls them: before
+    and after a build), tags each build with the step it came in, chains the hooks that
+    were set and sets them back."""
+    knobs = pytest.importorskip("triton.knobs")
+    monkeypatch.syspath_prepend(str(BENCH_DIR))
+    step_probes = importlib.import_module("step_probes")
+    seen: list[str] = []
+
+    def earlier_before(**kwargs: object) -> None:
+        seen.append("before")
+
+    def earlier_after(**kwargs: object) -> None:
+        seen.append("after")
+
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", earlier_before)
+    monkeypatch.setattr(knobs.runtime, "jit_post_compile_hook", earlier_after)
+
+    class Fn:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+    def build(name: str, seconds: float) -> None:
+        assert knobs.runtime.jit_cache_hook(key=name, fn=Fn(name)) is None  # do build
+        time.sleep(seconds)
+        knobs.runtime.jit_post_compile_hook(key=name, fn=Fn(name))
+
+    with step_probes.KernelBuilds() as builds:
+        builds.step = 3
+        build("_decode_kernel", 0.02)
+        build("_gemv_kernel", 0.0)
+        builds.step = 7
+        build("_argmax_kernel", 0.0)
+    assert knobs.runtime.jit_cache_hook is earlier_before
+    assert knobs.runtime.jit_post_compile_hook is earlier_after
+    assert seen == ["before", "after"] * 3
+    assert [(step, name) for step, name, _ in builds.builds] == [
+        (3, "_decode_kernel"),
+        (3, "_gemv_kernel"),
+        (7, "_argmax_kernel"),
+    ]
+    by_step = builds.by_step()
+    assert by_step.keys() == {3, 7} and by_step[3][0] == 2 and by_step[7][0] == 1
+    assert by_step[3][1] >= 0.02 > builds.builds[1][2]
