@@ -425,6 +425,11 @@ def _start_up_table(rows: list[dict[str, Any]] | None) -> list[str]:
         ]
         for name, (first, second) in r["kinds"].items():
             lines.append(f"| {name} | {first:.1f} | {second:.1f} | {first / second:.1f} |")
+    for r in rows:
+        built = r.get("kernels_built") or {}
+        if built:
+            lines += ["", "Triton kernels built inside requests:", ""]
+            lines += [f"- {label}: {', '.join(names)}" for label, names in built.items()]
     return lines
 
 

@@ -27,6 +27,7 @@ measure what that pass buys; `--compare` runs both, one process each.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -41,6 +42,7 @@ sys.path.insert(0, str(BENCH))
 
 from offline import SHAPES  # noqa: E402
 from one_batch import dummy_engine, write_model_folder  # noqa: E402
+from step_probes import KernelBuilds  # noqa: E402
 
 
 # (name, prompt tokens, sampling parameters besides max_new_tokens): the requests
@@ -106,23 +108,36 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     vocab = engine.runner.model_config.vocab_size
     params = {"max_new_tokens": args.output_len, "ignore_eos": True, "temperature": 0}
     latencies = []
-    for _ in range(2):
-        prompt = torch.randint(10, vocab, (args.input_len,), generator=gen).tolist()
-        t0 = time.perf_counter()
-        out = engine.generate(input_ids=[prompt], sampling_params=params)
-        latencies.append(time.perf_counter() - t0)
-        if len(out[0]["output_ids"]) != args.output_len:
-            raise SystemExit(f"expected {args.output_len} tokens, got {out[0]['output_ids']}")
     kinds: dict[str, list[float]] = {}
     grammar_warm_up_ms = None
-    if args.first_of_each:
-        # As a server's worker does before its engine runs (xgrammar's tokenizer
-        # information): what the JSON requests' first then pays is the engine's own.
-        t0 = time.perf_counter()
-        engine.grammars.warm_up()
-        grammar_warm_up_ms = (time.perf_counter() - t0) * 1e3
-        kinds = first_of_each(engine, gen, vocab, args.output_len)
+    # The Triton kernels each request built (its `step` is the request's index in
+    # `labels`): the names of what a slow first request waited for.
+    labels = ["first", "second"]
+    with KernelBuilds() as builds:
+        for i in range(2):
+            prompt = torch.randint(10, vocab, (args.input_len,), generator=gen).tolist()
+            builds.step = i
+            t0 = time.perf_counter()
+            out = engine.generate(input_ids=[prompt], sampling_params=params)
+            latencies.append(time.perf_counter() - t0)
+            if len(out[0]["output_ids"]) != args.output_len:
+                raise SystemExit(f"expected {args.output_len} tokens, got {out[0]['output_ids']}")
+        if args.first_of_each:
+            # As a server's worker does before its engine runs (xgrammar's tokenizer
+            # information): what the JSON requests' first then pays is the engine's own.
+            builds.step = -1
+            t0 = time.perf_counter()
+            engine.grammars.warm_up()
+            grammar_warm_up_ms = (time.perf_counter() - t0) * 1e3
+            labels += [
+                f"{name} #{k + 1}" for name, _, both in FIRST_KINDS for k in range(len(both))
+            ]
+            kinds = first_of_each(engine, gen, vocab, args.output_len, builds)
     engine.shutdown()
+    built: dict[str, list[str]] = {}
+    for step, name, _ in builds.builds:
+        if step >= 0:
+            built.setdefault(labels[step], []).append(name)
     return {
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "backend": args.backend,
@@ -133,16 +148,22 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "second_ms": latencies[1] * 1e3,
         "grammar_warm_up_ms": grammar_warm_up_ms,
         "kinds": kinds,
+        "kernels_built": built,
     }
 
 
-def first_of_each(engine: Any, gen: Any, vocab: int, output_len: int) -> dict[str, list[float]]:
-    """Each of FIRST_KINDS sent twice, one after the other: {name: [first ms, second ms]}."""
+def first_of_each(
+    engine: Any, gen: Any, vocab: int, output_len: int, builds: KernelBuilds
+) -> dict[str, list[float]]:
+    """Each of FIRST_KINDS sent twice, one after the other: {name: [first ms, second ms]}
+    (`builds.step` the request's index, from 2: the two requests before are 0 and 1)."""
     import torch
 
     kinds: dict[str, list[float]] = {}
+    requests = itertools.count(2)
     for name, input_len, both in FIRST_KINDS:
         for extra in both:
+            builds.step = next(requests)
             params = {"max_new_tokens": output_len, **extra}
             prompt = torch.randint(10, vocab, (input_len,), generator=gen).tolist()
             t0 = time.perf_counter()
@@ -229,6 +250,9 @@ def main() -> int:
             )
         for name, (first, second) in r["kinds"].items():
             print(f"{'':<15} {name:<16} {first:>9.1f} {second:>9.1f} {first / second:>6.2f}")
+    for r in rows:
+        for label, names in r["kernels_built"].items():
+            print(f"Triton kernels built in the {label} request: {', '.join(names)}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
     return 0

@@ -154,6 +154,7 @@ def test_report_has_the_start_up_stage(suite: ModuleType) -> None:
             "second_ms": 14.0,
             "grammar_warm_up_ms": 2345.6,
             "kinds": {"prompt of 5": [12.0, 10.0], "json schema": [900.0, 15.0]},
+            "kernels_built": {"json schema #1": ["apply_token_bitmask_inplace_kernel"]},
         }
     ]
     table = suite.markdown(_result(start_up=rows))
@@ -161,6 +162,7 @@ def test_report_has_the_start_up_stage(suite: ModuleType) -> None:
     assert "tokenizer information, 2346 ms" in table
     assert "| prompt of 5 | 12.0 | 10.0 | 1.2 |" in table
     assert "| json schema | 900.0 | 15.0 | 60.0 |" in table
+    assert "- json schema #1: apply_token_bitmask_inplace_kernel" in table
     assert "Start-up with empty kernel caches" not in suite.markdown(_result(start_up=None))
 
 
