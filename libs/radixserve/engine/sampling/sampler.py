@@ -136,13 +136,16 @@ def warm_up(vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
     probe = torch.zeros(1, vocab_size, device=device)
     if not dispatch.use_triton(probe):
         return
-    for logits_dtype in dict.fromkeys((dtype, torch.float32)):
-        argmax_rows(probe.to(logits_dtype))
+    variants = []
     for params in (SamplingParams(temperature=0.5), SamplingParams(temperature=0.5, top_p=0.5)):
         rows = SamplingBatch.build([SamplingRequest(params, seed=0)], vocab_size, device).sampled
         assert rows is not None  # a temperature above 0 is sampled
-        for logits_dtype in dict.fromkeys((dtype, torch.float32)):
-            _draw_triton(probe.to(logits_dtype), rows)
+        variants.append(rows)
+    for logits_dtype in dict.fromkeys((dtype, torch.float32)):
+        logits = probe.to(logits_dtype)
+        argmax_rows(logits)
+        for rows in variants:
+            _draw_triton(logits, rows)
 
 
 def _draw(logits: torch.Tensor, rows: SampledRows) -> torch.Tensor:
