@@ -38,3 +38,35 @@ def test_constrained_outputs_on_cuda_match_the_cpu(tiny_dir: Path) -> None:
         else:
             check_regex(text, case["regex"])
     assert outputs["cuda"] == outputs["cpu"]
+
+
+def test_warm_up_builds_the_mask_kernel_the_steps_then_use() -> None:
+    """xgrammar's Triton mask kernel is built at start-up (constrained/logits.warm_up) for
+    the row counts a step has: a step of 1, 3, 16 or 40 constrained rows builds none."""
+    import torch
+    import xgrammar as xgr
+    from xgrammar.kernels import apply_token_bitmask_inplace_triton as kernels
+
+    from radixserve.engine.constrained import logits as grammar_logits
+
+    def compiled() -> int:
+        caches = kernels.apply_token_bitmask_inplace_kernel.device_caches.values()
+        return sum(len(c[0]) for c in caches)
+
+    device = torch.device("cuda")
+    vocab = 32064  # no other test here uses it: its variants are not built yet
+    before = compiled()
+    grammar_logits.warm_up(vocab, device)
+    warmed = compiled()
+    assert warmed > before
+    for rows in (1, 3, 16, 40):
+        logits = torch.randn(rows + 2, vocab, device=device)
+        bitmask = xgr.allocate_token_bitmask(rows + 2, vocab)
+        bitmask[:, ::2] = 0  # bans tokens 0-31, 64-95, ...
+        xgr.apply_token_bitmask_inplace(
+            logits, bitmask.to(device), vocab_size=vocab, indices=list(range(rows))
+        )
+        banned = torch.arange(vocab, device=device).div(32, rounding_mode="floor") % 2 == 0
+        assert torch.isinf(logits[:rows, banned]).all()
+        assert not torch.isinf(logits[rows:]).any()
+    assert compiled() == warmed

@@ -14,6 +14,7 @@ from radixserve.engine.attention.base import AttentionBackend
 from radixserve.engine.attention.sm90_prefill import is_sm90
 from radixserve.engine.blas import heuristics_cache_capacity, prefer_cublaslt, size_heuristics_cache
 from radixserve.engine.config import EngineConfig
+from radixserve.engine.constrained import logits as grammar_logits
 from radixserve.engine.distributed import SINGLE, TPGroup, with_direct_nccl
 from radixserve.engine.forward_batch import ForwardBatch, ForwardMode, SharedPrefix
 from radixserve.engine.graphs.cuda_graph_runner import CudaGraphRunner
@@ -269,6 +270,7 @@ class ModelRunner:
             if self.cascade and not self._cascade_captured():
                 self._warm_up_cascade()
             sampler.warm_up(self.vocab_size, self.dtype, self.device)
+            grammar_logits.warm_up(self.vocab_size, self.device)
             c = self.model_config
             self.attn.start_kernel_builds(
                 c.num_attention_heads // tp.size, self.local_kv_heads, c.head_dim, self.dtype

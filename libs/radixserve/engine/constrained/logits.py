@@ -24,6 +24,23 @@ if TYPE_CHECKING:
     from radixserve.engine.sampling.batch import SamplingBatch
 
 
+def warm_up(vocab_size: int, device: torch.device) -> None:
+    """Build xgrammar's mask kernel for this device now rather than in the first
+    constrained step (on CUDA a Triton kernel, compiled at its first use: a stall of the
+    whole batch). Its variants are by the number of constrained rows (Triton specializes
+    an integer argument equal to 1, and one divisible by 16): 1, 2 and 16 rows."""
+    if device.type != "cuda":
+        return
+    import xgrammar as xgr
+
+    for rows in (1, 2, 16):
+        logits = torch.zeros(rows, vocab_size, device=device)
+        bitmask = xgr.allocate_token_bitmask(rows, vocab_size)
+        xgr.apply_token_bitmask_inplace(
+            logits, bitmask.to(device), vocab_size=vocab_size, indices=list(range(rows))
+        )
+
+
 def sample_with_grammar(
     logits: torch.Tensor, sampling: SamplingBatch, reqs: Sequence[Req]
 ) -> SampleResult:
