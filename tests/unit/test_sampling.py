@@ -538,3 +538,20 @@ def test_bad_inputs_raise() -> None:
         SamplingBatch.build([make_req(repetition_penalty=1.2, prompt=[10])], 10, "cpu")
     with pytest.raises(ValueError, match="token id -1"):
         SamplingBatch.build([make_req(stop=frozenset({-1}), min_new_tokens=1)], 10, "cpu")
+
+
+def test_warm_up_steps_run_every_processor_in_both_batch_forms() -> None:
+    """The start-up sampling steps (`sampler._warm_up_steps`: on CUDA they load the
+    kernels of each processor before a request needs them) cover penalties on the whole
+    batch and on some of its rows, the bias, the stop mask, logprobs, and drawn rows beside
+    greedy ones."""
+    from radixserve.engine.sampling.sampler import _warm_up_steps
+
+    whole, mixed = _warm_up_steps(64, torch.bfloat16, torch.device("cpu"))
+    assert whole.penalties is not None and whole.penalties.rows is None
+    assert whole.stop_mask is not None and whole.return_logprob and whole.top_logprobs_num == 5
+    assert mixed.penalties is not None and mixed.penalties.rows is not None
+    assert mixed.penalties.repetition is not None and mixed.penalties.frequency is not None
+    assert mixed.bias is not None and mixed.stop_mask is not None
+    assert mixed.sampled is not None and not mixed.sampled.is_whole_batch
+    assert mixed.sampled.max_top_k == 5 and mixed.sampled.use_min_p

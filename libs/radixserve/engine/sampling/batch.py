@@ -42,9 +42,10 @@ class SamplingInput(Protocol):
     def num_pending(self) -> int: ...  # outputs sampled but not in output_ids yet (overlap)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class SamplingRequest:
-    """A plain `SamplingInput`, for callers without an engine `Req` (and for tests)."""
+    """A plain `SamplingInput`, for callers without an engine `Req` (and for tests). Equal
+    only to itself, as a `Req`: a `PenaltyState` keys its rows by request."""
 
     params: SamplingParams
     seed: int
