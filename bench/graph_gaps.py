@@ -20,7 +20,7 @@ engine's own decode graphs (a graph per size to 512) already put it in the slow 
 capture made before the engine's first step (its decode graphs captured, never yet
 replayed) slows them too (a run at `--graphs 0` is its control).
 
-    python bench/graph_gaps.py --tokenizer DIR --graphs 0 10 330 --nodes 30
+    python bench/graph_gaps.py --tokenizer DIR --graphs 10 --nodes 30 [--what pdl-capture]
 """
 
 from __future__ import annotations
@@ -76,15 +76,40 @@ def idle_per_step(engine: Any, steps: int) -> tuple[float, float, int]:
     return busy / steps / 1e3, idle / steps / 1e3, gaps // steps
 
 
+def triton_add(pdl: bool) -> Any:
+    """x += 1 as a Triton kernel (one program of 4096), launched as a programmatic
+    dependent with `pdl`: a dummy like the decode graph's own kernels."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _add_one(x_ptr, PDL: tl.constexpr) -> None:
+        offs = tl.arange(0, 4096)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        tl.store(x_ptr + offs, tl.load(x_ptr + offs) + 1.0)
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
+
+    def add(x: torch.Tensor) -> None:
+        _add_one[(1,)](x, PDL=pdl, launch_pdl=pdl)
+
+    return add
+
+
 def capture_dummies(
-    graphs: int, nodes: int, raw: bool, stream: Any = None, pool: Any = None
+    graphs: int, nodes: int, raw: bool, stream: Any = None, pool: Any = None, kernel: Any = None
 ) -> list[torch.cuda.CUDAGraph]:
     """`graphs` graphs of `nodes` elementwise kernels each, in their own memory pool.
 
     `raw` captures with `capture_begin`/`capture_end` on the side stream, without what
     `torch.cuda.graph` does first (synchronize, empty the device and pinned-host caches).
+    `kernel(x)` instead of torch's `x.add_(1.0)`: `triton_add`'s.
     """
     x = torch.zeros(4096, device="cuda")
+    add = kernel or (lambda t: t.add_(1.0))
+    add(x)  # built (a Triton kernel) before any capture
+    torch.cuda.synchronize()
     stream = stream or torch.cuda.Stream()
     pool = pool or torch.cuda.graph_pool_handle()
     out = []
@@ -95,12 +120,12 @@ def capture_dummies(
             with torch.cuda.stream(stream):
                 graph.capture_begin(pool)
                 for _ in range(nodes):
-                    x.add_(1.0)
+                    add(x)
                 graph.capture_end()
         else:
             with torch.cuda.graph(graph, pool=pool, stream=stream):
                 for _ in range(nodes):
-                    x.add_(1.0)
+                    add(x)
         out.append(graph)
     torch.cuda.synchronize()
     return out
@@ -113,6 +138,12 @@ def disturb(engine: Any, what: str, graphs: int, nodes: int) -> list[torch.cuda.
         stream = decode.capture_stream if what != "same-pool" else None
         pool = decode.capture_pool if what != "same-stream" else None
         return capture_dummies(graphs, nodes, False, stream, pool)
+    if what == "new-stream":  # no capture: a stream created, a kernel run on it
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            torch.zeros(4096, device="cuda").add_(1.0)
+        torch.cuda.synchronize()
+        return []
     if what == "empty-cache":  # what torch.cuda.graph does before a capture, part 1
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -121,6 +152,8 @@ def disturb(engine: Any, what: str, graphs: int, nodes: int) -> list[torch.cuda.
         torch.cuda.synchronize()
         torch._C._host_emptyCache()
         return []
+    if what in ("triton-capture", "pdl-capture"):
+        return capture_dummies(graphs, nodes, False, kernel=triton_add(what == "pdl-capture"))
     return capture_dummies(graphs, nodes, raw=what == "raw-capture")
 
 
@@ -184,11 +217,16 @@ def main() -> int:
             "same-stream",
             "same-pool",
             "same-both",
+            "triton-capture",
+            "pdl-capture",
+            "new-stream",
         ),
         default="capture",
         help="between the measurements: capture the dummies (torch.cuda.graph), capture "
-        "them without its cache emptying, only empty the device or pinned-host cache, or "
-        "capture them on the decode graphs' stream, memory pool or both",
+        "them without its cache emptying, only empty the device or pinned-host cache, "
+        "capture them on the decode graphs' stream, memory pool or both, or capture "
+        "dummies of a Triton kernel launched plainly or as a programmatic dependent; or "
+        "only create a stream and run a kernel on it",
     )
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--no-pdl", action="store_true", help="no programmatic dependent launch")
@@ -201,8 +239,9 @@ def main() -> int:
     )
     ap.add_argument(
         "--then",
-        choices=("upload", "recapture"),
-        help="afterwards, upload the decode graphs again or capture them again, and time",
+        choices=("upload", "recapture", "new-stream"),
+        help="afterwards, upload the decode graphs again, capture them again, or run the "
+        "steps on a stream created then, and time",
     )
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -224,7 +263,8 @@ def main() -> int:
     )
     label = f"+{args.graphs} graphs x {args.nodes}"
     if args.what != "capture":
-        label = args.what if "cache" in args.what else f"{label} {args.what}"
+        plain = "cache" in args.what or args.what == "new-stream"
+        label = args.what if plain else f"{label} {args.what}"
     pdl = " (no PDL)" if args.no_pdl else ""
     early = args.when == "start"
     # Captured before any request: the decode graphs have not been replayed yet.
@@ -247,7 +287,10 @@ def main() -> int:
         torch.cuda.empty_cache()
         label += " (freed)"
     measure(engine, label, args.reps)
-    if args.then:
+    if args.then == "new-stream":  # every later step on a stream created now
+        with torch.cuda.stream(torch.cuda.Stream()):
+            measure(engine, "then on a new stream", args.reps)
+    elif args.then:
         refresh(engine, args.then)
         measure(engine, f"then {args.then}", args.reps)
     engine.shutdown()
