@@ -5,7 +5,8 @@ pieces cost decode") a decode step got 1-2% slower once the prefill pieces were 
 in the process, with the same kernels: the GPU idled between the decode graph's kernels
 (~0.12 ms a step at batch 64). It stayed slow after the pieces were freed, and a second
 engine in a process was slow without pieces. This probe asks what the slowdown follows,
-one engine per process (8B shape, random bf16 weights, `auto` attention, the pieces off):
+one engine per process (8B shape, random bf16 weights, `auto` attention, the pieces off
+unless `--pieces`):
 
 1. the decode step at `--batch` (back-to-back steps, overlap on) and the GPU's idle time
    inside the steps (profiler CUDA activity: busy time against the span);
@@ -18,7 +19,10 @@ engine's own decode graphs (a graph per size to 512) already put it in the slow 
 `--no-pdl` whether it needs the programmatic dependent launches in the decode graphs
 (every Triton kernel then launches plainly, as off Hopper); `--when start` whether a
 capture made before the engine's first step (its decode graphs captured, never yet
-replayed) slows them too (a run at `--graphs 0` is its control).
+replayed) slows them too (a run at `--graphs 0` is its control); `--pieces 512 --when
+start --graphs 0` whether the engine's own start-up (the prefill pieces, then the decode
+graphs, on one stream) keeps the decode graphs fast. The slow state turned out to be the
+programmatic launches lost (docs/performance.md, 2026-11-28).
 
     python bench/graph_gaps.py --tokenizer DIR --graphs 10 --nodes 30 [--what pdl-capture]
 """
@@ -229,6 +233,7 @@ def main() -> int:
         "only create a stream and run a kernel on it",
     )
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--pieces", type=int, default=0, help="prefill pieces up to these tokens")
     ap.add_argument("--no-pdl", action="store_true", help="no programmatic dependent launch")
     ap.add_argument(
         "--when",
@@ -259,7 +264,7 @@ def main() -> int:
         context_length=2048,
         chunked_prefill_size=-1,
         disable_radix_cache=True,
-        piecewise_cuda_graph_max_tokens=0,
+        piecewise_cuda_graph_max_tokens=args.pieces,
     )
     label = f"+{args.graphs} graphs x {args.nodes}"
     if args.what != "capture":

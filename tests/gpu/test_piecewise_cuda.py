@@ -145,3 +145,14 @@ def test_shutdown_destroys_graphs_a_caller_still_holds(tiny_dir: Path, vocab: in
     engine.shutdown()
     assert not pieces._graphs and not graphs._graphs
     assert graphs.max_bs == 0 and pieces.max_tokens == 0  # nothing runs on them now
+
+
+def test_pieces_and_decode_graphs_share_one_capture_stream(tiny_dir: Path) -> None:
+    """The runner captures the pieces, then the decode graphs, on one stream: a stream
+    each (or the decode graphs first) leaves the decode graphs' Triton kernels launching
+    plainly instead of as programmatic dependents (docs/performance.md, the slow state)."""
+    engine = _engine(tiny_dir, 64)
+    with engine:
+        pieces, graphs = engine.runner.piecewise, engine.runner.graphs
+        assert pieces is not None and graphs is not None
+        assert pieces.capture_stream is graphs.capture_stream

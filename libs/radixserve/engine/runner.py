@@ -260,13 +260,18 @@ class ModelRunner:
             self.kv_pool.size,
         )
         self.cascade = self.attn.supports_shared_prefix and not config.disable_cascade_attention
-        self.graphs = self._capture_graphs()
-        self.piecewise: PiecewiseGraphs | None = None
         # Forward passes so far by how they ran (the worker's forward_passes metric).
         self.forward_passes = dict.fromkeys(FORWARD_PASS_KINDS, 0)
         if self.device.type == "cuda":
             self._warm_up_prefill()
-            self.piecewise = self._capture_piecewise()
+        # The prefill pieces, then the decode graphs, on one capture stream: any other
+        # order, or a stream each, leaves the decode graphs' Triton kernels launching
+        # plainly rather than as programmatic dependents (a gap before each: 1-2% of a
+        # decode step, docs/performance.md).
+        stream = torch.cuda.Stream(self.device) if self._uses_cuda_graphs() else None
+        self.piecewise = self._capture_piecewise(stream) if stream is not None else None
+        self.graphs = self._capture_graphs(stream)
+        if self.device.type == "cuda":
             if self.cascade and not self._cascade_captured():
                 self._warm_up_cascade()
             sampler.warm_up(self.vocab_size, self.dtype, self.device)
@@ -277,27 +282,41 @@ class ModelRunner:
             )
             size_heuristics_cache(heuristics_cache_capacity(config, self.max_running_requests))
 
-    def _capture_graphs(self) -> CudaGraphRunner | None:
-        """Decode graphs, on CUDA with a backend that supports them, unless disabled."""
+    def _uses_cuda_graphs(self) -> bool:
+        """Whether decode graphs run: on CUDA with a backend that supports them, unless
+        disabled."""
         if self.config.disable_cuda_graph or self.device.type != "cuda":
-            return None
+            return False
         if not self.attn.supports_cuda_graph:
             log.info("the %s attention backend runs without CUDA graphs", self.attn.name)
+            return False
+        return True
+
+    def _capture_graphs(self, stream: torch.cuda.Stream | None) -> CudaGraphRunner | None:
+        """Decode graphs, captured on `stream`, where they run (`stream` is None where
+        they do not)."""
+        if stream is None:
             return None
         max_bs = min(self.cuda_graph_max_bs, self.max_running_requests)
         return CudaGraphRunner(
-            self.model, self.attn, self.kv_pool, self.req_pool, max_bs, cascade=self.cascade
+            self.model,
+            self.attn,
+            self.kv_pool,
+            self.req_pool,
+            max_bs,
+            cascade=self.cascade,
+            stream=stream,
         )
 
-    def _capture_piecewise(self) -> PiecewiseGraphs | None:
-        """Prefill pieces, where decode graphs run (after the prefill warm-up built the
-        prefill kernels), unless their token limit is 0. Under tensor parallelism every
-        rank captures the same pieces, their all-reduces included, as with the decode
-        graphs."""
+    def _capture_piecewise(self, stream: torch.cuda.Stream) -> PiecewiseGraphs | None:
+        """Prefill pieces, captured on `stream` where decode graphs run (after the prefill
+        warm-up built the prefill kernels), unless their token limit is 0. Under tensor
+        parallelism every rank captures the same pieces, their all-reduces included, as
+        with the decode graphs."""
         max_tokens = self.config.piecewise_cuda_graph_max_tokens
-        if self.graphs is None or max_tokens == 0:
+        if max_tokens == 0:
             return None
-        return PiecewiseGraphs(self.model, self.attn, self.kv_pool, max_tokens)
+        return PiecewiseGraphs(self.model, self.attn, self.kv_pool, max_tokens, stream)
 
     def _cascade_captured(self) -> bool:
         """Whether graph capture already compiled the cascade kernels."""

@@ -86,7 +86,9 @@ class CudaGraphRunner:
         max_bs: int,
         capture: bool = True,
         cascade: bool = False,
+        stream: torch.cuda.Stream | None = None,
     ) -> None:
+        """`stream`: the capture stream (a new one if None)."""
         if not attn.supports_cuda_graph:
             raise ValueError(f"the {attn.name} attention backend cannot be captured in graphs")
         if cascade and not attn.supports_shared_prefix:
@@ -118,6 +120,7 @@ class CudaGraphRunner:
         self._cascade_batches = {bs: self._static_batch(bs) for bs in self.cascade_sizes}
         self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self._logits: torch.Tensor | None = None  # [max_bs, vocab], at the first pass
+        self._stream = stream
         if capture:
             try:
                 self._capture_all()
@@ -235,7 +238,7 @@ class CudaGraphRunner:
         started = time.perf_counter()
         free_before = torch.cuda.mem_get_info(self.kv_pool.device)[0]
         pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(self.kv_pool.device)
+        stream = self._stream or torch.cuda.Stream(self.kv_pool.device)
         self.capture_stream, self.capture_pool = stream, pool  # bench/graph_gaps.py reads them
         for bs in reversed(self.batch_sizes):
             for cascade in (False, True) if bs in self._cascade_batches else (False,):

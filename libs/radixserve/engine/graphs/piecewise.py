@@ -71,8 +71,10 @@ class PiecewiseGraphs:
         attn: AttentionBackend,
         kv_pool: KVPool,
         max_tokens: int,
+        stream: torch.cuda.Stream | None = None,
         capture: bool = True,
     ) -> None:
+        """`stream`: the capture stream (a new one if None)."""
         if capture and kv_pool.device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
         self.model = model
@@ -102,6 +104,7 @@ class PiecewiseGraphs:
             self._hidden = buffer(t, hidden_size)
         self._stored = False  # whether the pieces store K/V (the rotary kernel does)
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._stream = stream
         if capture:
             try:
                 self._capture_all()
@@ -197,7 +200,8 @@ class PiecewiseGraphs:
         device = self.kv_pool.device
         free_before = torch.cuda.mem_get_info(device)[0]
         pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(device)
+        stream = self._stream or torch.cuda.Stream(device)
+        self.capture_stream = stream
         for tokens in reversed(self.buckets):
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
