@@ -142,8 +142,9 @@ def disturb(engine: Any, what: str, graphs: int, nodes: int) -> list[torch.cuda.
         stream = decode.capture_stream if what != "same-pool" else None
         pool = decode.capture_pool if what != "same-stream" else None
         return capture_dummies(graphs, nodes, False, stream, pool)
-    if what == "new-stream":  # no capture: a stream created, a kernel run on it
-        stream = torch.cuda.Stream()
+    if what in ("new-stream", "capture-stream"):  # no capture: a kernel run on a stream,
+        # a new one or the decode graphs' capture stream
+        stream = torch.cuda.Stream() if what == "new-stream" else decode.capture_stream
         with torch.cuda.stream(stream):
             torch.zeros(4096, device="cuda").add_(1.0)
         torch.cuda.synchronize()
@@ -224,13 +225,14 @@ def main() -> int:
             "triton-capture",
             "pdl-capture",
             "new-stream",
+            "capture-stream",
         ),
         default="capture",
         help="between the measurements: capture the dummies (torch.cuda.graph), capture "
         "them without its cache emptying, only empty the device or pinned-host cache, "
         "capture them on the decode graphs' stream, memory pool or both, or capture "
         "dummies of a Triton kernel launched plainly or as a programmatic dependent; or "
-        "only create a stream and run a kernel on it",
+        "only run a kernel on a new stream or on the decode graphs' capture stream",
     )
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--pieces", type=int, default=0, help="prefill pieces up to these tokens")
@@ -268,7 +270,7 @@ def main() -> int:
     )
     label = f"+{args.graphs} graphs x {args.nodes}"
     if args.what != "capture":
-        plain = "cache" in args.what or args.what == "new-stream"
+        plain = "cache" in args.what or args.what in ("new-stream", "capture-stream")
         label = args.what if plain else f"{label} {args.what}"
     pdl = " (no PDL)" if args.no_pdl else ""
     early = args.when == "start"
