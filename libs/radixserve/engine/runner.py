@@ -268,9 +268,12 @@ class ModelRunner:
         # order, or a stream each, leaves the decode graphs' Triton kernels launching
         # plainly rather than as programmatic dependents (a gap before each: 1-2% of a
         # decode step, docs/performance.md).
-        stream = torch.cuda.Stream(self.device) if self._uses_cuda_graphs() else None
-        self.piecewise = self._capture_piecewise(stream) if stream is not None else None
-        self.graphs = self._capture_graphs(stream)
+        self.piecewise: PiecewiseGraphs | None = None
+        self.graphs: CudaGraphRunner | None = None
+        if self._uses_cuda_graphs():
+            stream = torch.cuda.Stream(self.device)
+            self.piecewise = self._capture_piecewise(stream)
+            self.graphs = self._capture_graphs(stream)
         if self.device.type == "cuda":
             if self.cascade and not self._cascade_captured():
                 self._warm_up_cascade()
@@ -292,11 +295,8 @@ class ModelRunner:
             return False
         return True
 
-    def _capture_graphs(self, stream: torch.cuda.Stream | None) -> CudaGraphRunner | None:
-        """Decode graphs, captured on `stream`, where they run (`stream` is None where
-        they do not)."""
-        if stream is None:
-            return None
+    def _capture_graphs(self, stream: torch.cuda.Stream) -> CudaGraphRunner:
+        """Decode graphs, captured on `stream`."""
         max_bs = min(self.cuda_graph_max_bs, self.max_running_requests)
         return CudaGraphRunner(
             self.model,

@@ -104,7 +104,7 @@ class PiecewiseGraphs:
             self._hidden = buffer(t, hidden_size)
         self._stored = False  # whether the pieces store K/V (the rotary kernel does)
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self._stream = stream
+        self.capture_stream = stream  # a new one at capture if None
         if capture:
             try:
                 self._capture_all()
@@ -200,8 +200,7 @@ class PiecewiseGraphs:
         device = self.kv_pool.device
         free_before = torch.cuda.mem_get_info(device)[0]
         pool = torch.cuda.graph_pool_handle()
-        stream = self._stream or torch.cuda.Stream(device)
-        self.capture_stream = stream
+        stream = self.capture_stream = self.capture_stream or torch.cuda.Stream(device)
         for tokens in reversed(self.buckets):
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
