@@ -156,3 +156,17 @@ def test_pieces_and_decode_graphs_share_one_capture_stream(tiny_dir: Path) -> No
         pieces, graphs = engine.runner.piecewise, engine.runner.graphs
         assert pieces is not None and graphs is not None
         assert pieces.capture_stream is graphs.capture_stream
+
+
+def test_flashinfer_side_work_runs_on_the_capture_stream(half_dir: Path) -> None:
+    """A mixed step's cascade rows run beside FlashInfer's prefill on the capture stream,
+    idle after start-up: on a stream made after the decode graphs' capture they left the
+    graphs' Triton kernels launching plainly (docs/performance.md, the slow state)."""
+    pytest.importorskip("flashinfer")
+    engine = _engine(half_dir, 64, dtype="bfloat16", attention_backend="auto")
+    with engine:
+        graphs = engine.runner.graphs
+        assert graphs is not None
+        prefill = getattr(engine.runner.attn, "prefill", engine.runner.attn)
+        assert prefill.name == "flashinfer"
+        assert prefill._side_stream() is graphs.capture_stream

@@ -274,6 +274,8 @@ class ModelRunner:
             stream = torch.cuda.Stream(self.device)
             self.piecewise = self._capture_piecewise(stream)
             self.graphs = self._capture_graphs(stream)
+            # Idle from now on: a mixed step's side work runs there too, not on a new stream.
+            self.attn.use_side_stream(stream)
         if self.device.type == "cuda":
             if self.cascade and not self._cascade_captured():
                 self._warm_up_cascade()

@@ -97,6 +97,13 @@ class AttentionBackend(ABC):
         inside the graph."""
         return None
 
+    def use_side_stream(self, stream: torch.cuda.Stream) -> None:
+        """Run any work beside the main stream on `stream` rather than on a stream of the
+        backend's own: the runner hands it the decode graphs' capture stream, idle after
+        start-up, because work on any stream made after their capture leaves their
+        Triton kernels launching plainly (docs/performance.md). Nothing by default."""
+        return None
+
     # -- kernels compiled in the background ----------------------------------------
     def start_kernel_builds(
         self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype

@@ -339,8 +339,11 @@ class FlashInferAttentionBackend(AttentionBackend):
         main.wait_stream(side)
         return out
 
+    def use_side_stream(self, stream: torch.cuda.Stream) -> None:
+        self._stream = stream
+
     def _side_stream(self) -> torch.cuda.Stream:
-        if self._stream is None:
+        if self._stream is None:  # no decode graphs: a stream of its own
             self._stream = torch.cuda.Stream(self.device)
         return self._stream
 

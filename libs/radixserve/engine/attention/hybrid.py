@@ -67,6 +67,10 @@ class HybridAttentionBackend(AttentionBackend):
         prefill = self.prefill.wait_kernel_builds(timeout)
         return self.decode.wait_kernel_builds(timeout) and prefill
 
+    def use_side_stream(self, stream: torch.cuda.Stream) -> None:
+        self.prefill.use_side_stream(stream)
+        self.decode.use_side_stream(stream)
+
     # -- CUDA graphs: decode passes only ----------------------------------------------
     def init_cuda_graph_state(self, max_bs: int, max_context_len: int) -> None:
         self.decode.init_cuda_graph_state(max_bs, max_context_len)
