@@ -5,8 +5,9 @@
 
 The URL is `$RADIXSERVE_HEALTH_URL` when set; else the service's own `/metrics` port
 (`$RADIXSERVE_METRICS_PORT`: every service but the gateway runs one in the images' setups);
-else the gateway's `/health` on `$RADIXSERVE_GATEWAY_PORT` (8000), which answers 200 only
-while the gateway is on the bus and not draining. `--require NAME` (or
+else the gateway's `/health/ready` on `$RADIXSERVE_GATEWAY_PORT` (8000), which answers 200
+only while the gateway can serve (on the bus, not draining, and a tokenizer, scheduler,
+detokenizer and ready worker heard from). `--require NAME` (or
 `$RADIXSERVE_HEALTH_REQUIRE`) also wants a series of that metric in the answer: the worker
 uses one that exists only once its model is loaded, so "healthy" means "ready to serve".
 
@@ -38,7 +39,7 @@ def health_url(env: Mapping[str, str]) -> str:
     if metrics_port and metrics_port != "0":
         return f"http://127.0.0.1:{metrics_port}/metrics"
     gateway_port = env.get(ENV_GATEWAY_PORT, "").strip() or DEFAULT_GATEWAY_PORT
-    return f"http://127.0.0.1:{gateway_port}/health"
+    return f"http://127.0.0.1:{gateway_port}/health/ready"
 
 
 def has_series(body: str, metric: str) -> bool:
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", default=None, help="default: from the environment (see above)")
     parser.add_argument("--require", default=None, help="a metric that must have a series")
-    parser.add_argument("--timeout-s", type=float, default=3.0)
+    parser.add_argument("--timeout-s", type=float, default=10.0)
     ns = parser.parse_args(argv)
     url = ns.url or health_url(os.environ)
     require = ns.require if ns.require is not None else os.environ.get(ENV_HEALTH_REQUIRE, "")

@@ -4,20 +4,29 @@
 
 The lock is the installed closure of `[project].dependencies` (pyproject.toml) in this
 environment, which `make test` has just exercised, so the images run the versions CI
-tested. Left out, because each image installs its own: torch (the CPU build in
-docker/Dockerfile, the CUDA build in docker/Dockerfile.cuda), and what only the CUDA build
-brings (triton, the nvidia-* libraries). tests/packaging/test_dockerfiles.py checks the
-lock still pins every dependency of pyproject.toml within its range.
+tested. It also holds what the oldest Python that `requires-python` admits needs and
+this one does not (redis wants async-timeout before 3.11.3; `PYTHON_IMAGE` may be any
+3.11), with the requirement's marker and the newest release within its range (pip
+downloads that wheel to read its own requirements). Left out, because each image
+installs its own: torch (the CPU build in docker/Dockerfile, the CUDA build in
+docker/Dockerfile.cuda), and what only the CUDA build brings (triton, the nvidia-*
+libraries). tests/packaging/test_dockerfiles.py checks the lock still pins every
+dependency of pyproject.toml within its range, and the closure on the oldest Python.
 """
 
 from __future__ import annotations
 
 import importlib.metadata as metadata
 import re
+import subprocess
 import sys
+import tempfile
 import tomllib
+import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
+from packaging.markers import default_environment
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,41 +39,98 @@ def canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def closure(roots: list[Requirement]) -> dict[str, str]:
-    """name -> installed version of `roots` and everything they need here."""
-    pins: dict[str, str] = {}
+def oldest_environment(requires_python: str) -> dict[str, str]:
+    """Marker variables of the oldest Python `requires-python` (">=3.11") admits."""
+    match = re.fullmatch(r"\s*>=\s*(\d+)\.(\d+)(?:\.(\d+))?\s*", requires_python)
+    if match is None:
+        raise ValueError(f"requires-python {requires_python!r}: want the form '>=X.Y[.Z]'")
+    major, minor, micro = match.group(1), match.group(2), match.group(3) or "0"
+    return {
+        **default_environment(),
+        "python_version": f"{major}.{minor}",
+        "python_full_version": f"{major}.{minor}.{micro}",
+    }
+
+
+@dataclass
+class Pin:
+    version: str
+    marker: str = ""  # set when only the oldest Python needs it
+
+
+def holds(req: Requirement, env: dict[str, str], extra: str) -> bool:
+    return req.marker is None or req.marker.evaluate({**env, "extra": extra})
+
+
+def closure(roots: list[Requirement], oldest: dict[str, str]) -> dict[str, Pin]:
+    """name -> pin of `roots` and everything they need here or on the oldest Python."""
+    here = dict(default_environment())
+    pins: dict[str, Pin] = {}
     seen: set[tuple[str, str]] = set()  # (name, extra): a package reached with an extra
-    todo = [(req, "") for req in roots]  # also needs that extra's requirements
-    while todo:
-        req, extra = todo.pop()
-        if req.marker is not None and not req.marker.evaluate({"extra": extra}):
-            continue
-        name = canonical(req.name)
-        dist = metadata.distribution(req.name)
-        pins[name] = dist.version
-        for wanted in req.extras or {""}:
-            if (name, wanted) not in seen:
-                seen.add((name, wanted))
-                todo += [(Requirement(text), wanted) for text in dist.requires or []]
+    todo = [(req, "", "") for req in roots]  # also needs that extra's requirements
+    with tempfile.TemporaryDirectory() as downloads:
+        while todo:
+            req, extra, inherited = todo.pop()
+            if holds(req, here, extra):
+                marker = inherited
+            elif holds(req, oldest, extra):
+                marker = inherited or str(req.marker)
+            else:
+                continue
+            name = canonical(req.name)
+            dist = installed(req) or downloaded(req, Path(downloads), oldest)
+            if name not in pins or not marker:
+                pins[name] = Pin(dist.version, marker)
+            for wanted in req.extras or {""}:
+                if (name, wanted) not in seen:
+                    seen.add((name, wanted))
+                    todo += [(Requirement(text), wanted, marker) for text in dist.requires or []]
     return pins
 
 
-def render(pins: dict[str, str]) -> str:
+def installed(req: Requirement) -> metadata.Distribution | None:
+    try:
+        return metadata.distribution(req.name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def downloaded(req: Requirement, folder: Path, env: dict[str, str]) -> metadata.Distribution:
+    """The newest wheel within `req`'s range for the oldest Python, read from its zip."""
+    spec = f"{req.name}{req.specifier}"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+         "--python-version", env["python_full_version"], "--dest", str(folder), spec],
+        check=True,
+    )  # fmt: skip
+    wheels = [
+        w for w in folder.glob("*.whl") if canonical(w.name.split("-")[0]) == canonical(req.name)
+    ]
+    if not wheels:
+        raise RuntimeError(f"pip downloaded no wheel for {spec}")
+    archive = zipfile.ZipFile(wheels[0])
+    info = next(n.split("/")[0] for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
+    return metadata.PathDistribution(zipfile.Path(archive, info + "/"))  # type: ignore[arg-type]
+
+
+def render(pins: dict[str, Pin]) -> str:
     lines = [
         "# Generated by docker/lock.py from pyproject.toml and the tested .venv; do not edit.",
         "# torch, triton and nvidia-* are installed by each Dockerfile (CPU or CUDA build).",
     ]
-    for name, version in sorted(pins.items()):
+    for name, pin in sorted(pins.items()):
         if IMAGE_SPECIFIC.match(name):
             continue
-        lines.append(f"{name}=={version.split('+')[0]}")
+        marker = f"; {pin.marker}" if pin.marker else ""
+        lines.append(f"{name}=={pin.version.split('+')[0]}{marker}")
     return "\n".join(lines) + "\n"
 
 
 def main() -> int:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     roots = [Requirement(text) for text in project["dependencies"]]
-    LOCK.write_text(render(closure(roots)))
+    oldest = oldest_environment(project["requires-python"])
+    LOCK.write_text(render(closure(roots, oldest)))
     print(f"wrote {LOCK.relative_to(ROOT)}")
     return 0
 

@@ -45,12 +45,20 @@ def run_chat(url: str, max_tokens: int, temperature: float) -> int:
     history: list[dict[str, str]] = []
     with httpx.Client(timeout=httpx.Timeout(10.0, read=300.0)) as client:
         try:
-            client.get(f"{url}/health").raise_for_status()
+            health = client.get(f"{url}/health/ready")
         except httpx.HTTPError as exc:
             print(
                 f"radixserve chat: no gateway at {url} ({exc}); start one with `make run`",
                 file=sys.stderr,
             )
+            return 1
+        if health.status_code != 200:
+            try:
+                missing = ", ".join(health.json().get("missing", []))
+            except ValueError:  # not a radixserve gateway's body
+                missing = ""
+            missing = missing or f"HTTP {health.status_code}"
+            print(f"radixserve chat: {url} is not ready (waiting for: {missing})", file=sys.stderr)
             return 1
         print(f"Chatting with {url}. Ctrl-D or Ctrl-C to quit.")
         while True:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -40,29 +41,54 @@ pytestmark = pytest.mark.timeout(60)
 async def test_models_health_and_request_ids(
     pipeline: FakePipeline, http: httpx.AsyncClient, client: openai.AsyncOpenAI
 ) -> None:
-    models = await client.models.list()
-    assert [m.id for m in models.data] == [MODEL]
-    await pipeline.heartbeat()
-    deadline = time.monotonic() + WAIT_S
-    while True:
-        health = await http.get("/health")
-        assert health.status_code == 200
-        body = health.json()
-        if body["workers_ready"] == 1 and body["services"]["tokenizer"] == 1:
-            break
-        assert time.monotonic() < deadline, body
-        await asyncio.sleep(0.05)
-    assert body["status"] == "ok"
+    # Up but not ready: live, and 503 with what is missing on readiness and the models.
+    assert (await http.get("/health/live")).json() == {"status": "alive"}
+    ready = await http.get("/health/ready")
+    assert ready.status_code == 503
+    assert ready.json()["missing"] == ["tokenizer", "scheduler", "detokenizer", "worker"]
+    with pytest.raises(openai.APIStatusError) as refused:
+        await client.with_options(max_retries=0).models.list()
+    assert refused.value.status_code == 503
+    assert refused.value.body["code"] == "not_ready"  # type: ignore[index]
+    assert (await http.get(f"/v1/models/{MODEL}")).status_code == 503
+
+    await pipeline.heartbeat()  # a worker and a tokenizer
+    body = await _health_once(http, lambda body: body["missing"] == ["scheduler", "detokenizer"])
+    assert body["status"] == "not_ready" and body["workers_ready"] == 1
+    for service in ("scheduler", "detokenizer"):
+        await pipeline.alive(service)
+    body = await _health_once(http, lambda body: body["status"] == "ok")
     # Services by their heartbeats: the gateway hears its own; nothing else runs here.
     assert body["services"] == {
         "gateway": 1,
         "tokenizer": 1,
-        "scheduler": 0,
+        "scheduler": 1,
         "worker": 0,
         "grammar": 0,
-        "detokenizer": 0,
+        "detokenizer": 1,
     }
+    assert body["missing"] == []
+    assert (await http.get("/health/ready")).json() == {"status": "ready"}
+    models = await client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    health = await http.get("/health")
+    assert health.status_code == 200
     assert len(health.headers["x-request-id"]) == 32
+
+
+async def _health_once(
+    http: httpx.AsyncClient, done: Callable[[dict[str, Any]], bool]
+) -> dict[str, Any]:
+    """The first /health body for which `done` holds (its status 503 until it is ready)."""
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        health = await http.get("/health")
+        body: dict[str, Any] = health.json()
+        assert health.status_code == (200 if body["status"] == "ok" else 503), body
+        if done(body):
+            return body
+        assert time.monotonic() < deadline, body
+        await asyncio.sleep(0.05)
 
 
 async def test_chat_completion_non_streaming_maps_fields(

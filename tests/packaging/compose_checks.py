@@ -157,6 +157,12 @@ def _service_problems(
             problems.append(f"depends_on an unknown service {target!r}")
         elif rule.get("condition") == "service_healthy" and "healthcheck" not in services[target]:
             problems.append(f"waits for {target} to be healthy, but {target} has no healthcheck")
+    timeout = str(service.get("healthcheck", {}).get("timeout", ""))
+    if timeout and _seconds(timeout) < MIN_HEALTHCHECK_TIMEOUT_S:
+        problems.append(
+            f"healthcheck timeout {timeout} is under {MIN_HEALTHCHECK_TIMEOUT_S:.0f}s "
+            "(a loaded host answers late)"
+        )
     for mount in service.get("volumes", []):
         source = mount.get("source") if isinstance(mount, dict) else str(mount).split(":")[0]
         if not source:
@@ -167,6 +173,18 @@ def _service_problems(
         elif source not in volumes:
             problems.append(f"volume {source!r} is not declared under volumes:")
     return problems
+
+
+MIN_HEALTHCHECK_TIMEOUT_S = 10.0
+
+
+def _seconds(duration: str) -> float:
+    """A compose duration ("15s", "1m30s", "500ms") in seconds."""
+    units = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001, "us": 1e-6}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|us|h|m|s)", duration)
+    if not parts:
+        raise ValueError(f"not a compose duration: {duration!r}")
+    return sum(float(value) * units[unit] for value, unit in parts)
 
 
 def _hardening_problems(service: dict[str, Any]) -> list[str]:

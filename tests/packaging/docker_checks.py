@@ -128,9 +128,25 @@ def dockerfile_problems(text: str) -> list[str]:
             problems.append(f"USER {users[-1]}: want a numeric non-root uid")
     if not any(keyword == "HEALTHCHECK" for keyword, _ in final):
         problems.append("the final stage has no HEALTHCHECK")
+    problems += _unreadable_copies(stages)
     env = " ".join(rest for keyword, rest in final if keyword == "ENV")
     if "HF_HUB_OFFLINE=1" not in env:
         problems.append("HF_HUB_OFFLINE=1 is not set (a model must never be fetched at run time)")
+    return problems
+
+
+def _unreadable_copies(stages: list[Stage]) -> list[str]:
+    """Folders the final stage copies from an earlier one that no RUN there made readable
+    by all (`chmod -R a+rX`): COPY --from keeps modes, and the services are not root."""
+    built = " ".join(rest for stage in stages[:-1] for keyword, rest in stage.instructions)
+    problems = []
+    for keyword, rest in stages[-1].instructions:
+        words = [w for w in rest.split() if not w.startswith("--")]
+        if keyword != "COPY" or "--from=" not in rest or len(words) != 2:
+            continue
+        source = words[0]
+        if source.startswith("/opt/radixserve/") and f"chmod -R a+rX {source}" not in built:
+            problems.append(f"{source} is copied without being made readable to the service user")
     return problems
 
 

@@ -4,6 +4,7 @@ dependency lock, the build context, and the health check script the images run."
 from __future__ import annotations
 
 import http.server
+import importlib.metadata as metadata
 import subprocess
 import sys
 import threading
@@ -62,8 +63,12 @@ def test_hadolint_fails_on_a_broken_dockerfile(tmp_path: Path) -> None:
             lambda t: t.replace("RUN pip install --no-deps -r", "RUN pip install requests -r"),
             "requests",
         ),
+        (
+            lambda t: t.replace("&& chmod -R a+rX /opt/radixserve/models", ""),
+            "/opt/radixserve/models is copied without being made readable",
+        ),
     ],
-    ids=["root-user", "no-healthcheck", "hub-online", "latest-base", "unpinned-pip"],
+    ids=["root-user", "no-healthcheck", "hub-online", "latest-base", "unpinned-pip", "0700-model"],
 )
 def test_image_policy_fails_on_a_broken_dockerfile(
     edit: Callable[[str], str], expected: str
@@ -80,14 +85,20 @@ def test_pip_pins_are_read_per_command() -> None:
     assert pip_unpinned("pip install --no-deps --target /t 'x==1' && echo pip") == []
 
 
-def test_lock_pins_every_runtime_dependency_within_its_range() -> None:
-    """docker/requirements.txt (docker/lock.py) must still satisfy pyproject.toml."""
+def locked() -> dict[str, str]:
+    """name -> the version docker/requirements.txt pins (markers dropped)."""
     pins: dict[str, str] = {}
     for line in LOCK.read_text().splitlines():
         if line and not line.startswith("#"):
-            name, sep, version = line.partition("==")
+            name, sep, version = line.split(";")[0].strip().partition("==")
             assert sep, f"{line!r} is not pinned with =="
             pins[canonicalize_name(name)] = version
+    return pins
+
+
+def test_lock_pins_every_runtime_dependency_within_its_range() -> None:
+    """docker/requirements.txt (docker/lock.py) must still satisfy pyproject.toml."""
+    pins = locked()
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     for text in project["dependencies"]:
         requirement = Requirement(text)
@@ -98,6 +109,33 @@ def test_lock_pins_every_runtime_dependency_within_its_range() -> None:
         assert requirement.specifier.contains(pins[name], prereleases=True), (
             f"{name}=={pins[name]} does not satisfy {requirement}: run docker/lock.py"
         )
+
+
+def test_lock_is_whole_on_the_oldest_python_the_project_admits() -> None:
+    """The images install the lock with --no-deps on any 3.11 (`PYTHON_IMAGE`): what a
+    locked package needs there must be locked too (redis: async-timeout before 3.11.3)."""
+    sys.path.insert(0, str(DOCKER_DIR))
+    try:
+        import lock
+    finally:
+        sys.path.remove(str(DOCKER_DIR))
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    oldest = lock.oldest_environment(project["requires-python"])
+    assert oldest["python_full_version"] == "3.11.0"
+    pins = locked()
+    missing = []
+    for name in pins:
+        try:
+            requires = metadata.requires(name) or []
+        except metadata.PackageNotFoundError:  # needed only on an older Python than this
+            continue
+        for text in requires:
+            requirement = Requirement(text)
+            wanted = canonicalize_name(requirement.name)
+            if lock.holds(requirement, oldest, "") and wanted not in pins:
+                if not lock.IMAGE_SPECIFIC.match(wanted):
+                    missing.append(f"{name} needs {requirement}")
+    assert missing == [], "run docker/lock.py"
 
 
 def test_build_context_admits_everything_the_dockerfiles_copy() -> None:

@@ -267,6 +267,25 @@ def test_conversion_key_follows_file_content(tmp_path: Path) -> None:
     assert converted_dir(model, tmp_path) != first
 
 
+def test_converted_folder_is_readable_by_other_users(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import stat
+
+    from radixserve.engine.model import gguf_convert
+
+    def write_folder(gguf_path: Path, out: Path) -> None:
+        (out / "config.json").write_text("{}")
+
+    # The conversion itself is tested on the real GGUF above; this is the folder's mode
+    # (a 0700 folder crash-looped every non-root service of the images).
+    monkeypatch.setattr(gguf_convert, "_write_hf_folder", write_folder)
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"a" * 100)
+    target = gguf_convert.convert_gguf(model, tmp_path / "cache")
+    assert stat.S_IMODE(target.stat().st_mode) == 0o755
+
+
 def test_stale_staging_folders_are_removed(tmp_path: Path) -> None:
     import os
 

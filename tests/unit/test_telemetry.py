@@ -23,7 +23,7 @@ from radixserve.services.runtime import (
 )
 from radixserve.stack import StackSpec
 from radixserve.telemetry.buckets import E2E_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS
-from radixserve.telemetry.common import ServiceMetrics
+from radixserve.telemetry.common import CONTENT_TYPE, ServiceMetrics
 from radixserve.telemetry.exposition import MetricsServer
 from radixserve.telemetry.latency import TokenTimes
 from radixserve.telemetry.metrics import GatewayMetrics
@@ -288,6 +288,39 @@ def test_metrics_port_serves_the_process_registry() -> None:
         server.close()
     with pytest.raises(ValueError):
         MetricsServer.start(common.registry, "127.0.0.1", 0)
+
+
+# What Prometheus 2.x (2.42, 2.55) and 3.x send when they scrape.
+SCRAPER_ACCEPT = {
+    "prometheus-2.42": "application/openmetrics-text;version=1.0.0,application/openmetrics-text;"
+    "version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1",
+    "prometheus-2.55": "application/openmetrics-text;version=1.0.0;escaping=underscores;q=0.5,"
+    "application/openmetrics-text;version=0.0.1;q=0.4,text/plain;version=0.0.4;q=0.3,*/*;q=0.2",
+    "prometheus-3": "application/openmetrics-text;version=1.0.0;escaping=allow-utf-8;q=0.5,"
+    "application/openmetrics-text;version=0.0.1;q=0.4,text/plain;version=1.0.0;"
+    "escaping=allow-utf-8;q=0.3,text/plain;version=0.0.4;q=0.2,*/*;q=0.1",
+    "none": "",
+}
+
+
+def test_metrics_port_serves_one_format_whatever_the_scraper_accepts() -> None:
+    common = ServiceMetrics("worker", "w-0")
+    server = MetricsServer.start(common.registry, "127.0.0.1", free_port())
+    try:
+        answers = {
+            name: httpx.get(server.url, headers={"Accept": accept} if accept else {}, timeout=5.0)
+            for name, accept in SCRAPER_ACCEPT.items()
+        }
+    finally:
+        server.close()
+    expected = common.render().decode()
+    for name, answer in answers.items():
+        assert answer.headers["content-type"] == CONTENT_TYPE, name
+        # The documented names (colons kept): the same text for every scraper.
+        assert 'radixserve:service_info{instance="w-0",service="worker"} 1.0' in answer.text, name
+        assert "radixserve_service_info" not in answer.text, name
+        lines = [line for line in answer.text.splitlines() if not line.startswith("process_")]
+        assert lines == [line for line in expected.splitlines() if not line.startswith("process_")]
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

@@ -5,6 +5,7 @@ detokenizer make (an SDK provider with an in-memory exporter; never the global o
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -129,6 +130,7 @@ class Receiver:
     def __init__(self, status: int = 200) -> None:
         self.bodies: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
+        self.status = status
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -136,7 +138,7 @@ class Receiver:
                 raw = self.rfile.read(int(self.headers["Content-Length"]))
                 outer.bodies.append(json.loads(raw))
                 outer.headers.append(dict(self.headers))
-                self.send_response(status)
+                self.send_response(outer.status)
                 self.send_header("Content-Length", "0")
                 self.end_headers()
 
@@ -215,6 +217,30 @@ def test_exporter_posts_to_a_receiver_and_reports_failures(
     assert dead.export(spans).name == "FAILURE"
     assert time.monotonic() - started < 5
     dead.shutdown()
+
+
+def test_a_missing_collector_is_logged_once_and_backed_off(
+    sdk: tuple[Tracer, InMemorySpanExporter], caplog: pytest.LogCaptureFixture
+) -> None:
+    tracer, memory = sdk
+    spans = some_spans(tracer, memory)
+    down = Receiver(status=503)
+    exporter = OtlpJsonSpanExporter(down.url, timeout_s=5, retries=1, backoff_s=0.5)
+    try:
+        with caplog.at_level(logging.DEBUG, logger="radixserve.telemetry.otlp_json"):
+            for _ in range(5):  # one try (and its retry), then batches dropped untried
+                assert exporter.export(spans).name == "FAILURE"
+            assert len(down.bodies) == 2
+            assert exporter.dropped == 5 * len(spans)
+            time.sleep(0.6)  # the pause is over: the next batch is tried again
+            down.status = 200
+            assert exporter.export(spans).name == "SUCCESS"
+        warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(warnings) == 1 and "backing off" in warnings[0].getMessage()
+        assert any("again (10 dropped)" in r.getMessage() for r in caplog.records)
+    finally:
+        exporter.shutdown()
+        down.close()
 
 
 # -- contexts on batch messages ----------------------------------------------------------------

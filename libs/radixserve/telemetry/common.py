@@ -24,6 +24,11 @@ PREFIX = "radixserve:"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
+def render(registry: CollectorRegistry) -> bytes:
+    """The /metrics answer of every port: the text format, whatever the scraper accepts."""
+    return generate_latest(registry)
+
+
 def outcome_of(exc: BaseException | None) -> str:
     """A small, fixed label value for how a round trip ended."""
     if exc is None:
@@ -81,7 +86,7 @@ class ServiceMetrics:
             yield
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return render(self.registry)
 
 
 @contextmanager

@@ -4,8 +4,11 @@
     ...                                   # GET http://127.0.0.1:9101/metrics
     server.close()
 
-prometheus_client's WSGI app on a threading server in a daemon thread: a scrape never
+The text format (0.0.4) on a threading WSGI server in a daemon thread: a scrape never
 touches the service's event loop, and a busy port fails the start at once (OSError).
+One format whatever the scraper's Accept header asks for, as the gateway's /metrics:
+prometheus_client's own app negotiates, and Prometheus 2.x's header made it rename
+every `radixserve:*` series to `radixserve_*`, which the dashboards do not query.
 The server polls for shutdown every 50 ms, so stopping a service is not held up.
 """
 
@@ -13,12 +16,17 @@ from __future__ import annotations
 
 import socket
 import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry
-from prometheus_client.exposition import ThreadingWSGIServer, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
+
+from radixserve.telemetry.common import CONTENT_TYPE, render
+
+WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 
 _POLL_S = 0.05
 
@@ -36,6 +44,18 @@ class _Server6(_Server):
     address_family = socket.AF_INET6
 
 
+def metrics_app(registry: CollectorRegistry) -> WsgiApp:
+    """Every path and method answers the registry in the text format."""
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        body = render(registry)
+        headers = [("Content-Type", CONTENT_TYPE), ("Content-Length", str(len(body)))]
+        start_response("200 OK", headers)
+        return [b""] if environ.get("REQUEST_METHOD") == "HEAD" else [body]
+
+    return app
+
+
 @dataclass
 class MetricsServer:
     server: WSGIServer
@@ -48,7 +68,7 @@ class MetricsServer:
             raise ValueError(f"metrics port must be in [1, 65535], got {port}")
         server_class = _Server6 if ":" in host else _Server
         server = make_server(
-            host, port, make_wsgi_app(registry), server_class, handler_class=_QuietHandler
+            host, port, metrics_app(registry), server_class, handler_class=_QuietHandler
         )
         thread = threading.Thread(
             target=server.serve_forever,

@@ -119,7 +119,11 @@ def encode_spans(spans: Sequence[ReadableSpan]) -> dict[str, Any]:
 
 class OtlpJsonSpanExporter(SpanExporter):
     """POSTs batches to an OTLP/HTTP endpoint (`.../v1/traces`) as JSON; called from the
-    SDK's batch processor thread, never from an event loop."""
+    SDK's batch processor thread, never from an event loop.
+
+    A failed export backs off (1 s doubling to `max_backoff_s`): batches in the pause are
+    dropped without a try, so a collector that is not deployed costs no retries and one
+    log line, not a line and seconds of retries every batch. `dropped` counts them."""
 
     def __init__(
         self,
@@ -127,6 +131,8 @@ class OtlpJsonSpanExporter(SpanExporter):
         headers: Mapping[str, str] | None = None,
         timeout_s: float = 10.0,
         retries: int = 2,
+        backoff_s: float = 1.0,
+        max_backoff_s: float = 60.0,
     ) -> None:
         self.endpoint = endpoint
         self.timeout_s = timeout_s
@@ -136,10 +142,32 @@ class OtlpJsonSpanExporter(SpanExporter):
         )
         self._closed = False
         self._warned = False
+        self._first_backoff_s = backoff_s
+        self._backoff_s = backoff_s
+        self._max_backoff_s = max_backoff_s
+        self._paused_until = 0.0
+        self._failing = False
+        self.dropped = 0
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         if self._closed:
             return SpanExportResult.FAILURE
+        if time.monotonic() < self._paused_until:
+            self.dropped += len(spans)
+            return SpanExportResult.FAILURE
+        result = self._post(spans)
+        if result is SpanExportResult.SUCCESS:
+            if self._failing:
+                log.info("exporting spans to %s again (%d dropped)", self.endpoint, self.dropped)
+            self._failing, self._backoff_s = False, self._first_backoff_s
+        else:
+            self.dropped += len(spans)
+            self._failing = True
+            self._paused_until = time.monotonic() + self._backoff_s
+            self._backoff_s = min(self._backoff_s * 2, self._max_backoff_s)
+        return result
+
+    def _post(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         body = json.dumps(encode_spans(spans)).encode()
         delay_s = 0.5
         for attempt in range(self.retries + 1):
@@ -156,7 +184,10 @@ class OtlpJsonSpanExporter(SpanExporter):
             if attempt < self.retries:
                 time.sleep(delay_s)
                 delay_s *= 2
-        self._warn(f"exporting {len(spans)} span(s) to {self.endpoint} failed: {reason}")
+        self._warn(
+            f"exporting {len(spans)} span(s) to {self.endpoint} failed: {reason}; "
+            "backing off (dropping spans until it answers)"
+        )
         return SpanExportResult.FAILURE
 
     def _warn(self, message: str) -> None:

@@ -107,6 +107,9 @@ def convert_gguf(gguf_path: str | Path, cache_dir: Path | None = None) -> Path:
     _remove_stale_staging(target.parent, gguf_path.stem)
     log.info("converting %s to %s (once; later starts reuse it)", gguf_path, target)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    # mkdtemp makes it 0700; the converted folder is read by services of other users
+    # (an image's non-root services, a shared cache), like any folder mkdir makes.
+    staging.chmod(0o755)
     try:
         _write_hf_folder(gguf_path, staging)
         try:

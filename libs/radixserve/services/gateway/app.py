@@ -127,15 +127,42 @@ def create_app(state: GatewayState) -> ASGIApp:
             "owned_by": "radixserve",
         }
 
+    def not_serving() -> ApiError | None:
+        """The 503 of a model that no ready worker serves yet (clients and benchmark tools
+        wait on /v1/models before they send)."""
+        missing = state.missing()
+        if not missing:
+            return None
+        return ApiError.unavailable(
+            f"the model is not ready to serve yet (waiting for: {', '.join(missing)})",
+            code="not_ready",
+        )
+
     @app.get("/v1/models")
     async def list_models() -> Response:
+        if (unavailable := not_serving()) is not None:
+            return error_response(unavailable, uuid.uuid4().hex)
         return json_response({"object": "list", "data": [model_card()]})
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str) -> Response:
         if model != settings.served_model_name:
             return error_response(ApiError.model_not_found(model), uuid.uuid4().hex)
+        if (unavailable := not_serving()) is not None:
+            return error_response(unavailable, uuid.uuid4().hex)
         return json_response(model_card())
+
+    @app.get("/health/live")
+    async def live() -> Response:
+        # The process answers: restart it only when this fails (draining is alive).
+        return json_response({"status": "alive"})
+
+    @app.get("/health/ready")
+    async def ready() -> Response:
+        missing = state.missing()
+        if missing:
+            return json_response({"status": "not_ready", "missing": missing}, 503)
+        return json_response({"status": "ready"})
 
     @app.get("/health")
     async def health() -> Response:
@@ -144,12 +171,14 @@ def create_app(state: GatewayState) -> ASGIApp:
         if not state.bus.is_connected:
             return json_response({"status": "no_bus", "workers_ready": 0}, 503)
         state.workers.prune()
+        missing = state.missing()
         body = {
-            "status": "ok",
+            "status": "not_ready" if missing else "ok",
             "workers_ready": state.workers.ready_count(),
             "services": state.workers.services(),
+            "missing": missing,
         }
-        return json_response(body)
+        return json_response(body, 503 if missing else 200)
 
     @app.get("/metrics")
     async def metrics() -> Response:

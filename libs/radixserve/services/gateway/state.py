@@ -54,6 +54,15 @@ class GatewayState:
         if not self.bus.is_connected:
             raise ApiError.unavailable("the gateway is not connected to NATS", code="no_bus")
 
+    def missing(self) -> list[str]:
+        """Why this gateway cannot serve now ("draining", "nats", then the services and
+        "worker" not heard from); empty when it can."""
+        if self.draining:
+            return ["draining"]
+        if not self.bus.is_connected:
+            return ["nats"]
+        return self.workers.missing()
+
     def add_inflight(self, run: Inflight) -> None:
         self.inflight.add(run)
         self._idle.clear()

@@ -7,6 +7,7 @@ workers' load (metrics).
     await bus.subscribe(subjects.alive_all, tracker.on_alive)
     tracker.ready_count()        # workers whose last heartbeat said ready, recently
     tracker.services()           # {"tokenizer": 2, ...}: instances heard from recently, ready
+    tracker.missing()            # ["worker"]: what this gateway still needs to serve
 
 Routing is the scheduler's; this is only a view, kept from the same messages.
 """
@@ -28,6 +29,9 @@ from radixserve.services.messages import decode_or_drop
 from radixserve.telemetry import GatewayMetrics
 
 log = logging.getLogger(__name__)
+
+# A request passes through these (grammar only for structured outputs, which wait for it).
+SERVING_PATH = ("tokenizer", "scheduler", "detokenizer")
 
 
 class WorkerTracker:
@@ -75,6 +79,13 @@ class WorkerTracker:
             for seen, status in self._heartbeats.values()
             if seen >= cutoff and status == WorkerStatus.READY
         )
+
+    def missing(self) -> list[str]:
+        """The services of a request's path with no ready instance heard recently, then
+        "worker" when no worker is ready: empty once this gateway can serve."""
+        counts = self.services()
+        gaps = [name for name in SERVING_PATH if not counts.get(name)]
+        return gaps if self.ready_count() else [*gaps, "worker"]
 
     def prune(self) -> None:
         """Forget workers silent for a while (their gauges too), e.g. before a scrape."""
