@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: run test lint format unit integration gpu check-packaging bench-engine-cpu bench-overhead bench-online bench-routing bench-soak bench-gpu clean venv
+.PHONY: run test test-compose lint format unit integration gpu check-packaging bench-engine-cpu bench-overhead bench-online bench-routing bench-soak bench-gpu clean venv
 
 venv: $(STAMP)
 
@@ -35,12 +35,18 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 
 test: lint check-packaging
-	$(PY) -m pytest -q --ignore=tests/packaging $(PYTEST_ARGS)
+	$(PY) -m pytest -q --ignore=tests/packaging --ignore=tests/deploy $(PYTEST_ARGS)
 
 # The compose file, the Helm chart and the Dockerfiles, checked with no Docker engine and
 # no cluster (compose-spec, helm-python-sdk, kubernetes-validate --strict, hadolint).
 check-packaging: $(STAMP)
 	$(PY) -m pytest -q tests/packaging
+
+# The shipped docker-compose.yml started for real (CPU worker) and used: needs a Docker
+# engine and Compose v2 (skipped without them). Builds missing base-image stand-ins and the
+# CPU image first (tests/deploy/standin_images.py); always takes the stack down.
+test-compose: $(STAMP)
+	$(PY) -m pytest -v -ra tests/deploy $(PYTEST_ARGS)
 
 unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit $(PYTEST_ARGS)

@@ -7,7 +7,7 @@ The URL is `$RADIXSERVE_HEALTH_URL` when set; else the service's own `/metrics` 
 (`$RADIXSERVE_METRICS_PORT`: every service but the gateway runs one in the images' setups);
 else the gateway's `/health/ready` on `$RADIXSERVE_GATEWAY_PORT` (8000), which answers 200
 only while the gateway can serve (on the bus, not draining, and a tokenizer, scheduler,
-detokenizer and ready worker heard from). `--require NAME` (or
+grammar service, detokenizer and ready worker heard from). `--require NAME` (or
 `$RADIXSERVE_HEALTH_REQUIRE`) also wants a series of that metric in the answer: the worker
 uses one that exists only once its model is loaded, so "healthy" means "ready to serve".
 

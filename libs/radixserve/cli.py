@@ -59,7 +59,16 @@ def build_parser() -> argparse.ArgumentParser:
     health = sub.add_parser("health", help="which services are alive")
     health.add_argument("--nats-url", default=None)
     health.add_argument("--subject-prefix", default=None)
-    health.add_argument("--wait-s", type=float, default=2.5)
+    health.add_argument(
+        "--wait-s", type=float, default=2.5, help="how long one probe listens to heartbeats"
+    )
+    health.add_argument(
+        "--wait",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="probe again until healthy (exit 0), or exit 1 after SECONDS with what is missing",
+    )
 
     infra = sub.add_parser("infra", help="start NATS and Redis and wait for Ctrl-C")
     add_infra_arguments(infra)
@@ -213,6 +222,7 @@ def _cmd_up(ns: argparse.Namespace) -> int:
             gpus=gpus,
         )
         stack = Stack(spec, say=lambda text: print(text, file=sys.stderr, flush=True))
+        stack.adopt(infra.local_servers())  # NATS and Redis are restarted like the services
         print(f"NATS  {infra.nats_url}\nRedis {infra.redis_url}\nLogs  {spec.log_dir}", flush=True)
         try:
             stack.start()
@@ -258,20 +268,32 @@ Ctrl-C stops everything."""
 
 
 def _cmd_health(ns: argparse.Namespace) -> int:
-    import asyncio
-
-    from radixserve.services.health import probe
     from radixserve.services.runtime import ServiceSettings
 
     settings = ServiceSettings.from_env(
         "health", nats_url=ns.nats_url, subject_prefix=ns.subject_prefix
     )
-    report = asyncio.run(probe(settings.nats_url, settings.subject_prefix, ns.wait_s))
+    return _wait_healthy(settings.nats_url, settings.subject_prefix, ns.wait or 0.0, ns.wait_s)
+
+
+def _wait_healthy(nats_url: str, prefix: str, timeout_s: float, listen_s: float) -> int:
+    """Probe until healthy (once when `timeout_s` is 0); the last probe may end `listen_s`
+    past the deadline (it listens to the end). A NATS that does not answer is missing."""
+    import time
+
+    from radixserve.stack import probe_once
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        report, missing = probe_once(nats_url, prefix, listen_s)
+        if not missing or time.monotonic() >= deadline:
+            break
+        time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
     print(report.render())
-    missing = report.missing()
     if missing:
-        print(f"missing: {', '.join(missing)}", file=sys.stderr)
-    return 0 if report.healthy else 1
+        after = f" after {timeout_s:g}s" if timeout_s else ""
+        print(f"missing{after}: {missing}", file=sys.stderr)
+    return 0 if not missing else 1
 
 
 if __name__ == "__main__":

@@ -3,9 +3,11 @@
 Each service is `python -m radixserve.cli serve NAME ...` in its own process group
 (infra.process.ManagedProcess: it dies with us, even on SIGKILL). A service that
 exits is restarted with a doubling backoff (1 s .. 30 s, reset after a minute of
-uptime), and the restart is announced. `stop()` stops them front to back: the
-gateway first (it stops taking requests), the detokenizer last (it delivers the
-last tokens).
+uptime), and the restart is announced. The NATS and Redis servers that `up` started
+(`adopt`) are restarted the same way, on their port and with their work dir (the
+JetStream store); the services reconnect to them. `stop()` stops the services front
+to back: the gateway first (it stops taking requests), the detokenizer last (it
+delivers the last tokens); the servers' owner (infra.Infra) stops them after.
 """
 
 from __future__ import annotations
@@ -15,13 +17,16 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Generic, Protocol, TypeVar
 
 import httpx
 
-from radixserve.infra.process import ManagedProcess
+from radixserve.bus import BusConnectError
+from radixserve.infra.process import InfraError, ManagedProcess
+from radixserve.infra.servers import LocalServer
 from radixserve.services.health import HealthReport, probe
 
 # Start order; stop runs it backwards except that the gateway goes first.
@@ -140,12 +145,32 @@ def worker_gpus(device: str, tp_size: int) -> tuple[int, tuple[str, ...]]:
     return tp_size, gpus
 
 
+class Restartable(Protocol):
+    """What `Supervised` restarts: a service's ManagedProcess or a LocalServer."""
+
+    @property
+    def alive(self) -> bool: ...
+
+    @property
+    def pid(self) -> int | None: ...
+
+    @property
+    def log_path(self) -> Path: ...
+
+    def start(self) -> object: ...
+
+    def output_tail(self, lines: int = 20) -> str: ...
+
+
+P = TypeVar("P", bound=Restartable)
+
+
 @dataclass
-class Supervised:
-    """One service process and its restart bookkeeping."""
+class Supervised(Generic[P]):
+    """One child (a service process, a NATS or Redis server) and its restart bookkeeping."""
 
     name: str
-    process: ManagedProcess
+    process: P
     started_at: float = 0.0
     restarts: int = 0
     backoff_s: float = BACKOFF_START_S
@@ -156,12 +181,44 @@ class Supervised:
         self.started_at = time.monotonic()
         self.restart_at = None
 
+    def supervise(self, now: float, say: Callable[[str], None]) -> None:
+        """Restart it when it exited, after its backoff; announce both through `say`."""
+        if self.process.alive:
+            if now - self.started_at > STABLE_AFTER_S:
+                self.backoff_s = BACKOFF_START_S
+            return
+        if self.restart_at is None:
+            what = f"exited; restarting in {self.backoff_s:.0f}s"
+            self._retry_later(now, say, what, self.process.output_tail(5))
+        elif now >= self.restart_at:
+            try:
+                self.start()
+            except InfraError as exc:  # cannot execute, or a server that never answered
+                what = f"did not restart; next try in {self.backoff_s:.0f}s"
+                self._retry_later(time.monotonic(), say, what, str(exc))
+                return
+            self.restarts += 1
+            pid = self.process.pid
+            say(f"radixserve: {self.name} restarted (restart {self.restarts}, pid {pid})")
+
+    def _retry_later(self, now: float, say: Callable[[str], None], what: str, detail: str) -> None:
+        say(f"radixserve: {self.name} {what} (log {self.process.log_path})\n{detail}")
+        self.restart_at = now + self.backoff_s
+        self.backoff_s = min(self.backoff_s * 2, BACKOFF_MAX_S)
+
 
 @dataclass
 class Stack:
     spec: StackSpec
     say: Callable[[str], None] = print
-    services: list[Supervised] = field(default_factory=list)
+    services: list[Supervised[ManagedProcess]] = field(default_factory=list)
+    # The NATS and Redis servers `up` started (`adopt`): restarted like the services.
+    servers: list[Supervised[LocalServer]] = field(default_factory=list)
+
+    def adopt(self, servers: Iterable[LocalServer]) -> None:
+        """Supervise these running servers too; their owner (infra.Infra) stops them."""
+        now = time.monotonic()
+        self.servers += [Supervised(s.name, s, started_at=now) for s in servers]
 
     def start(self) -> None:
         self.spec.log_dir.mkdir(parents=True, exist_ok=True)
@@ -194,45 +251,32 @@ class Stack:
             self.services.append(item)
 
     def supervise_once(self) -> None:
-        """Restart what exited, with backoff. Call it every fraction of a second."""
-        now = time.monotonic()
-        for item in self.services:
-            if item.process.alive:
-                if now - item.started_at > STABLE_AFTER_S:
-                    item.backoff_s = BACKOFF_START_S
-                continue
-            if item.restart_at is None:
-                tail = item.process.output_tail(5)
-                item.restart_at = now + item.backoff_s
-                self.say(
-                    f"radixserve: {item.name} exited; restarting in {item.backoff_s:.0f}s "
-                    f"(log {item.process.log_path})\n{tail}"
-                )
-                item.backoff_s = min(item.backoff_s * 2, BACKOFF_MAX_S)
-            elif now >= item.restart_at:
-                item.restarts += 1
-                item.start()
-                self.say(f"radixserve: {item.name} restarted (restart {item.restarts})")
+        """Restart what exited, with backoff. Call it every fraction of a second.
+        Servers first: the services need them. A server's restart blocks until it
+        answers (its startup timeout at most)."""
+        children: list[Supervised[Any]] = [*self.servers, *self.services]
+        for item in children:
+            item.supervise(time.monotonic(), self.say)
 
     def wait_healthy(self, timeout_s: float) -> HealthReport:
         """Until every service heartbeats, a worker is ready and the gateway answers."""
         deadline = time.monotonic() + timeout_s
-        report = HealthReport()
+        missing = "everything"
         while time.monotonic() < deadline:
             self.supervise_once()
-            report = asyncio.run(probe(self.spec.nats_url, self.spec.subject_prefix, wait_s=1.2))
-            if report.healthy and self._gateway_ok():
+            report, missing = probe_once(self.spec.nats_url, self.spec.subject_prefix, 1.2)
+            if not missing and self._gateway_ok():
                 return report
+            if not missing:
+                missing = "the gateway HTTP answer"
         tails = "\n".join(f"--- {s.name} ---\n{s.process.output_tail(8)}" for s in self.services)
-        missing = report.missing() or (["a ready worker"] if not report.ready_workers else [])
         raise TimeoutError(
-            f"the stack was not healthy within {timeout_s:.0f}s "
-            f"(missing: {', '.join(missing) or 'the gateway HTTP answer'})\n{tails}"
+            f"the stack was not healthy within {timeout_s:.0f}s (missing: {missing})\n{tails}"
         )
 
     def _gateway_ok(self) -> bool:
         try:
-            return httpx.get(f"{self.spec.url}/health", timeout=2.0).status_code == 200
+            return httpx.get(f"{self.spec.url}/health/ready", timeout=2.0).status_code == 200
         except httpx.HTTPError:
             return False
 
@@ -243,6 +287,17 @@ class Stack:
 
     def pids(self) -> list[int]:
         return [s.process.pid for s in self.services if s.process.pid is not None]
+
+
+def probe_once(nats_url: str, prefix: str, listen_s: float) -> tuple[HealthReport, str]:
+    """The heartbeats heard in `listen_s` and what is missing ("" when healthy); a NATS
+    that does not answer is what is missing then."""
+    try:
+        report = asyncio.run(probe(nats_url, prefix, listen_s))
+    except BusConnectError:
+        return HealthReport(), f"NATS at {nats_url}"
+    missing = [*report.missing(), *([] if report.ready_workers else ["a ready worker"])]
+    return report, ", ".join(missing)
 
 
 def check_port_free(host: str, port: int) -> None:

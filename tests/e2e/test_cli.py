@@ -7,23 +7,15 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
 
 import pytest
 
-from radixserve.infra.settings import ENV_NATS_URL, ENV_REDIS_URL
+from tests.e2e.commands import CLI, cli_env
 
 pytestmark = pytest.mark.timeout(300)
-
-CLI = [sys.executable, "-m", "radixserve.cli"]
-
-
-def _env() -> dict[str, str]:
-    # `up` must start its own servers here, whatever the test session points at.
-    return {k: v for k, v in os.environ.items() if k not in (ENV_NATS_URL, ENV_REDIS_URL)}
 
 
 def test_generate_answers_with_the_embedded_model() -> None:
@@ -32,7 +24,7 @@ def test_generate_answers_with_the_embedded_model() -> None:
         capture_output=True,
         text=True,
         timeout=240,
-        env=_env(),
+        env=cli_env(),
     )
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout
@@ -73,7 +65,7 @@ def test_up_serves_the_api_and_ctrl_c_leaves_nothing(tmp_path: Path) -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env=_env(),
+        env=cli_env(),
     )
     lines: list[str] = []
     try:
@@ -141,7 +133,7 @@ def test_bad_model_path_is_a_clear_error() -> None:
         capture_output=True,
         text=True,
         timeout=120,
-        env=_env(),
+        env=cli_env(),
     )
     assert proc.returncode == 2
     assert "radixserve:" in proc.stderr and "/nonexistent/model" in proc.stderr

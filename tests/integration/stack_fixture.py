@@ -3,8 +3,6 @@ processes (`radixserve.stack.Stack`, the code `radixserve up` runs), one model."
 
 from __future__ import annotations
 
-import random
-import socket
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -14,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from radixserve import Engine
+from radixserve.infra import free_port
 from radixserve.stack import Stack, StackSpec
 from tests.helpers.tiny_models import make_tiny_llama
 
@@ -31,44 +30,6 @@ class RunningStack:
     model: str
     subject_prefix: str
     nats_url: str
-
-
-def _ephemeral_ports_start() -> int:
-    """Where the kernel's ephemeral range starts: the local ports it gives outgoing
-    connections (Linux's default 32768)."""
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def free_port_block(count: int) -> int:
-    """A base port with `count` free ports from it (checked by binding each), below the
-    ephemeral range where it can: a port the kernel picked there could be handed to an
-    outgoing connection (a client's to NATS or Redis) before the server binds it."""
-    rng = random.Random()
-    low, high = 20000, _ephemeral_ports_start()
-    if high - low < 1000:
-        high = 60000
-    for _ in range(200):
-        base = rng.randrange(low, high - count)
-        sockets = []
-        try:
-            for port in range(base, base + count):
-                sock = socket.socket()
-                sockets.append(sock)
-                sock.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in sockets:
-                sock.close()
-    raise RuntimeError("no block of free ports")
-
-
-def free_port() -> int:
-    return free_port_block(1)
 
 
 @contextmanager

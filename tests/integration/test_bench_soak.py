@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.integration.stack_fixture import free_port
+from radixserve.infra import free_port
 
 BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
 KINDS = {"chat", "stream", "shared_n", "schema", "completion", "native"}

@@ -45,7 +45,7 @@ async def test_models_health_and_request_ids(
     assert (await http.get("/health/live")).json() == {"status": "alive"}
     ready = await http.get("/health/ready")
     assert ready.status_code == 503
-    assert ready.json()["missing"] == ["tokenizer", "scheduler", "detokenizer", "worker"]
+    assert ready.json()["missing"] == ["tokenizer", "scheduler", "grammar", "detokenizer", "worker"]
     with pytest.raises(openai.APIStatusError) as refused:
         await client.with_options(max_retries=0).models.list()
     assert refused.value.status_code == 503
@@ -53,9 +53,10 @@ async def test_models_health_and_request_ids(
     assert (await http.get(f"/v1/models/{MODEL}")).status_code == 503
 
     await pipeline.heartbeat()  # a worker and a tokenizer
-    body = await _health_once(http, lambda body: body["missing"] == ["scheduler", "detokenizer"])
+    missing = ["scheduler", "grammar", "detokenizer"]
+    body = await _health_once(http, lambda body: body["missing"] == missing)
     assert body["status"] == "not_ready" and body["workers_ready"] == 1
-    for service in ("scheduler", "detokenizer"):
+    for service in missing:
         await pipeline.alive(service)
     body = await _health_once(http, lambda body: body["status"] == "ok")
     # Services by their heartbeats: the gateway hears its own; nothing else runs here.
@@ -64,7 +65,7 @@ async def test_models_health_and_request_ids(
         "tokenizer": 1,
         "scheduler": 1,
         "worker": 0,
-        "grammar": 0,
+        "grammar": 1,
         "detokenizer": 1,
     }
     assert body["missing"] == []

@@ -27,9 +27,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from radixserve.infra.servers import free_port_block
 from radixserve.stack import Stack, StackSpec
 from tests.helpers.tiny_models import make_tiny_llama
-from tests.integration.stack_fixture import free_port_block
 from tests.unit.test_telemetry_dashboards import dashboard_metric_names
 
 pytestmark = pytest.mark.timeout(240)

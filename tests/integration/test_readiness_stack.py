@@ -17,9 +17,10 @@ import httpx
 import openai
 import pytest
 
+from radixserve.infra import free_port
 from radixserve.infra.process import ManagedProcess
 from radixserve.stack import Stack, StackSpec
-from tests.integration.stack_fixture import TINY_CONTEXT, TINY_WORKER_ARGS, free_port
+from tests.integration.stack_fixture import TINY_CONTEXT, TINY_WORKER_ARGS
 
 pytestmark = pytest.mark.timeout(400)
 

@@ -19,8 +19,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from radixserve import Engine
+from radixserve.infra import free_port
 from tests.helpers.tiny_models import make_tiny_llama
-from tests.integration.stack_fixture import RunningStack, free_port, running_stack
+from tests.integration.stack_fixture import RunningStack, running_stack
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -35,15 +35,16 @@ _VARIABLE = re.compile(
 
 
 def variables(text: str) -> dict[str, str | None]:
-    """Every variable the file's values interpolate -> its `:-` default (None: it has none).
-    Comments are not interpolated, so they are not read."""
+    """Every variable the file's values interpolate -> its `:-` or `-` default (None: it
+    has none; `-` keeps a value set empty). Comments are not interpolated, so they are
+    not read."""
     found: dict[str, str | None] = {}
     for value in _strings(yaml.safe_load(text)):
         for match in _VARIABLE.finditer(value):
             name = match["braced"] or match["bare"]
             if name is None:
                 continue  # `$$`
-            default = match["arg"] if match["op"] == ":-" else None
+            default = match["arg"] if match["op"] in (":-", "-") else None
             if found.get(name) is None:
                 found[name] = default
     return found

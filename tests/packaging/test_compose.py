@@ -322,4 +322,4 @@ def test_interpolation_follows_compose() -> None:
     text = "a ${X:-d} b ${Y-e} c $${Z} d ${W:+set} f $X"
     assert interpolate(text, {"X": "x", "Y": "", "W": "1"}) == "a x b  c ${Z} d set f x"
     assert interpolate(text, {}) == "a d b e c ${Z} d  f "
-    assert variables(f"# ${{C}}\nk: {text}\n") == {"X": "d", "Y": None, "W": None}
+    assert variables(f"# ${{C}}\nk: {text}\n") == {"X": "d", "Y": "e", "W": None}

@@ -10,11 +10,13 @@
 ``start()`` returns once the server answers its protocol (NATS ``INFO`` / Redis
 ``PING``) or raises InfraError with the binary path and its last output. The first
 start on a free port retries a few times with a new port, because another process
-may take the probed port before the server binds it.
+may take the probed port before the server binds it. A restart that fails keeps the
+work dir (the JetStream store), so a later try comes back with it.
 """
 
 from __future__ import annotations
 
+import random
 import shutil
 import socket
 import tempfile
@@ -27,10 +29,50 @@ from radixserve.infra.probes import nats_answers, redis_answers
 from radixserve.infra.process import InfraError, ManagedProcess
 
 _FREE_PORT_TRIES = 3
+_LOWEST_FREE_PORT = 20000
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago."""
+    """A TCP port that was free on ``host`` a moment ago, below the kernel's ephemeral
+    range where there is room: a port in that range can be handed, while its server is
+    down, to an outgoing connection (even a client's reconnect attempt to that very
+    port connects to itself), and the server could not come back on it."""
+    return free_port_block(1, host)
+
+
+def free_port_block(count: int, host: str = "127.0.0.1") -> int:
+    """The first of `count` consecutive ports that were free a moment ago, chosen as
+    `free_port` chooses one (below the ephemeral range where there is room)."""
+    top = ephemeral_ports_start()
+    if top - _LOWEST_FREE_PORT >= 1000:
+        for _ in range(200):
+            base = random.randrange(_LOWEST_FREE_PORT, top - count)
+            if all(_bindable(host, port) for port in range(base, base + count)):
+                return base
+    if count == 1:
+        return _port_the_kernel_picks(host)
+    raise InfraError(f"no {count} consecutive free ports on {host}")
+
+
+def ephemeral_ports_start() -> int:
+    """Where the kernel's range for outgoing connections' local ports starts."""
+    try:
+        return int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def _port_the_kernel_picks(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
@@ -90,10 +132,26 @@ class LocalServer(ABC):
     def alive(self) -> bool:
         return self._proc is not None and self._proc.alive
 
+    @property
+    def workdir(self) -> Path | None:
+        """The server's files (its log, NATS's JetStream store); None when stopped."""
+        return self._workdir
+
+    @property
+    def log_path(self) -> Path:
+        """Its stdout and stderr, appended to across restarts."""
+        if self._proc is None:
+            raise RuntimeError(f"{self.name} has no log yet; call start() first")
+        return self._proc.log_path
+
+    def output_tail(self, lines: int = 20) -> str:
+        return "" if self._proc is None else self._proc.output_tail(lines)
+
     def start(self) -> LocalServer:
         """Start (or restart, on the same port) and wait until it answers."""
         if self.alive:
             raise RuntimeError(f"{self.name} is already running (pid {self.pid})")
+        first = self._workdir is None
         if self._workdir is None:
             self._workdir = Path(tempfile.mkdtemp(prefix=f"radixserve-{self.name}-"))
         tries = 1 if self._port_fixed else _FREE_PORT_TRIES
@@ -105,7 +163,8 @@ class LocalServer(ABC):
                 break
             except InfraError:
                 if attempt == tries:
-                    self._remove_workdir()
+                    if first:  # a failed restart keeps the store for the next try
+                        self._remove_workdir()
                     raise
         # Once it ran, the port is this server's: a restart must come back on it.
         self._port_fixed = True

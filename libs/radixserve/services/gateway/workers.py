@@ -30,8 +30,9 @@ from radixserve.telemetry import GatewayMetrics
 
 log = logging.getLogger(__name__)
 
-# A request passes through these (grammar only for structured outputs, which wait for it).
-SERVING_PATH = ("tokenizer", "scheduler", "detokenizer")
+# What a request may pass through. The grammar service too: a structured request sent
+# while it still loads (tens of seconds) would fail at once with grammar_unavailable.
+SERVING_PATH = ("tokenizer", "scheduler", "grammar", "detokenizer")
 
 
 class WorkerTracker:

@@ -1,0 +1,1 @@
+"""The shipped docker-compose.yml started for real (`make test-compose`)."""
