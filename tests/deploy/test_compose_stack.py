@@ -46,6 +46,7 @@ import pytest
 
 from tests.deploy import standin_images
 from tests.deploy.conftest import FIGURES
+from tests.helpers.structured_cases import WEATHER
 
 # Every wait below has its own deadline; this bounds each test's body (not the fixtures,
 # whose image build alone may take most of an hour on a new machine).
@@ -71,15 +72,6 @@ UP_TIMEOUT_S = READY_TIMEOUT_S + 120
 COMMAND_TIMEOUT_S = 300
 LOG_DIR = standin_images.WORK_DIR / "compose-logs"
 
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "enum": ["Oslo", "Paris", "Rome"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-    },
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
 TOOLS: list[dict[str, Any]] = [
     {
         "type": "function",

@@ -13,6 +13,17 @@ import json
 import re
 from typing import Any
 
+# A tool's parameters (and a response_format schema) in the stack and compose tests.
+WEATHER: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Oslo", "Paris", "Rome"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+
 _NAME = {"type": "string", "maxLength": 12}
 _SMALL_INT = {"type": "integer", "minimum": -50, "maximum": 50}
 

@@ -21,19 +21,11 @@ from radixserve.api.openai_models import ChatCompletionRequest
 from radixserve.api.tool_calls import parse_tool_calls
 from radixserve.prep import PromptTokenizer
 from radixserve.protocol import ChatMessage, ChatToolCall, SubmitRequest
+from tests.helpers.structured_cases import WEATHER
 from tests.integration.stack_fixture import TINY_CONTEXT, RunningStack
 
 pytestmark = pytest.mark.timeout(300)
 
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "enum": ["Oslo", "Paris", "Rome"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-    },
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
 TOOLS: list[dict[str, Any]] = [
     {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
     {
