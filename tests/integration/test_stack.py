@@ -208,12 +208,24 @@ def test_native_generate_and_flush(stack: RunningStack, engine: Engine) -> None:
     assert flushed.status_code == 200
 
 
+# Two candidates whose logprobs differ by less than this are a tie to greedy decoding: a
+# batch of another composition (another GEMM blocking) may round either one higher.
+GREEDY_TIE = 1e-3
+
+
 def test_sixteen_concurrent_greedy_requests_equal_the_engine(
     stack: RunningStack, engine: Engine
 ) -> None:
+    """The stack's batches are not the engine's, and greedy tokens may then differ where
+    two candidates tie within rounding (the engine promises no batch invariance): each
+    answer equals the engine's up to its first token, and a first difference must be
+    such a tie in the engine's own top-2, the stack having taken the other of the two."""
     prompts = make_prompts(engine.runner.vocab_size, [5 + 7 * i for i in range(16)], seed=9)
-    params = {"temperature": 0, "max_new_tokens": 16}
-    reference = engine.generate(input_ids=prompts, sampling_params=params)
+    # ignore_eos: every answer 16 tokens long, so a difference is always at a token.
+    params = {"temperature": 0, "max_new_tokens": 16, "ignore_eos": True}
+    reference = engine.generate(
+        input_ids=prompts, sampling_params={**params, "return_logprob": True, "top_logprobs_num": 2}
+    )
     assert isinstance(reference, list)
 
     async def run_all() -> list[list[int]]:
@@ -228,7 +240,16 @@ def test_sixteen_concurrent_greedy_requests_equal_the_engine(
             )
         return [r.json()["output_ids"] for r in replies]
 
-    assert asyncio.run(run_all()) == [r["output_ids"] for r in reference]
+    answers = asyncio.run(run_all())
+    for got, want in zip(answers, reference, strict=True):
+        expected = want["output_ids"]
+        differs = [k for k, (a, b) in enumerate(zip(got, expected, strict=True)) if a != b]
+        if not differs:
+            continue
+        k = differs[0]
+        (first, first_lp), (second, second_lp) = want["meta_info"]["output_top_logprobs"][k][:2]
+        assert (expected[k], got[k]) == (first, second), (k, got, expected)
+        assert first_lp - second_lp < GREEDY_TIE, (k, first_lp, second_lp)
 
 
 async def _streamed(http: httpx.AsyncClient, url: str, body: dict[str, Any]) -> list[Any]:
