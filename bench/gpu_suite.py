@@ -10,7 +10,7 @@ Runs, each stage in its own process (a failing stage is reported, the rest still
    figure as a ratio to its roofline;
 2. bench/offline.py: offline throughput, ShareGPT-like (1000 requests) and
    generated-shared-prefix (64 x 16, 2048 + 128 tokens, 256 out), radix cache on and off,
-   each run as a share of its floor (bench/roofline.py) and the floors' on/off ratio;
+   each run as a share of its floor (bench/common/roofline.py) and the floors' on/off ratio;
 3. tests/gpu/test_backend_parity_cuda.py: greedy tokens equal Hugging Face's on the same
    random weights for every backend, with and without CUDA graphs (and overlap);
 4. bench/sampling.py: the sampler's time per call by setting and batch size, the
@@ -20,7 +20,7 @@ Runs, each stage in its own process (a failing stage is reported, the rest still
    in-process engine on the 8B shape: throughput unstreamed and streamed at 256 requests
    at once (64 with --quick), TTFT at concurrency 1. Skipped, with the reason, where the
    stack's packages or the nats-server / redis-server binaries are missing (on a lent
-   GPU, `bash bench/device_carry.sh --stack` carries them);
+   GPU, `bash tools/device_carry.sh --stack` carries them);
 6. bench/start_up.py: start-up in a fresh process with empty kernel caches (the 8B shape
    cut to 4 layers): time to ready, then the first and the second request's latency (a
    first request seconds long means a kernel was still built inside it), then each kind
@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from offline import default_tokenizer_dir
+from common import default_tokenizer_dir
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
@@ -341,7 +341,7 @@ def markdown(result: dict[str, Any]) -> str:
         for name, ratio in offline.get("floor_on_over_off", {}).items():
             lines.append(
                 f"\n{name}: the floors' ratio (radix off over on) is {ratio:.2f}x, the on/off "
-                "throughput ratio at equal shares of the floor (bench/roofline.py)."
+                "throughput ratio at equal shares of the floor (bench/common/roofline.py)."
             )
     lines += _sampling_table(result.get("sampling"))
     lines += _stack_table(result.get("stack"), result.get("stack_skipped"))

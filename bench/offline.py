@@ -11,7 +11,7 @@ Workloads, synthetic and seeded (the generators of `radixserve.benchmark.dataset
 
 Each runs with the radix cache on and/or off (`--radix on|off|both`, one engine per
 mode, both workloads on it, the cache emptied before each, `--repeat` times in a row);
-`both` adds the on/off throughput ratio (of the modes' medians where repeated). On CUDA each run is also read against its floor (bench/roofline.py:
+`both` adds the on/off throughput ratio (of the modes' medians where repeated). On CUDA each run is also read against its floor (bench/common/roofline.py:
 its projections and prefill attention at the bf16 matmul rate, its decode attention's
 KV reads at the copy bandwidth, both measured at start): `floor_s` and `of_floor` (the
 floor over the run's time), and with `both` the ratio of the two floors, the on/off
@@ -27,8 +27,8 @@ kernel variant the start-up and the warm-up slice did not build); each step's
 wait for the device (the host's own time is the rest); and on CUDA each step's time on
 the device and the device's idle time before it (`DeviceClock`: two events a step, no
 profiler). `--host-stacks FIRST LAST` samples the host's Python stacks over those steps
-of each run (bench/host_stacks.py) and prints where its time went, over the window and
-over its steps whose host took longest on its own (bench/step_probes.py holds these
+of each run (bench/common/host_stacks.py) and prints where its time went, over the window and
+over its steps whose host took longest on its own (bench/common/step_probes.py holds these
 per-step measures).
 
 Model: a Llama-3.1-8B-shaped model with random weights built on the device
@@ -46,7 +46,6 @@ import contextlib
 import gc
 import itertools
 import json
-import os
 import random
 import statistics
 import threading
@@ -57,10 +56,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from host_stacks import StackSampler
-from one_batch import LLAMA_31_8B, measure_bandwidth, measure_matmul, write_model_folder
-from roofline import ModelShape, RequestWork, work_floor
-from step_probes import (
+from common import (
+    SHAPES,
+    default_tokenizer_dir,
+    measure_bandwidth,
+    measure_matmul,
+    write_model_folder,
+)
+from common.host_stacks import StackSampler
+from common.roofline import ModelShape, RequestWork, work_floor
+from common.step_probes import (
     DeviceClock,
     GcClock,
     KernelBuilds,
@@ -79,19 +84,6 @@ from radixserve.benchmark.datasets import (
 from radixserve.engine.request import Req
 from radixserve.engine.runner import resolve_device
 
-TINY_LLAMA: dict[str, Any] = {
-    **{k: v for k, v in LLAMA_31_8B.items() if k != "rope_scaling"},
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "vocab_size": 49152,  # SmolLM2's tokenizer (the embedded model's)
-    "max_position_embeddings": 4096,
-    "torch_dtype": "float32",
-}
-SHAPES = {"llama-3.1-8b": LLAMA_31_8B, "tiny": TINY_LLAMA}
 CONTEXT_LEN = 4096  # fits both workloads (2048 + 128 + 256 the longest)
 WARMUP_REQUESTS = 64  # four groups of the shared-prefix workload
 WARMUP_OUTPUT_LEN = 16
@@ -270,7 +262,7 @@ def run_offline(
 def floor_of(
     engine: Engine, workload: Workload, radix: bool, rates: Rates
 ) -> Callable[[list[Req], list[int]], dict[str, float]]:
-    """The floor figures of a run of `workload` on `engine` (bench/roofline.py): the
+    """The floor figures of a run of `workload` on `engine` (bench/common/roofline.py): the
     requests' prompt, cached and output lengths as run, the tokens each step computed;
     with the radix cache, each group decodes over its shared prefix together."""
     shape = ModelShape.of_model(engine.runner.model_config, engine.runner.dtype)
@@ -373,16 +365,6 @@ def floor_ratios(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
     """Per workload run both ways against its floor: the floor without the radix cache
     over the floor with it (the throughput ratio at equal shares of the floors)."""
     return {name: off / on for name, (on, off) in _on_and_off(rows, "floor_s").items()}
-
-
-def default_tokenizer_dir() -> Path:
-    """RADIXSERVE_TEST_TOKENIZER_DIR where set (a lent GPU), else the embedded model's."""
-    source = os.environ.get("RADIXSERVE_TEST_TOKENIZER_DIR")
-    if source:
-        return Path(source)
-    from radixserve.engine.model.loader import resolve_model_path
-
-    return Path(resolve_model_path(None))
 
 
 def engine_factory(args: argparse.Namespace) -> Callable[[bool], Engine]:

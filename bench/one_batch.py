@@ -39,100 +39,19 @@ import gc
 import json
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-
-LLAMA_31_8B: dict[str, Any] = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "max_position_embeddings": 131072,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0,
-    "rope_scaling": {
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-        "rope_type": "llama3",
-    },
-    "tie_word_embeddings": False,
-    "vocab_size": 128256,
-    "torch_dtype": "bfloat16",
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
-
-
-def sync() -> None:
-    torch.cuda.synchronize()
-
-
-def measure_bandwidth(gib: float = 4.0, repeats: int = 20) -> float:
-    """Bytes read + written per second of a large device-to-device copy (median)."""
-    n = int(gib * 2**30) // 2
-    src = torch.randn(n, dtype=torch.bfloat16, device="cuda")
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(repeats + 3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        sync()
-        times.append(start.elapsed_time(end) / 1e3)
-    del src, dst
-    return 2 * n * 2 / statistics.median(times[3:])
-
-
-def measure_matmul(size: int = 8192, repeats: int = 20) -> float:
-    """bf16 FLOP/s of a large square matmul (median)."""
-    a = torch.randn(size, size, dtype=torch.bfloat16, device="cuda")
-    b = torch.randn(size, size, dtype=torch.bfloat16, device="cuda")
-    times = []
-    for _ in range(repeats + 3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        torch.matmul(a, b)
-        end.record()
-        sync()
-        times.append(start.elapsed_time(end) / 1e3)
-    return 2 * size**3 / statistics.median(times[3:])
-
-
-def write_model_folder(tokenizer_dir: Path, shape: dict[str, Any]) -> Path:
-    folder = Path(tempfile.mkdtemp(prefix="one-batch-"))
-    (folder / "config.json").write_text(json.dumps(shape))
-    for item in tokenizer_dir.iterdir():
-        if item.is_file() and item.name != "config.json" and not item.name.endswith(".safetensors"):
-            (folder / item.name).write_bytes(item.read_bytes())
-    return folder
-
-
-def dummy_engine(folder: Path, device: str, backend: str, **options: Any) -> Any:
-    """An Engine over `folder`'s shape with random weights (load_format dummy): bfloat16
-    on CUDA, float32 on the CPU. radixserve is imported here, once the caller has set
-    its environment (bench/start_up.py's empty kernel caches)."""
-    from radixserve import Engine
-
-    return Engine(
-        model_path=str(folder),
-        load_format="dummy",
-        dtype="bfloat16" if device == "cuda" else "float32",
-        device=device,
-        attention_backend=backend,
-        **options,
-    )
+from common import (
+    LLAMA_31_8B,
+    measure_bandwidth,
+    measure_matmul,
+    sync,
+    write_model_folder,
+)
 
 
 def param_count(model: torch.nn.Module) -> int:

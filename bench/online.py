@@ -22,20 +22,18 @@ import argparse
 import asyncio
 import json
 import math
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from overhead import PhaseMeter, dummy_model_folder
+from common import PhaseMeter, dummy_model_folder, start_local_stack
 
 from radixserve.benchmark.flags import DATASETS, add_arguments
 from radixserve.benchmark.serving import bench
 from radixserve.engine.model.loader import resolve_model_path
 from radixserve.infra import Infra
-from radixserve.stack import Stack, StackSpec
+from radixserve.stack import Stack
 
 WARMUP_PROMPTS = 32  # at rate inf, before the ladder: the kernels of mixed steps compile
 SHOWN = (
@@ -54,31 +52,6 @@ SHOWN = (
     ("client_cpu", "client CPU", "{:.2f}"),
     ("failed", "failed", "{}"),
 )
-
-
-def start_local_stack(
-    infra: Infra, name: str, port: int, model_dir: Path, served: str, worker_args: list[str]
-) -> Stack:
-    """One stack on this host over `infra`'s NATS and Redis, started (the six services as
-    `radixserve up` starts them, one worker; metrics from `port` + 100, logs in a fresh
-    temporary folder). The caller waits for it to be healthy and stops it."""
-    spec = StackSpec(
-        nats_url=infra.nats_url,
-        redis_url=infra.redis_url,
-        subject_prefix=f"bench-{name}-{os.getpid()}",
-        host="127.0.0.1",
-        port=port,
-        workers=1,
-        model_dir=model_dir,
-        served_model_name=served,
-        worker_args=worker_args,
-        tokenizer_args=[],
-        log_dir=Path(tempfile.mkdtemp(prefix=f"radixserve-{name}-")),
-        metrics_port_base=port + 100,
-    )
-    stack = Stack(spec, say=lambda text: print(text, file=sys.stderr))
-    stack.start()
-    return stack
 
 
 def serving_args(url: str, args: argparse.Namespace, rate: float, prompts: int) -> Any:

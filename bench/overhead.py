@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import PhaseMeter, dummy_model_folder
 
 from radixserve import Engine
 from radixserve.engine.model.loader import resolve_model_path
@@ -103,76 +104,6 @@ async def stack_ttft_raw(url: str, prompts: list[list[int]], output_len: int) ->
             assert first is not None
             out.append(first)
     return out
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process (all its threads) so far, from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def worker_counters(metrics_url: str) -> dict[str, float]:
-    """The worker's step-time and batch-size histograms' sums and counts (/metrics)."""
-    import httpx
-
-    wanted = ("step_duration_seconds_sum", "step_duration_seconds_count")
-    wanted += ("batch_size_sum", "batch_size_count")
-    found = dict.fromkeys(wanted, 0.0)
-    for line in httpx.get(metrics_url, timeout=10).text.splitlines():
-        name, value = line.partition("{")[0].split(" ")[0], line.rsplit(" ", 1)[-1]
-        for key in wanted:
-            if name.endswith(key):
-                found[key] += float(value)
-    return found
-
-
-class PhaseMeter:
-    """Over one phase: each service's CPU seconds per wall second (a Python service near
-    1.0 is bound by the thread holding its GIL; the client processes are not counted)
-    and per output token (us), and the worker's steps: how many, their mean time and
-    batch."""
-
-    def __init__(self, stack: Stack, worker_metrics_url: str) -> None:
-        self.pids = {s.name: s.process.pid for s in stack.services if s.process.pid is not None}
-        self.url = worker_metrics_url
-        self.start = {name: cpu_seconds(pid) for name, pid in self.pids.items()}
-        self.counters = worker_counters(self.url)
-        self.started = time.perf_counter()
-
-    def report(self, tokens: int) -> dict[str, Any]:
-        wall = time.perf_counter() - self.started
-        used = {name: cpu_seconds(pid) - self.start[name] for name, pid in self.pids.items()}
-        now = worker_counters(self.url)
-        d = {key: now[key] - self.counters[key] for key in now}
-        steps = d["step_duration_seconds_count"]
-        return {
-            "cpu_shares": {name: round(s / wall, 2) for name, s in used.items()},
-            "cpu_us_per_token": {
-                name: round(1e6 * s / max(tokens, 1), 1) for name, s in used.items()
-            },
-            "worker_steps": int(steps),
-            "worker_step_ms": round(1e3 * d["step_duration_seconds_sum"] / max(steps, 1), 2),
-            "worker_batch": round(d["batch_size_sum"] / max(d["batch_size_count"], 1), 1),
-            "worker_busy": round(d["step_duration_seconds_sum"] / wall, 2),
-        }
-
-
-def dummy_model_folder(tokenizer_dir: Path, shape_name: str) -> Path:
-    """A folder with `shape_name`'s config (vocabulary cut to the tokenizer's, so every
-    sampled id decodes) and the tokenizer's files: load it with load_format dummy."""
-    from offline import TINY_LLAMA
-    from one_batch import LLAMA_31_8B, write_model_folder
-    from transformers import AutoTokenizer
-
-    shapes = {"llama-8b": LLAMA_31_8B, "tiny": TINY_LLAMA}
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    shape = {
-        **shapes[shape_name],
-        "vocab_size": len(tokenizer),
-        "bos_token_id": tokenizer.bos_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
-    }
-    return write_model_folder(tokenizer_dir, shape)
 
 
 async def _client_shard(

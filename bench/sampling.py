@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from common import VOCAB, time_ms
 
 from radixserve.engine.kernels import dispatch
 from radixserve.engine.sampling import sampler
@@ -34,7 +35,6 @@ from radixserve.engine.sampling.batch import SamplingBatch, SamplingRequest
 from radixserve.engine.sampling.params import SamplingParams
 from radixserve.engine.sampling.sampler import sample
 
-VOCAB = 128256
 SETTINGS: dict[str, dict[str, float | int]] = {
     "greedy": {"temperature": 0.0},
     "temperature 0.7": {"temperature": 0.7},
@@ -50,21 +50,6 @@ _TRITON = dispatch.use_triton
 
 def _no_triton(x: torch.Tensor) -> bool:
     return False
-
-
-def time_ms(fn: Callable[[], object], reps: int) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def time_cpu_ms(fn: Callable[[], object], reps: int) -> float:

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from online import start_local_stack
+from common import start_local_stack
 from openai import AsyncOpenAI
 
 from radixserve.engine.model.loader import resolve_model_path

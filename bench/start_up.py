@@ -40,9 +40,8 @@ from typing import Any
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
-from offline import SHAPES  # noqa: E402
-from one_batch import dummy_engine, write_model_folder  # noqa: E402
-from step_probes import KernelBuilds  # noqa: E402
+from common import SHAPES, dummy_engine, write_model_folder  # noqa: E402
+from common.step_probes import KernelBuilds  # noqa: E402
 
 
 # (name, prompt tokens, sampling parameters besides max_new_tokens): the requests

@@ -27,8 +27,7 @@ import torch
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
-from offline import SHAPES  # noqa: E402
-from one_batch import dummy_engine, write_model_folder  # noqa: E402
+from common import SHAPES, dummy_engine, write_model_folder  # noqa: E402
 
 from radixserve import Engine  # noqa: E402
 

@@ -150,7 +150,7 @@ def test_shutdown_destroys_graphs_a_caller_still_holds(tiny_dir: Path, vocab: in
 def test_pieces_and_decode_graphs_share_one_capture_stream(tiny_dir: Path) -> None:
     """The runner captures the pieces, then the decode graphs, on one stream: a stream
     each (or the decode graphs first) leaves the decode graphs' Triton kernels launching
-    plainly instead of as programmatic dependents (docs/performance.md, the slow state)."""
+    plainly instead of as programmatic dependents (lab/notebook/2026-11-28-h200-first-requests-each-kind-after.md, the slow state)."""
     engine = _engine(tiny_dir, 64)
     with engine:
         pieces, graphs = engine.runner.piecewise, engine.runner.graphs
@@ -161,7 +161,7 @@ def test_pieces_and_decode_graphs_share_one_capture_stream(tiny_dir: Path) -> No
 def test_flashinfer_side_work_runs_on_the_capture_stream(half_dir: Path) -> None:
     """A mixed step's cascade rows run beside FlashInfer's prefill on the capture stream,
     idle after start-up: on a stream made after the decode graphs' capture they left the
-    graphs' Triton kernels launching plainly (docs/performance.md, the slow state)."""
+    graphs' Triton kernels launching plainly (lab/notebook/2026-11-28-h200-first-requests-each-kind-after.md, the slow state)."""
     pytest.importorskip("flashinfer")
     engine = _engine(half_dir, 64, dtype="bfloat16", attention_backend="auto")
     with engine:

@@ -21,6 +21,7 @@ from radixserve import Engine
 from radixserve.benchmark.datasets import generated_shared_prefix
 
 BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
+PROBES_DIR = Path(__file__).resolve().parents[2] / "lab" / "probes"
 
 
 @pytest.fixture
@@ -87,7 +88,7 @@ def test_shared_prefix_counts_and_cache_hits(offline: ModuleType, tiny_llama_dir
         assert len(row["step_series"]) == row["steps"]
         # The slowest steps, slowest first, each one of the run's steps.
         slowest = row["slowest_steps"]
-        assert 0 < len(slowest) <= importlib.import_module("step_probes").SLOWEST
+        assert 0 < len(slowest) <= importlib.import_module("common.step_probes").SLOWEST
         assert [s["s"] for s in slowest] == sorted((s["s"] for s in slowest), reverse=True)
         assert len({s["index"] for s in slowest}) == len(slowest) < row["steps"] + 1
         assert 0 < row["prefill_tokens_per_step"] <= 16
@@ -184,7 +185,7 @@ def test_cli_on_a_dummy_tiny_model(
 
 def test_host_stacks_finds_the_busy_function(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(str(BENCH_DIR))
-    host_stacks = importlib.import_module("host_stacks")
+    host_stacks = importlib.import_module("common.host_stacks")
 
     def busy(seconds: float) -> None:
         end = time.perf_counter() + seconds
@@ -228,7 +229,7 @@ def test_host_stacks_finds_the_busy_function(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_gpu_busy_counts_overlapping_kernels_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.syspath_prepend(str(BENCH_DIR))
+    monkeypatch.syspath_prepend(str(PROBES_DIR))
     gpu_busy = importlib.import_module("gpu_busy")
     # Kernels 0-10 and 5-12 overlap (7 busy past 5), a gap to 20, then 20-25: busy 17 of 25.
     assert gpu_busy.busy_and_span([(20, 25), (0, 10), (5, 12)]) == (17.0, 25.0)
@@ -239,7 +240,7 @@ def test_gpu_busy_counts_overlapping_kernels_once(monkeypatch: pytest.MonkeyPatc
 
 
 def test_gpu_busy_sums_idle_gaps_by_their_neighbours(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.syspath_prepend(str(BENCH_DIR))
+    monkeypatch.syspath_prepend(str(PROBES_DIR))
     gpu_busy = importlib.import_module("gpu_busy")
     # a 0-10, b 12-20 (gap 2 after a), c 15-30 overlaps b, a 31-40 (gap 1 after c),
     # b 45-50 (gap 5 after a): the gaps are charged to the activity that ended last.
@@ -252,7 +253,7 @@ def test_gpu_busy_sums_idle_gaps_by_their_neighbours(monkeypatch: pytest.MonkeyP
 
 
 def test_gpu_busy_lists_longest_gaps_and_cuts_steps(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.syspath_prepend(str(BENCH_DIR))
+    monkeypatch.syspath_prepend(str(PROBES_DIR))
     gpu_busy = importlib.import_module("gpu_busy")
     # Step 1: gemm 0-4000, copy to host 4000-4100; a 900-us gap; step 2: gemm 5000-7000,
     # attn 7000-9000 with a 3000-us gap after it, gemm 12000-13000, its copy 13000-13100.
@@ -280,7 +281,7 @@ def test_gpu_busy_lists_longest_gaps_and_cuts_steps(monkeypatch: pytest.MonkeyPa
 def test_gpu_clocks_lines_slow_steps_up_with_samples(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.syspath_prepend(str(BENCH_DIR))
+    monkeypatch.syspath_prepend(str(PROBES_DIR))
     gpu_clocks = importlib.import_module("gpu_clocks")
     start = datetime(2026, 11, 27, 23, 0, 0).timestamp()
     # Four mixed steps of one shape (the third twice as long on the device), two decode
@@ -339,7 +340,7 @@ def test_gpu_clocks_lines_slow_steps_up_with_samples(
 def test_gpu_clocks_refuses_to_sample_without_nvidia_smi(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    monkeypatch.syspath_prepend(str(BENCH_DIR))
+    monkeypatch.syspath_prepend(str(PROBES_DIR))
     gpu_clocks = importlib.import_module("gpu_clocks")
     monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-smi there
     marker = tmp_path / "ran"
@@ -354,7 +355,7 @@ def test_kernel_builds_counts_each_build_in_its_step(monkeypatch: pytest.MonkeyP
     were set and sets them back."""
     knobs = pytest.importorskip("triton.knobs")
     monkeypatch.syspath_prepend(str(BENCH_DIR))
-    step_probes = importlib.import_module("step_probes")
+    step_probes = importlib.import_module("common.step_probes")
     seen: list[str] = []
 
     def earlier_before(**kwargs: object) -> None:

@@ -1,4 +1,4 @@
-"""bench/roofline.py: the floor of an offline run, counted by hand on small cases and
+"""bench/common/roofline.py: the floor of an offline run, counted by hand on small cases and
 against an independent count of the 8B shared-prefix workload."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
 @pytest.fixture
 def roofline(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     monkeypatch.syspath_prepend(str(BENCH_DIR))
-    return importlib.import_module("roofline")
+    return importlib.import_module("common.roofline")
 
 
 def _shape(roofline: ModuleType, **kw: int) -> object:
@@ -84,7 +84,7 @@ def test_the_8b_shared_prefix_floors(roofline: ModuleType) -> None:
     """64 groups x 16 requests (2048 + 128 prompt, 256 out) on Llama-3.1-8B's shape, counted
     token by token here; with the cache each group computes its prefix once and decodes
     over it together."""
-    config = ModelConfig.from_dict(importlib.import_module("one_batch").LLAMA_31_8B)
+    config = ModelConfig.from_dict(importlib.import_module("common").LLAMA_31_8B)
     shape = roofline.ModelShape.of_model(config, torch.bfloat16)
     assert shape.layer_params == 6_979_321_856  # Llama-3.1-8B less embeddings and head
     matmul, bandwidth = 760e12, 3.0e12

@@ -220,7 +220,7 @@ def test_projections_take_the_rows_gemv_for_a_few_cuda_tokens_only() -> None:
 )
 def test_wide_weights_keep_the_gemv_to_the_devices_row_count(device_name: str, rows: int) -> None:
     """gate_up and the head take the few-token GEMV to 64 tokens, but to 48 on an H200,
-    whose bandwidth lets cuBLASLt stream them faster at 64 (docs/performance.md)."""
+    whose bandwidth lets cuBLASLt stream them faster at 64 (lab/notebook/2026-11-28-h200-quick-suite-token-gemv-row.md)."""
     assert dispatch.wide_max_rows_for(device_name) == rows
     assert dispatch.GEMV_MAX_ROWS < rows
     # Off CUDA (the interpreter's tests force the Triton path there) no device to ask.

@@ -1,6 +1,6 @@
 """When a prefill pass runs FlashInfer's SM90 kernels (attention/sm90_prefill.py): the
 choice is host arithmetic over the pass's lengths, checked here against the step
-shapes its constants were measured on (bench/prefill_kernels.py, docs/performance.md)."""
+shapes its constants were measured on (lab/probes/prefill_kernels.py, lab/notebook/2026-11-26-long-prompts-flashinfer-sm90-prefill-shared.md)."""
 
 from __future__ import annotations
 

@@ -2,8 +2,8 @@
 heuristics cache that holds every problem the engine's eager steps run.
 
 cuBLASLt picks an algorithm for each GEMM problem (shapes, types, layouts) on the host
-and caches the choice, 8192 problems by default. A hit costs ~28 us a call, a miss ~190
-(up to ~5 ms) on the H100 (bench/heuristics_cache.py, docs/performance.md). Decode
+and caches the choice, 8192 problems by default. A miss costs several times a hit's host
+time (measured: lab/probes/heuristics_cache.py, lab/notebook/2026-11-28-mixed-steps-attention-ways-cublaslt-heuristics.md). Decode
 graphs and prefill pieces replay without asking; an eager step runs the model's
 projections at its own row count, any of up to `chunked_prefill_size` + running rows.
 Once the counts a server has met outnumber the cache's share (~2000), it cycles, and
@@ -26,15 +26,14 @@ CAPACITY_ENV = "CUBLASLT_HEURISTICS_CACHE_CAPACITY"
 # GEMM problems a row count brings: the fused qkv, o, gate_up and down projections and
 # the head over the sampled rows, with room for one more.
 PROBLEMS_PER_ROW_COUNT = 6
-# ~1.5 KiB of host memory an entry (bench/heuristics_cache.py): 96 MiB at most.
+# ~1.5 KiB of host memory an entry (lab/probes/heuristics_cache.py): 96 MiB at most.
 MAX_CAPACITY = 1 << 16
 
 
 def prefer_cublaslt() -> None:
     """Route torch's GEMMs through cuBLASLt (process-wide), unless the process chose with
-    TORCH_BLAS_PREFER_CUBLASLT. On the H100 its kernels made an 8B decode step at batch
-    64 0.12 ms shorter (8.05 against 8.17 ms, three runs each) and left batch 1 and
-    prefill as they were (docs/performance.md)."""
+    TORCH_BLAS_PREFER_CUBLASLT: its kernels made a large decode step shorter and left
+    batch 1 and prefill as they were (measured: lab/notebook/2026-12-01-figures-from-code-comments.md)."""
     if "TORCH_BLAS_PREFER_CUBLASLT" not in os.environ:
         torch.backends.cuda.preferred_blas_library("cublaslt")
 

@@ -9,7 +9,7 @@ Host objects (the NCCL id, the KV budget at start-up) go through a gloo group
 (`broadcast_object`, `min_int`); each step's scheduler inputs go down a pipe to each rank
 (`engine/tensor_parallel.py`), so every rank schedules the same batches.
 On CUDA the model's eager collectives call NCCL directly on the compute stream
-(`engine/nccl.py`: torch.distributed's costs ~140 us of host time each); those captured in
+(`engine/nccl.py`: torch.distributed's cost host time each); those captured in
 CUDA graphs go through torch.distributed, whose graphs replay faster.
 """
 
@@ -71,8 +71,8 @@ class TPGroup:
     def _direct(self, x: torch.Tensor) -> NcclComm | None:
         """The communicator a collective on `x` calls NCCL through directly: eagerly,
         where it saves torch.distributed's host time; None (torch.distributed) while a
-        CUDA graph is captured, whose replays measured ~0.1 ms a decode step faster at
-        TP 2 so (docs/performance.md)."""
+        CUDA graph is captured, whose replays measured faster so (measured:
+        lab/notebook/2026-11-26-tensor-parallelism-vocabulary-parallel-head-torch.md)."""
         if self.nccl is None or not self.nccl.supports(x):
             return None
         return None if torch.cuda.is_current_stream_capturing() else self.nccl

@@ -1,9 +1,9 @@
 """NCCL's all-reduce and all-gather called directly (ctypes), on the caller's CUDA stream.
 
-torch.distributed's `all_reduce` spends ~140 us of host time a call on an H100 host
-(its work object, events, and stream waits around NCCL's own stream), which a short
-prompt's eager prefill pays 64 times over an 8B model: it made that prefill host-bound
-(docs/performance.md). Called directly, as SGLang's and vLLM's PyNccl wrappers do, an
+torch.distributed's `all_reduce` spends host time a call (its work object, events, and
+stream waits around NCCL's own stream), which a short prompt's eager prefill pays 64
+times over an 8B model: it made that prefill host-bound (measured:
+lab/notebook/2026-11-26-tensor-parallelism-two-h100s.md). Called directly, as SGLang's and vLLM's PyNccl wrappers do, an
 all-reduce costs one `ncclAllReduce` launch on the current stream; CUDA graphs capture
 it as they capture torch.distributed's. The library is the one torch loaded. The
 vocabulary-parallel head gathers its logits the same way.

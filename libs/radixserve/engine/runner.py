@@ -29,11 +29,8 @@ log = logging.getLogger(__name__)
 
 
 # Batch limits by device (max_running_requests and cuda_graph_max_bs left at None in
-# engine/config.py). On an H100 80 GB, Llama-3.1-8B shape, same machine: 512 running with
-# graphs to 512 gave 128.9k against 117.7k tok/s at 256/256 on the shared-prefix workload
-# and 19.0k against 15.1k on ShareGPT-like; 512 running with graphs only to 256 gave
-# 100.9k (decode steps past 256 run eagerly), so the two move together
-# (docs/performance.md).
+# engine/config.py): on a large GPU more running requests pay only with graphs as large,
+# so the two move together (measured: lab/notebook/2026-11-23-where-shared-prefix-run-time-goes.md).
 LARGE_GPU_BYTES = 70 * 1024**3
 LARGE_GPU_BATCH = 512
 DEFAULT_BATCH = 256
@@ -106,7 +103,7 @@ def make_attention_backend(
     two (attention/hybrid.py).
 
     "auto": on CUDA, for a float16 or bfloat16 model with flashinfer installed,
-    FlashInfer's prefill with Triton's decode (the H100 figures in docs/performance.md:
+    FlashInfer's prefill with Triton's decode (lab/notebook/2026-11-23-auto-flashinfer-prefill-triton-decode-kernel.md:
     Triton's decode keeps its tables in the graph, FlashInfer's prefill serves cached
     prefixes beside decoders best); else triton when it is installed (CUDA builds of
     torch bring it); the torch reference elsewhere (on the CPU triton runs only under
@@ -266,8 +263,8 @@ class ModelRunner:
             self._warm_up_prefill()
         # The prefill pieces, then the decode graphs, on one capture stream: any other
         # order, or a stream each, leaves the decode graphs' Triton kernels launching
-        # plainly rather than as programmatic dependents (a gap before each: 1-2% of a
-        # decode step, docs/performance.md).
+        # plainly rather than as programmatic dependents (a gap before each; measured:
+        # lab/notebook/2026-11-29-h200-capture-order-measured-flashinfer-side.md).
         self.piecewise: PiecewiseGraphs | None = None
         self.graphs: CudaGraphRunner | None = None
         if self._uses_cuda_graphs():
@@ -330,8 +327,8 @@ class ModelRunner:
         variant or where it runs eagerly anyway (beyond the largest graph, or without
         graphs); a `mixed` step (prefills beside decodes) always, being eager. Not a
         decode step of the small sizes whose graphs have no cascade variant: it would
-        run eagerly, and the host's eager launches (some 26 ms a step for an 8B model)
-        cost more than the KV reads cascade saves (docs/performance.md)."""
+        run eagerly, and the host's eager launches cost more than the KV reads cascade
+        saves (measured: lab/notebook/2026-11-22-cascade-cuda-graphs-mixed-batches-pass.md)."""
         if not self.cascade:
             return False
         graphs = self.graphs

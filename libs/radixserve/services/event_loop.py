@@ -4,7 +4,7 @@
 and the standard loop elsewhere; `uvloop` requires it; `asyncio` is the standard loop,
 for ruling uvloop out when chasing a problem. uvloop's transports and NATS/Redis reads
 cost less CPU per message than the standard loop's, which is what the gateway and the
-detokenizer spend theirs on (docs/performance.md).
+detokenizer spend theirs on (lab/notebook/2026-11-26-h100-uvloop-httptools.md).
 """
 
 from __future__ import annotations

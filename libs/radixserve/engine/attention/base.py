@@ -101,7 +101,8 @@ class AttentionBackend(ABC):
         """Run any work beside the main stream on `stream` rather than on a stream of the
         backend's own: the runner hands it the decode graphs' capture stream, idle after
         start-up, because work on any stream made after their capture leaves their
-        Triton kernels launching plainly (docs/performance.md). Nothing by default."""
+        Triton kernels launching plainly
+        (lab/notebook/2026-11-29-h200-capture-order-measured-flashinfer-side.md). Nothing by default."""
         return None
 
     # -- kernels compiled in the background ----------------------------------------

@@ -61,8 +61,7 @@ def max_groups(bs: int) -> int:
 def _prefix_splits(programs: int, device: torch.device, max_prefix: int | None = None) -> int:
     """Splits of each prefix: enough programs for one per SM and, where the longest
     prefix is known (not in a graph), none shorter than _MIN_PREFIX_TOKENS_PER_SPLIT.
-    (H100, 32 groups of 16 over 2048 tokens, 256 programs a split: one split 0.104 ms,
-    two 0.112, four 0.141: each split adds partials to write and merge.)"""
+    (Each split adds partials to write and merge; measured: lab/notebook/2026-12-01-figures-from-code-comments.md.)"""
     wanted = triton.next_power_of_2(triton.cdiv(num_sms(device), max(1, programs)))
     if max_prefix is not None:
         wanted = min(

@@ -25,8 +25,8 @@ indptrs back, a sync).
 Decode batches with shared prefixes run cascade attention (attention/cascade.py, Triton
 kernels) instead of a wrapper: the group's prefix is read once for all its members. In a
 mixed batch the decoders' cascade runs on a side stream beside the prefill wrapper over
-the prompts (memory-bound beside compute-bound kernels; 0.8-1.4% off the cached
-shared-prefix run on an H100, docs/performance.md).
+the prompts (memory-bound beside compute-bound kernels; measured:
+lab/notebook/2026-11-25-mixed-step-decoders-beside-prefill-gemm.md).
 
 CUDA graphs (decode only): one wrapper per graph batch size, created with
 `use_cuda_graph=True` over views of fixed buffers (kv_indptr, kv_indices,

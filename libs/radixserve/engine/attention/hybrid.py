@@ -3,7 +3,8 @@
 The fastest kernels differ by pass: on an H100 FlashInfer's FA2 prefill serves long
 cached prefixes beside hundreds of decoders better than the Triton extend kernel, while
 Triton's decode runs its slot tables inside the CUDA graph and FlashInfer re-plans on
-the host before every replay (docs/performance.md). `auto` therefore pairs FlashInfer's
+the host before every replay (lab/notebook/2026-11-23-auto-flashinfer-prefill-triton-decode-kernel.md).
+`auto` therefore pairs FlashInfer's
 prefill with Triton's decode where FlashInfer is installed (runner.make_attention_backend);
 `--prefill-attention-backend` and `--decode-attention-backend` pick any pair.
 

@@ -1,23 +1,19 @@
 """FlashInfer's SM90 ("fa3") prefill kernels, for passes whose long prompts dominate.
 
-On Hopper the SM90 kernels run a long query block's attention ~1.6x faster than FA2
-(bench/prefill_kernels.py, one layer of the 8B shape on an H100, pages of one slot):
-a 2048-token chunk over 8192 keys 0.47 against 0.78 ms, over 32768 keys 1.97 against
-3.09 ms. They lose 3-5x on requests that add a few tokens (their 128-row query tiles
-run nearly empty: 64 requests of 16 tokens 0.65 against 0.24 ms), and the kernel is
-persistent: it holds every SM until it ends, so a mixed batch's cascade decoders on the
-side stream no longer run beside it (on an H200 that cost the cached shared-prefix
-benchmark 1%). `use_sm90` weighs these (docs/performance.md has the figures).
+On Hopper the SM90 kernels run a long query block's attention faster than FA2, but lose
+on requests that add a few tokens (their 128-row query tiles run nearly empty), and the
+kernel is persistent: it holds every SM until it ends, so a mixed batch's cascade
+decoders on the side stream no longer run beside it. `use_sm90` weighs these (measured:
+lab/notebook/2026-11-26-long-prompts-flashinfer-sm90-prefill-shared.md, lab/notebook/2026-12-01-figures-from-code-comments.md).
 
-The kernels are JIT-compiled by FlashInfer the first time (about 90 s with
-MAX_JOBS=16 on the lent H100; cached after, under FlashInfer's workspace). `Sm90Build`
+The kernels are JIT-compiled by FlashInfer the first time (minutes; cached after,
+under FlashInfer's workspace). `Sm90Build`
 compiles them in a background thread at start-up, at the lowest CPU priority, by
 planning and running a small pass on its own stream and workspace; passes run FA2 until
 the build is done. A failed build is logged once and leaves every pass on FA2. It is
-opt-in (`enable_sm90_prefill`): a quick GPU suite run while the build compiled measured
-decode at batch 64 and the 2048-token prefill ~5% and ~10% slower than before (the
-compile's 16 nvcc processes beside the engine's host thread), and the compile takes
-several GB of host memory, which a container's limit may not leave.
+opt-in (`enable_sm90_prefill`): while the build compiles, its nvcc processes slow the
+engine's host thread (measured: lab/notebook/2026-11-26-suite-defaults-sm90-built-few-token.md),
+and the compile takes several GB of host memory, which a container's limit may not leave.
 """
 
 from __future__ import annotations

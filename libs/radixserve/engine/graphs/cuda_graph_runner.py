@@ -120,7 +120,7 @@ class CudaGraphRunner:
         self._cascade_batches = {bs: self._static_batch(bs) for bs in self.cascade_sizes}
         self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self._logits: torch.Tensor | None = None  # [max_bs, vocab], at the first pass
-        self.capture_stream = stream  # bench/graph_gaps.py reads it
+        self.capture_stream = stream  # lab/probes/graph_gaps.py reads it
         if capture:
             try:
                 self._capture_all()
@@ -239,7 +239,7 @@ class CudaGraphRunner:
         free_before = torch.cuda.mem_get_info(self.kv_pool.device)[0]
         pool = torch.cuda.graph_pool_handle()
         stream = self.capture_stream = self.capture_stream or torch.cuda.Stream(self.kv_pool.device)
-        self.capture_pool = pool  # bench/graph_gaps.py reads it
+        self.capture_pool = pool  # lab/probes/graph_gaps.py reads it
         for bs in reversed(self.batch_sizes):
             for cascade in (False, True) if bs in self._cascade_batches else (False,):
                 batch = (self._cascade_batches if cascade else self._batches)[bs]

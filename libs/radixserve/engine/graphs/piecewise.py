@@ -1,9 +1,8 @@
 """Prefill and mixed passes of few tokens captured as CUDA graphs, piece by piece.
 
 Why: a pass of a few hundred new tokens (a short prompt, or a new prompt beside a few
-decoders) is bound by the host. For an 8B model on an H200 a 16- to 512-token prefill
-takes ~15 ms, of which ~5 ms is GPU work: the rest is the GPU waiting for some 800
-eager launches from Python (docs/performance.md, "Time to first token step by step").
+decoders) is bound by the host: the GPU waits for some 800 eager launches from Python
+(measured: lab/notebook/2026-11-27-ttft-step-by-step.md).
 That pass sets the time to first token at light load and the inter-token spikes of the
 decoders beside it.
 

@@ -11,20 +11,14 @@ import torch
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 # The dtypes the tensor-core kernels take (the few-token GEMV).
 TENSOR_CORE_DTYPES = (torch.bfloat16, torch.float16)
-# Up to this many tokens the projections run the few-token GEMV (kernels/linear.py): one
-# decode step's projections of the 8B shape at 2-16 tokens took 5.39-5.45 ms against
-# cuBLAS's 5.71-5.93, at 24-32 tokens 5.59 against 5.80-5.84 (bench/gemv_rows.py, H100;
-# decode steps of 24 and 32 requests 2-3% shorter, docs/performance.md).
+# Up to this many tokens the projections run the few-token GEMV (kernels/linear.py), which
+# streams a decode step's weights faster than cuBLAS there (measured: lab/notebook/2026-11-26-suite-defaults-sm90-built-few-token.md,
+# lab/notebook/2026-11-27-few-token-gemv-32-tokens.md).
 GEMV_MAX_ROWS = 32
 # Weights at least GEMV_WIDE_RATIO times wider than deep (gate_up, the head; not qkv, o
-# or down) keep the GEMV to `gemv_wide_max_rows` tokens: GEMV_WIDE_MAX_ROWS, where at 48
-# and 64 tokens it streamed gate_up in 85.6-85.8 us against cuBLASLt's 88.6-89.1 and the
-# head in 364-369 against 387-392, while o and down ran faster on cuBLASLt
-# (bench/gemv_rows.py, H100, 2026-11-28); fewer on the devices named in
-# GEMV_WIDE_MAX_ROWS_BY_DEVICE. On the H200 (1.27x the H100's bandwidth, the same SMs)
-# cuBLASLt streams them faster at 64 tokens: decode steps of 64 requests 5.87-5.89 ms
-# against 6.01-6.02 with the GEMV, 48 requests alike (bench/gemv_chain.py: the GEMV still
-# 0.6% ahead at 48; docs/performance.md).
+# or down) keep the GEMV to `gemv_wide_max_rows` tokens: there it still streams them faster
+# than cuBLASLt on the H100, while on a device of more bandwidth and the same SMs (the
+# H200) cuBLASLt wins at 64 tokens (measured: lab/notebook/2026-12-01-figures-from-code-comments.md).
 GEMV_WIDE_MAX_ROWS = 64
 GEMV_WIDE_MAX_ROWS_BY_DEVICE = {"H200": 48}
 GEMV_WIDE_RATIO = 3

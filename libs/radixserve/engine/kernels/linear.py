@@ -5,13 +5,14 @@
 For one token on CUDA each is a single Triton GEMV with the norm folded into its read
 of the input and SiLU x mul into its output (triton_ops/gemv.py): at batch 1 a
 projection streams its weight, and the norm and activation kernels between them, with
-their launch gaps, were ~8% of a decode step.
+their launch gaps, were a share of a decode step worth saving
+(lab/notebook/2026-11-23-token-gemvs-norms-silu-folded-projections.md).
 From 2 to GEMV_MAX_ROWS tokens (`dispatch.gemv_wide_max_rows` over the wide weights:
 gate_up, the head, 64 tokens on the H100, 48 on the H200; 16-bit dtypes, weights of
 GEMV_ROWS_MIN_N rows or more) the op's kernel
 (kernels/norm.py, activation.py) then the few-token Triton GEMV, which streams each
 weight once for all the tokens on the tensor cores: cuBLAS's kernels for so few rows
-(split over K, with a reduce kernel) read the weights ~8% slower. Otherwise the op's
+(split over K, with a reduce kernel) read the weights slower (lab/notebook/2026-12-01-figures-from-code-comments.md). Otherwise the op's
 kernel then cuBLAS, and on the CPU the torch reference. The GEMVs sum in float32 in
 another order than cuBLAS, so outputs may differ from the unfused path by an ulp of the
 output dtype in a few elements.

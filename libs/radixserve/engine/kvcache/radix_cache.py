@@ -6,8 +6,8 @@ eviction only ever takes unlocked leaves, least recently used first. Candidates 
 a heap kept as the tree changes: each time a node may become an unlocked leaf or its
 access time moves, it is pushed again, and entries that no longer hold (the node was
 evicted, locked, given a child or touched since) are dropped when they surface. An
-eviction costs O(log n) a leaf, not a walk over the whole tree (60-100 ms at 50k nodes
-on a 2-core dev machine).
+eviction costs O(log n) a leaf, not a walk over the whole tree (measured:
+lab/notebook/2026-11-27-radix-eviction-lru-heap-kept-changes.md).
 
 With page_size > 1 the tree works in whole pages: children are keyed by their first
 page, matches are whole pages, and inserted keys must be page-aligned (the caller

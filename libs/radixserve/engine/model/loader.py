@@ -64,8 +64,8 @@ def resolve_dtype(
 @functools.cache
 def cpu_multiplies_bfloat16() -> bool:
     """Whether this CPU has bfloat16 matmul instructions (AVX512-BF16 or AMX), where
-    torch's bfloat16 matmuls ran 2.2-2.4x faster than float32 and the embedded model's
-    engine 1.8-2x (docs/performance.md, "bfloat16 where the CPU multiplies it")."""
+    torch's bfloat16 matmuls run about twice as fast as float32 (measured:
+    lab/notebook/2026-11-28-bfloat16-where-cpu-multiplies.md)."""
     probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
     return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
 

@@ -158,8 +158,8 @@ def _warm_up_steps(
     (kept in a `PenaltyState`, as the engine keeps them) on the whole batch and on some
     rows, a logit bias, a stop mask, logprobs, drawn rows beside greedy ones. On CUDA
     torch loads each kernel at its first launch (lazy module loading): without this the
-    first penalized request on a fresh H200 took 140 ms against 12.6 for its second, the
-    first with logprobs 84 against 9.1."""
+    first request of each kind waited for those loads (measured:
+    lab/notebook/2026-11-28-h200-first-requests-each-kind-after.md)."""
     biased = SamplingParams(temperature=0.0, logit_bias={0: 1.0})
     penalized = SamplingParams(
         temperature=0.0, repetition_penalty=1.1, frequency_penalty=0.5, presence_penalty=0.5

@@ -82,10 +82,9 @@ def programmatic_launch(device: torch.device) -> bool:
 def few_token_dependent(device: torch.device, rows: int) -> bool:
     """Whether an elementwise kernel over `rows` tokens (norm, SiLU x mul, rotary) is
     launched as a programmatic dependent: in steps of up to GEMV_MAX_ROWS tokens, where
-    it sits between the GEMVs (launched so too) and its launch overlaps their ends
-    (-0.1 ms a decode step of 2-16 requests, 8B shape, H100; with the GEMVs to 32 tokens,
-    steps of 24-32 requests 2-3% shorter, both changes together). Beside cuBLAS's GEMMs
-    (past GEMV_MAX_ROWS) that measured 0.4% slower at 64 requests."""
+    it sits between the GEMVs (launched so too) and its launch overlaps their ends; beside
+    cuBLAS's GEMMs (past GEMV_MAX_ROWS) it measured slower (measured:
+    lab/notebook/2026-11-26-few-token-kernels-programmatic-dependents-decode.md)."""
     return rows <= GEMV_MAX_ROWS and programmatic_launch(device)
 
 

@@ -59,8 +59,7 @@ def graph_num_kv_splits(bs: int, num_kv_heads: int, num_sms: int) -> int:
     Trailing splits of a short sequence are empty and cost a program launch each.
     From 33 requests of 8 KV heads on an H100 (132 SMs) it is one split, which writes
     the output in one pass (no stage 2).
-    (On an H100, Llama-3.1-8B shape, 512-token prompts: 4 or 8 programs per SM made
-    decode steps of 8 to 64 requests 0.5 to 0.7 ms slower than 2.)"""
+    (4 or 8 programs per SM made decode steps slower than 2; measured: lab/notebook/2026-12-01-figures-from-code-comments.md.)"""
     wanted = triton.cdiv(2 * num_sms, bs * num_kv_heads)
     return min(MAX_SPLITS, triton.next_power_of_2(wanted))
 
@@ -76,7 +75,7 @@ class LaunchOptions:
 
 def launch_options(num_splits: int, programs: int, sms: int) -> LaunchOptions:
     """Stage 1's options for `num_splits` splits over `programs` programs (requests x KV
-    heads x splits) on `sms` SMs, from bench/decode_attention.py on an
+    heads x splits) on `sms` SMs, from lab/probes/decode_attention.py on an
     H100 (bf16, 32 query / 8 KV heads, head dim 128, context 528, one layer in a CUDA
     graph, both stages timed; (block_n, warps, stages): ms):
 
@@ -345,7 +344,7 @@ def decode_partials(
 ) -> None:
     """Stage 1 alone: each (request, head, split)'s partial output and lse in mid_out and
     mid_lse (splits past a short sequence's last are not written). `options` default to
-    `launch_options`; others are for bench/decode_attention.py's sweep."""
+    `launch_options`; others are for lab/probes/decode_attention.py's sweep."""
     _launch_split_kernel(
         q, k_buffer, v_buffer, q_rows, kv_indptr, kv_indices, scale, options,
         (mid_out, mid_lse), None,

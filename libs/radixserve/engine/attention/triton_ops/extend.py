@@ -47,10 +47,9 @@ def _blocks(dtype: torch.dtype, rows: int, device: torch.device) -> tuple[int, i
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a pass whose longest request has
     `rows` query rows per KV head (new tokens x query heads per KV head). float32 tiles
     take twice the shared memory of 16-bit ones, so they are halved to fit. Where shared
-    memory allows (H100, 8B shape, one layer, against 64 x 64 tiles in two stages),
-    128-row blocks for long passes (16 x 128 new tokens over 2048 cached: 0.29 against
-    0.58 ms; an 8k prompt's last 2048-token chunk 0.89 against 1.45) and three stages
-    for short ones (64 x 16 tokens over 2048: 0.28 against 0.38): docs/performance.md."""
+    memory allows, 128-row blocks for long passes and three stages for short ones, each
+    faster than 64 x 64 tiles in two stages (measured:
+    lab/notebook/2026-11-27-triton-extend-kernel-grouped-query-packing.md)."""
     if dtype == torch.float32:
         return 32, 32, 4, 1
     if not _roomy(device):
@@ -191,7 +190,7 @@ def extend_attention(
     blocks: tuple[int, int, int, int] | None = None,
 ) -> None:
     """`blocks`: (BLOCK_M, BLOCK_N, num_warps, num_stages), for a sweep
-    (bench/prefill_kernels.py); by default `_blocks`' choice for the pass."""
+    (lab/probes/prefill_kernels.py); by default `_blocks`' choice for the pass."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     group_size = num_heads // k.shape[1]
     bs = q_starts.shape[0]

@@ -37,9 +37,9 @@ from radixserve.engine.attention.triton_ops.common import (
 from radixserve.engine.attention.triton_ops.decode import LaunchOptions
 
 _BLOCK_M = 64  # query rows per tile: members x query heads of one KV head
-# Keys per loop step and launch options of the prefix kernel. From bench/cascade_attention.py
-# --sweep on an H100 (32 groups x 16 members over 2048 + 192 tokens, 32/8 heads, bf16):
-# 0.104 ms at one split (2.6 TB/s) against 0.116 with two stages and 0.123 at two splits.
+# Keys per loop step and launch options of the prefix kernel: the best of
+# lab/probes/cascade_attention.py --sweep (measured:
+# lab/notebook/2026-11-23-cascade-kernels-rotary-logits-radix-walk.md).
 PREFIX_OPTIONS = LaunchOptions(block_n=64, num_warps=4, num_stages=3)
 
 
@@ -216,7 +216,7 @@ def shared_prefix_attention(
 ) -> None:
     """Each tile's members attend over their group's prefix: partial outputs into
     mid_out/mid_lse (`prefix_tiles` cuts the groups into tiles). `options` default to
-    PREFIX_OPTIONS; others are for bench/cascade_attention.py's sweep."""
+    PREFIX_OPTIONS; others are for lab/probes/cascade_attention.py's sweep."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_buffer.shape[1]
     group_size = num_heads // num_kv_heads

@@ -28,10 +28,8 @@ from radixserve.engine.kernels.triton_ops.norm import weighted_norm
 
 # Up to this many tokens the few-token GEMV releases the next kernel's launch as soon as
 # its programs have all passed their wait for the kernel before, not after their loops:
-# a 32-layer chain of the 8B shape's projections ran 0.6-1.7% shorter at 2-16 tokens
-# and 1.4-1.6% longer at 32; decode steps of 2-16 requests ~1% shorter, 32 as before
-# (bench/gemv_chain.py, bench/ab_one_batch.sh, H100, 2026-11-28). The one-token GEMV
-# gained nothing so (4.867 against 4.865 ms a chain) and keeps its trigger after the loop.
+# shorter steps up to 16 tokens, longer at 32; the one-token GEMV gained nothing so and
+# keeps its trigger after the loop (measured: lab/notebook/2026-11-28-few-token-gemv-launches-split-over.md).
 EARLY_TRIGGER_MAX_ROWS = 16
 
 # What the kernel reads as its input row.
@@ -139,13 +137,12 @@ def _gemv_kernel(
 def _config(k: int, prologue: int, gated: bool) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, warps, stages) for a weight of rows of k.
 
-    From sweeps over the Llama-3.1-8B shapes with the engine's prologues (H100, then
-    H200; docs/performance.md): rows of 4096 after a norm stream best as 4 rows x 2048
-    with 8 warps (gated: 2 gate rows and their 2 up rows). Each program of a norm
-    prologue first reads the whole input row for its norm, so fewer rows a program cost
-    more: 2 rows took gate_up 65 us on the H200 against 58 with 4. Plain rows need no
-    such read: o (k = 4096) as 1 row x 1024, 9.2 us against 9.8 with 4 x 2048; down
-    (k = 14336) as 2 rows x 1024, 30.2 us against 39.4 with 8 rows x 1024 and 4 warps.
+    From sweeps over the Llama-3.1-8B shapes with the engine's prologues: rows of 4096
+    after a norm stream best as 4 rows x 2048 with 8 warps (gated: 2 gate rows and their
+    2 up rows): each program of a norm prologue first reads the whole input row for its
+    norm, so fewer rows a program cost more. Plain rows need no such read: o (k = 4096)
+    as 1 row x 1024, down (k = 14336) as 2 rows x 1024 (measured:
+    lab/notebook/2026-11-28-h200-gate-silu-token-gemv-epilogue.md).
     """
     if k > 8192:
         return 2, 1024, 8, 4
@@ -279,14 +276,13 @@ def _gemv_rows_kernel(
 def _rows_config(n: int, k: int, m: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, warps, stages) for `m` tokens over an [n, k] weight.
 
-    From `bench/gemv_rows.py` on the H100 (Llama-3.1-8B shapes, in a CUDA graph; at 1-32
-    tokens the best option was the same at every token count, within 0.5 us): long rows
-    (down, k = 14336) and the head stream best as 32 rows x 512, qkv and gate_up as 64 x
-    128, o (n = 4096) as 64 or 32 x 256 alike. Fewer weight rows take smaller blocks, so
-    that at least 64 programs share the read (one SM streams ~40 GB/s: 64 programs of o
-    reached 2.4 TB/s); kernels/linear.py leaves weights of fewer than 1024 rows to cuBLAS.
-    Past GEMV_MAX_ROWS tokens (the wide weights only, kernels/linear.py) 64 x 128 in three
-    stages was the best or within 0.5 us of it for gate_up and the head at 48 and 64.
+    From `lab/probes/gemv_rows.py` (Llama-3.1-8B shapes, in a CUDA graph; the best option
+    was the same at every token count): long rows (down, k = 14336) and the head stream
+    best as 32 rows x 512, qkv and gate_up as 64 x 128, o (n = 4096) as 64 or 32 x 256
+    alike. Fewer weight rows take smaller blocks, so that at least 64 programs share the
+    read (one SM alone streams a small share of the bandwidth); kernels/linear.py leaves
+    weights of fewer than 1024 rows to cuBLAS. Past GEMV_MAX_ROWS tokens (the wide weights
+    only, kernels/linear.py) 64 x 128 in three stages (measured: lab/notebook/2026-12-01-figures-from-code-comments.md).
     """
     if m > GEMV_MAX_ROWS and n >= 64 * 64:
         return 64, 128, 4, 3
