@@ -6,7 +6,7 @@ Each `radixserve.services.<name>` module exposes:
     run(ns: argparse.Namespace) -> int                       # blocking; the exit code
 
 `radixserve serve <name>` calls them; `runtime.py` holds what every service shares
-(settings, logging, connect, supervised tasks, heartbeat, drain on SIGTERM). The
-top-level `services/<name>/` folders hold each service's README (and, later, its
-Dockerfile); the code ships in the wheel, here.
+(settings, logging, connect, supervised tasks, heartbeat, drain on SIGTERM). Each
+module's docstring (its `serve NAME --help`) says what it consumes and publishes, its
+flags, how it scales and what it does on failure; the images are built from `docker/`.
 """

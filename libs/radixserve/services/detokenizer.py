@@ -1,9 +1,14 @@
 """radixserve serve detokenizer: step batches of token ids in, text deltas out.
 
 Subscribes `{p}.detok` (no queue group: one instance keeps every request's decoding
-state), turns each worker's `StepOutputBatch` into text with `radixserve.detok`, and
-publishes one `TextDeltaBatch` per gateway on `{p}.gateway.{gateway_id}.deltas`.
-The tokenizer is loaded before subscribing, so nothing arrives before it can be decoded.
+state, and a second would send every delta twice), turns each worker's `StepOutputBatch`
+into text with `radixserve.detok`, and publishes one `TextDeltaBatch` per gateway on
+`{p}.gateway.{gateway_id}.deltas`. The tokenizer is loaded before subscribing, so nothing
+arrives before it can be decoded. At most `--max-requests` live streams are kept (the
+oldest dropped), so a lost finish cannot leak memory. A skipped step number of a worker
+is logged; a stream whose token counts show a hole gets 503 `output_lost` and an abort
+on `{p}.abort` instead of text with a hole. On SIGTERM it decodes and publishes what is
+queued, flushes and exits.
 """
 
 from __future__ import annotations

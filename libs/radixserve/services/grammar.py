@@ -8,7 +8,8 @@ compiler's reason (400 `invalid_grammar`), or "retry later" (503: a compile past
 (memory LRU, Redis, one compile per key, the timeout) is `radixserve.grammar.registry`;
 compiles run in `--compile-workers` child processes, each compile stopped past
 `--compile-limit-s` (`radixserve.grammar.processes`); this file only moves messages.
-Replicas share compiled grammars through Redis.
+Both subjects are in the queue group `grammar`: scale by replicas, which share compiled
+grammars through Redis (`--cache-ttl-s`; `--no-redis-cache`: memory only).
 """
 
 from __future__ import annotations

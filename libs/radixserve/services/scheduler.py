@@ -5,8 +5,19 @@ cache from its KV events (asking a worker for a snapshot when its mirror missed 
 batch), sends each request to the worker caching the longest prefix of its prompt while
 loads are balanced, else to the least loaded one (`--routing`), remembers rid -> worker
 until the request finishes (seen in the workers' step outputs), forwards aborts, fans
-`flush_cache` out, and answers 429 / 503 when it cannot take a request. Every decision is `radixserve.routing`'s;
-this file only moves messages.
+`flush_cache` out, and answers 429 / 503 when it cannot take a request. Every decision is
+`radixserve.routing`'s; this file only moves messages.
+
+Takes `{p}.schedule` (acknowledged on receipt), `{p}.abort`, `{p}.flush_cache` and
+`{p}.scheduler.inflight` in the queue group `scheduler`; hears `{p}.heartbeat.*`,
+`{p}.stats.*`, `{p}.kv_events.*`, `{p}.detok` and `{p}.gateway.*.errors` (a request failed
+by another service than its worker is aborted there). Sends `RoutedRequest` on
+`{p}.worker.{id}.run` with a reply subject the worker acknowledges. Errors, all with
+`retry_after_s` (`--retry-after-s`): 429 `queue_full` past `--max-pending-requests`
+unfinished, 503 `no_worker` when none is ready, 503 `worker_lost` for a worker's requests
+once it is silent for `--worker-timeout-s` (or restarted) and for a run not acknowledged
+within `--worker-ack-timeout-s`. One instance: it holds the in-flight table and the load
+estimates (docs/operations.md, Scaling).
 """
 
 from __future__ import annotations

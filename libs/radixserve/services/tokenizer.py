@@ -1,10 +1,17 @@
 """tokenizer service: `SubmitRequest` -> checked `TokenizedRequest` (docs/request-path.md, hop 2).
 
-Renders chat messages with the model's template, tokenizes text, passes input_ids
-through; checks the vocabulary and the context length; has constrained requests'
-grammars compiled by the grammar service; publishes to the scheduler. Every refusal
-goes to the owning gateway's errors subject. Runs as N replicas in one queue group.
-The logic lives in `radixserve.prep`; this file only moves messages.
+Takes `{p}.tokenize` in the queue group `tokenizer` (N replicas; acknowledged on receipt),
+renders chat messages with the model's template, tokenizes text, passes input_ids
+through; checks the vocabulary and `--context-length` (which must match the workers');
+has constrained requests' grammars compiled on `{p}.grammar.compile` (no answer within
+`--grammar-timeout-s`: 503 `grammar_unavailable`); sends the result to `{p}.schedule` as
+a request the scheduler acknowledges (none within `--schedule-ack-timeout-s`: 503
+`scheduler_unreachable`, and an abort in case it arrives late). Every refusal goes to the
+owning gateway's errors subject. Every replica hears `{p}.abort` (no queue group) and
+drops a request aborted while it waited here (remembered 600 s). Each message gets its
+own task (256 at once), tokenizing runs on one thread off the event loop; on SIGTERM it
+takes no new messages and finishes those it holds. The logic lives in
+`radixserve.prep`; this file only moves messages.
 """
 
 from __future__ import annotations

@@ -2,12 +2,16 @@
 
 Subscribes `{p}.worker.{id}.>` (run, abort, flush_cache, kv_snapshot); the engine runs
 in its own thread (`radixserve.worker.driver`) and hands back one `StepOutputBatch` per
-step, published on `{p}.detok`. Publishes `Heartbeat` and `WorkerStats` every second, and
-its radix cache's changes as `KvEventBatch`es on `{p}.kv_events.{id}` (numbered; the
-whole cache again when the scheduler asks), from which the scheduler routes by prefix.
-On SIGTERM: heartbeat "draining" (the scheduler routes nothing new), new requests are
-handed back with a 503, running ones finish (bounded by the drain timeout) and the
-rest are aborted.
+step, published on `{p}.detok`. Publishes `Heartbeat` ("starting" while the model loads,
+then "ready") and `WorkerStats` every second, and its radix cache's changes as
+`KvEventBatch`es on `{p}.kv_events.{id}` (numbered; the whole cache again when the
+scheduler asks), from which the scheduler routes by prefix. A constrained request's
+grammar comes from `{p}.grammar.fetch` (compiled here without an answer). Bad sampling
+parameters are answered with a `RequestError` 400 naming the field. Flags: every
+`EngineConfig` field (or `RADIXSERVE_<FIELD>`), plus `--engine-stall-s`. Scale by
+replicas, one engine each. On SIGTERM: heartbeat "draining" (the scheduler routes
+nothing new), new requests are handed back with a 503, running ones finish (bounded by
+the drain timeout) and the rest are aborted.
 
 A hung engine (one step running past `--engine-stall-s`, 300 s: a stuck device, a
 deadlock) stops the worker with exit code 1, after logging where the engine thread

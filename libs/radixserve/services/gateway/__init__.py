@@ -2,10 +2,20 @@
 
     radixserve serve gateway --port 8000 [--served-model-name NAME] [--request-timeout-s 600]
 
-Publishes each request as `SubmitRequest` on `{p}.tokenize`, receives its
-`TextDeltaBatch`es and `RequestError`s on `{p}.gateway.{id}.>` (`id` = the instance
-id), answers as JSON or SSE, aborts on disconnect or deadline (`{p}.abort`), and
-writes a Redis record per request. See services/gateway/README.md.
+Serves the OpenAI endpoints, SGLang's `/generate`, `/flush_cache`, `/health*`, `/metrics`
+and `/v1/requests/{id}`; the API itself (request models, validation, mapping to
+`SubmitRequest`, answers and SSE) is `radixserve.api`. Publishes each prompt as
+`SubmitRequest` on `{p}.tokenize`, a request the tokenizer acknowledges on receipt
+(none listening: 503 `no_tokenizer`; no ack within `--submit-ack-timeout-s`: 503
+`tokenizer_unresponsive`), receives its `TextDeltaBatch`es and `RequestError`s on
+`{p}.gateway.{id}.>` (`id` = the instance id), and answers as JSON or SSE. Aborts on
+`{p}.abort` when the client disconnects or at `--request-timeout-s` (504); a request
+silent for `--lost-check-s` is asked about on `{p}.scheduler.inflight` (one whose end was
+lost: 503 `request_lost`). Readiness and the per-worker gauges come from `{p}.alive.*`,
+`{p}.heartbeat.*` and `{p}.stats.*`. One Redis record per request (TTL `--record-ttl-s`)
+goes through a bounded queue: Redis slow or down drops records (counted), never delays a
+token. Stateless: scale by replicas. Off NATS it answers 503 `no_bus`; on SIGTERM 503
+`draining` while the requests in flight get the drain budget (`service.py`).
 """
 
 from __future__ import annotations
