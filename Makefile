@@ -44,7 +44,7 @@ check-packaging: $(STAMP)
 
 # The shipped docker-compose.yml started for real (CPU worker) and used: needs a Docker
 # engine and Compose v2 (skipped without them). Builds missing base-image stand-ins and the
-# CPU image first (tests/deploy/standin_images.py); always takes the stack down.
+# CPU image first (tests/deploy/standin_images.py, cpu_image.py); always takes the stack down.
 test-compose: $(STAMP)
 	$(PY) -m pytest -v -ra tests/deploy $(PYTEST_ARGS)
 

@@ -4,7 +4,7 @@
 
 Skipped when no Docker engine answers (`docker info`) or Compose v2 is missing. Otherwise
 the base images Docker Hub would give are built where missing (tests/deploy/
-standin_images.py), the CPU image is built from docker/Dockerfile (cached layers: seconds
+standin_images.py), the CPU image is built from docker/Dockerfile (cpu_image.py; cached layers: seconds
 when nothing changed), and the stack comes up as a user starts it without a GPU:
 
     RADIXSERVE_GPU_WORKERS=0 docker compose -p radixserve-test --profile cpu up -d \\
@@ -44,7 +44,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.deploy import standin_images
+from tests.deploy import cpu_image, standin_images
 from tests.deploy.conftest import FIGURES
 from tests.helpers.structured_cases import WEATHER
 
@@ -219,7 +219,7 @@ def stack() -> Iterator[Stack]:
     if reason:
         pytest.skip(reason)
     started = time.monotonic()
-    figures = standin_images.ensure_all(REPO)
+    figures = cpu_image.ensure_all(REPO)
     FIGURES["stand-in build s"] = figures.standin_s or "(all there already)"
     FIGURES["stand-in versions"] = figures.versions
     if figures.image_build_s is not None:
