@@ -31,8 +31,8 @@ from common import PhaseMeter, dummy_model_folder, start_local_stack
 
 from radixserve.benchmark.flags import DATASETS, add_arguments
 from radixserve.benchmark.serving import bench
-from radixserve.engine.model.loader import resolve_model_path
 from radixserve.infra import Infra
+from radixserve.model_files.paths import resolve_model_path
 from radixserve.stack import Stack
 
 WARMUP_PROMPTS = 32  # at rate inf, before the ladder: the kernels of mixed steps compile

@@ -43,8 +43,8 @@ import torch
 from common import PhaseMeter, dummy_model_folder
 
 from radixserve import Engine
-from radixserve.engine.model.loader import resolve_model_path
 from radixserve.infra import Infra
+from radixserve.model_files.paths import resolve_model_path
 from radixserve.stack import Stack, StackSpec
 
 

@@ -27,8 +27,8 @@ import httpx
 
 from radixserve.benchmark.flags import add_arguments
 from radixserve.benchmark.serving import bench
-from radixserve.engine.model.loader import resolve_model_path
 from radixserve.infra import Infra
+from radixserve.model_files.paths import resolve_model_path
 from radixserve.routing import ROUTING_POLICIES
 from radixserve.stack import Stack, StackSpec
 

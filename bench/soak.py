@@ -36,8 +36,8 @@ import httpx
 from common import start_local_stack
 from openai import AsyncOpenAI
 
-from radixserve.engine.model.loader import resolve_model_path
 from radixserve.infra import Infra
+from radixserve.model_files.paths import resolve_model_path
 from radixserve.stack import Stack
 
 MODEL = "soak"

@@ -75,7 +75,7 @@ def default_tokenizer_dir() -> Path:
     source = os.environ.get("RADIXSERVE_TEST_TOKENIZER_DIR")
     if source:
         return Path(source)
-    from radixserve.engine.model.loader import resolve_model_path
+    from radixserve.model_files.paths import resolve_model_path
 
     return Path(resolve_model_path(None))
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from radixserve.engine.model.config import ModelConfig
+from radixserve.model_files.config import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -166,7 +166,7 @@ def _cmd_infra(ns: argparse.Namespace) -> int:
 
 
 def _cmd_generate(ns: argparse.Namespace) -> int:
-    from radixserve import Engine
+    from radixserve.engine.engine import Engine
 
     engine = Engine(**engine_kwargs(ns))
     params = {"max_new_tokens": ns.max_new_tokens, "temperature": ns.temperature}
@@ -186,9 +186,9 @@ def _cmd_up(ns: argparse.Namespace) -> int:
     from pathlib import Path
 
     from radixserve.engine.flags import engine_argv
-    from radixserve.engine.model.loader import resolve_model_path
-    from radixserve.engine.model.names import served_model_name
     from radixserve.infra import Infra
+    from radixserve.model_files.names import served_model_name
+    from radixserve.model_files.paths import resolve_model_path
     from radixserve.stack import Stack, StackSpec, default_log_dir, worker_gpus
 
     if ns.workers < 1:

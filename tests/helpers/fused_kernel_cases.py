@@ -9,8 +9,8 @@ import torch
 
 from radixserve.engine.kernels.kv_store import KVWrite
 from radixserve.engine.kernels.rotary import Rotation, apply_rotary
-from radixserve.engine.model.config import ModelConfig
 from radixserve.engine.model.rope import RotaryTable
+from radixserve.model_files.config import ModelConfig
 
 _INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 

@@ -28,7 +28,7 @@ TINY_SHAPE: dict[str, Any] = {
 
 def embedded_model_dir() -> Path:
     """The embedded SmolLM2-135M-Instruct, converted from GGUF (cached after the first call)."""
-    from radixserve.engine.model.loader import resolve_model_path
+    from radixserve.model_files.paths import resolve_model_path
 
     return resolve_model_path(None)
 
@@ -94,7 +94,7 @@ _TOKENIZER: Any = None
 def _smollm2_tokenizer() -> Any:
     global _TOKENIZER
     if _TOKENIZER is None:
-        from radixserve.engine.model.tokenizer import load_tokenizer
+        from radixserve.model_files.tokenizer import load_tokenizer
 
         # A machine without the embedded GGUF (a lent GPU) can point at copied tokenizer files.
         source = os.environ.get("RADIXSERVE_TEST_TOKENIZER_DIR")

@@ -92,7 +92,7 @@ async def detokenizer_alive(bus: Bus, subjects: Subjects) -> None:
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Any:
-    from radixserve.engine.model.tokenizer import load_tokenizer
+    from radixserve.model_files.tokenizer import load_tokenizer
 
     return load_tokenizer(embedded_model_dir())
 

@@ -13,7 +13,7 @@ import msgspec
 import pytest
 
 from radixserve.bus import Bus
-from radixserve.engine.model.tokenizer import apply_chat_template
+from radixserve.model_files.tokenizer import apply_chat_template
 from radixserve.protocol import (
     AbortRequest,
     ChatMessage,
@@ -125,7 +125,7 @@ async def test_refusals_reach_the_gateway_with_code_and_param(
 async def test_grammars_are_compiled_and_routed_by_key_or_refused_with_the_reason(
     front: Services, bus: Bus, model_dir: Path
 ) -> None:
-    from radixserve.prep.prompt import tokenizer_id
+    from radixserve.model_files.tokenizer import tokenizer_id
     from radixserve.protocol import grammar_key
 
     gateway = await new_gateway(bus, front.subjects)

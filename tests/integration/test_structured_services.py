@@ -149,7 +149,7 @@ async def _fetch(bus: Bus, replica: Replica, key: str) -> GrammarFetchReply:
 async def test_compiled_once_then_cached_and_shared_through_redis(
     replicas: tuple[Replica, Replica], bus: Bus, model_dir: Path
 ) -> None:
-    from radixserve.prep.prompt import tokenizer_id
+    from radixserve.model_files.tokenizer import tokenizer_id
 
     first, second = replicas
     tok = tokenizer_id(model_dir)
@@ -177,10 +177,10 @@ def _assert_artifact_constrains(fetched: GrammarFetchReply, model_dir: Path) -> 
     schema admits (a valid document completes the grammar; a bad key is refused)."""
     import xgrammar as xgr
 
-    from radixserve.engine.model.config import ModelConfig
-    from radixserve.engine.model.tokenizer import load_tokenizer
     from radixserve.grammar.artifact import deserialize
     from radixserve.grammar.compile import tokenizer_info
+    from radixserve.model_files.config import ModelConfig
+    from radixserve.model_files.tokenizer import load_tokenizer
 
     assert fetched.compiled is not None
     info = tokenizer_info(
@@ -202,7 +202,7 @@ def _assert_artifact_constrains(fetched: GrammarFetchReply, model_dir: Path) -> 
 async def test_refusals_carry_a_code(
     replicas: tuple[Replica, Replica], bus: Bus, model_dir: Path
 ) -> None:
-    from radixserve.prep.prompt import tokenizer_id
+    from radixserve.model_files.tokenizer import tokenizer_id
 
     first, _ = replicas
     tok = tokenizer_id(model_dir)
@@ -299,10 +299,10 @@ def _routed(rid: str, key: str | None, **sampling: Any) -> bytes:
 async def test_worker_waits_for_grammars_off_the_engine_and_answers_aborts(
     worker: Subjects, bus: Bus, tiny_dir: Path
 ) -> None:
-    from radixserve.engine.model.config import ModelConfig
-    from radixserve.engine.model.tokenizer import load_tokenizer
     from radixserve.grammar.compile import XGrammarCompiler
     from radixserve.grammar.registry import GrammarRegistry, entry_builder
+    from radixserve.model_files.config import ModelConfig
+    from radixserve.model_files.tokenizer import load_tokenizer
     from radixserve.protocol import AbortRequest, Heartbeat, StepOutputBatch, WorkerStatus
 
     # The test is the grammar service: it answers fetches late, with a real artifact.

@@ -18,7 +18,7 @@ import pytest
 from radixserve import Engine
 from radixserve.api.chat_tools import plan_tools
 from radixserve.api.openai_models import ChatCompletionRequest
-from radixserve.api.tool_calls import parse_tool_calls
+from radixserve.chat_format.tool_calls import parse_tool_calls
 from radixserve.prep import PromptTokenizer
 from radixserve.protocol import ChatMessage, ChatToolCall, SubmitRequest
 from tests.helpers.structured_cases import WEATHER

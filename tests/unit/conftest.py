@@ -28,6 +28,6 @@ def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
-    from radixserve.engine.model.loader import resolve_model_path
+    from radixserve.model_files.paths import resolve_model_path
 
     return Path(resolve_model_path(None))

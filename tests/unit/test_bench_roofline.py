@@ -10,7 +10,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from radixserve.engine.model.config import ModelConfig
+from radixserve.model_files.config import ModelConfig
 
 BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
 

@@ -39,7 +39,7 @@ LENGTH = FinishReason(kind="length")
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Any:
-    from radixserve.engine.model.tokenizer import load_tokenizer
+    from radixserve.model_files.tokenizer import load_tokenizer
 
     return load_tokenizer(embedded_model_dir())
 

@@ -1,6 +1,6 @@
 """`Engine.chat` with tools (engine/chat.py): the prompt and params the tokenizer service
 builds for the same chat (prep), the answer's calls read back as the gateway reads them
-(api.tool_calls), bad messages refused; on a tiny Llama with the real SmolLM2 tokenizer
+(chat_format.tool_calls), bad messages refused; on a tiny Llama with the real SmolLM2 tokenizer
 (its template knows no tools: they are written out in the Hermes format)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 
 from radixserve import Engine
 from radixserve.engine.chat import chat_prompt
-from radixserve.engine.model.tokenizer import apply_chat_template
+from radixserve.model_files.tokenizer import apply_chat_template
 from radixserve.prep import PromptTokenizer
 from radixserve.protocol import SamplingParams, SubmitRequest
 from tests.unit.test_tool_prompt import CONVERSATION, MISTRAL_ARGS_TEMPLATE
@@ -127,7 +127,7 @@ def test_bad_messages_are_value_errors(
 
 
 def test_special_markers_stay_in_the_text_where_calls_need_them(tiny_llama_dir: Path) -> None:
-    from radixserve.engine.model.tokenizer import load_tokenizer
+    from radixserve.model_files.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(tiny_llama_dir)
     tokenizer.chat_template = MISTRAL_ARGS_TEMPLATE

@@ -50,7 +50,7 @@ TOKENIZER_ID = "tok-test"
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Any:
-    from radixserve.engine.model.tokenizer import load_tokenizer
+    from radixserve.model_files.tokenizer import load_tokenizer
 
     return load_tokenizer(Path(embedded_model_dir()))
 

@@ -56,7 +56,7 @@ STOPS: list[str] = []  # the kinds the pool reported stopped (its on_stop)
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Any:
-    from radixserve.engine.model.tokenizer import load_tokenizer
+    from radixserve.model_files.tokenizer import load_tokenizer
 
     return load_tokenizer(Path(embedded_model_dir()))
 

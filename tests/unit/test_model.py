@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from radixserve.engine.forward_batch import ForwardMode
-from radixserve.engine.model.config import ModelConfig
 from radixserve.engine.model.llama import LlamaForCausalLM
 from radixserve.engine.model.loader import load_model
+from radixserve.model_files.config import ModelConfig
 from tests.helpers.model_harness import ModelHarness
 from tests.helpers.tiny_models import make_tiny_llama, make_tiny_qwen2
 
@@ -134,7 +134,7 @@ def test_tied_head_shares_the_embedding(tiny_qwen3_dir: Path, tiny_llama_dir: Pa
 
 def test_converted_smollm2_answers_sensibly(smollm2_dir: Path) -> None:
     """Greedy decoding through our stack: a wrong GGUF q/k un-permutation would not say Paris."""
-    from radixserve.engine.model.tokenizer import apply_chat_template, load_tokenizer
+    from radixserve.model_files.tokenizer import apply_chat_template, load_tokenizer
 
     harness = ModelHarness(smollm2_dir)
     tokenizer = load_tokenizer(smollm2_dir)
@@ -203,8 +203,8 @@ def test_rotary_table_matches_hf_for_each_rope_type(
 def test_embedded_model_resolves_from_cache(smollm2_dir: Path) -> None:
     import time
 
-    from radixserve.engine.model.gguf_convert import embedded_gguf_path
-    from radixserve.engine.model.loader import resolve_model_path
+    from radixserve.model_files.gguf_convert import embedded_gguf_path
+    from radixserve.model_files.paths import resolve_model_path
 
     start = time.perf_counter()
     again = resolve_model_path(None)
@@ -223,7 +223,7 @@ def test_embedded_model_resolves_from_cache(smollm2_dir: Path) -> None:
 
 
 def test_bad_model_paths_are_refused(tmp_path: Path) -> None:
-    from radixserve.engine.model.loader import resolve_model_path
+    from radixserve.model_files.paths import resolve_model_path
 
     with pytest.raises(FileNotFoundError, match="nothing is downloaded"):
         resolve_model_path("HuggingFaceTB/SmolLM2-135M-Instruct")
@@ -235,7 +235,7 @@ def test_bad_model_paths_are_refused(tmp_path: Path) -> None:
 
 
 def test_failed_conversion_leaves_no_folder(tmp_path: Path) -> None:
-    from radixserve.engine.model.gguf_convert import convert_gguf
+    from radixserve.model_files.gguf_convert import convert_gguf
 
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"not a gguf file at all")
@@ -249,7 +249,7 @@ def test_conversion_key_follows_file_content(tmp_path: Path) -> None:
     import os
     import shutil
 
-    from radixserve.engine.model.gguf_convert import converted_dir
+    from radixserve.model_files.gguf_convert import converted_dir
 
     model = tmp_path / "m.gguf"
     model.write_bytes(b"a" * 100)
@@ -272,7 +272,7 @@ def test_converted_folder_is_readable_by_other_users(
 ) -> None:
     import stat
 
-    from radixserve.engine.model import gguf_convert
+    from radixserve.model_files import gguf_convert
 
     def write_folder(gguf_path: Path, out: Path) -> None:
         (out / "config.json").write_text("{}")
@@ -289,7 +289,7 @@ def test_converted_folder_is_readable_by_other_users(
 def test_stale_staging_folders_are_removed(tmp_path: Path) -> None:
     import os
 
-    from radixserve.engine.model.gguf_convert import convert_gguf
+    from radixserve.model_files.gguf_convert import convert_gguf
 
     models = tmp_path / "cache" / "models"
     stale, fresh = models / ".broken-abc", models / ".broken-def"
@@ -304,7 +304,7 @@ def test_stale_staging_folders_are_removed(tmp_path: Path) -> None:
 
 
 def test_chat_template_and_eos_survive_conversion(smollm2_dir: Path) -> None:
-    from radixserve.engine.model.tokenizer import apply_chat_template, load_tokenizer
+    from radixserve.model_files.tokenizer import apply_chat_template, load_tokenizer
 
     tokenizer = load_tokenizer(smollm2_dir)
     assert tokenizer.chat_template is not None
@@ -322,7 +322,7 @@ def test_model_without_chat_template_is_refused(tiny_llama_dir: Path, tmp_path: 
     import json
     import shutil
 
-    from radixserve.engine.model.tokenizer import apply_chat_template, load_tokenizer
+    from radixserve.model_files.tokenizer import apply_chat_template, load_tokenizer
 
     folder = tmp_path / "plain"
     shutil.copytree(tiny_llama_dir, folder)

@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from radixserve.engine.model.tokenizer import apply_chat_template, load_tokenizer
+from radixserve.model_files.tokenizer import apply_chat_template, load_tokenizer, tokenizer_id
 from radixserve.prep import (
     CONTEXT_LENGTH_EXCEEDED,
     GRAMMAR_NOT_SUPPORTED,
@@ -23,7 +23,6 @@ from radixserve.prep import (
     load_prompt_tokenizer,
     request_address,
     tokenized_request,
-    tokenizer_id,
     unavailable_error,
 )
 from radixserve.protocol import (
@@ -169,7 +168,7 @@ def test_chat_over_the_context_names_the_messages(prompter: PromptTokenizer) -> 
 
 
 def test_default_context_length_is_the_models(model_dir: Path) -> None:
-    from radixserve.engine.model.config import ModelConfig
+    from radixserve.model_files.config import ModelConfig
 
     prompter = load_prompt_tokenizer(model_dir, None)
     assert prompter.context_len == ModelConfig.from_pretrained(model_dir).max_position_embeddings

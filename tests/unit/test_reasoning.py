@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixserve.api.reasoning import (
+from radixserve.chat_format.reasoning import (
     REASONING_FORMATS,
     ReasoningFormat,
     ReasoningStream,

@@ -27,7 +27,7 @@ from radixserve.telemetry.common import CONTENT_TYPE, ServiceMetrics
 from radixserve.telemetry.exposition import MetricsServer
 from radixserve.telemetry.latency import TokenTimes
 from radixserve.telemetry.metrics import GatewayMetrics
-from radixserve.telemetry.worker_metrics import HitRateWindow, WorkerMetrics, WorkerTelemetry
+from radixserve.worker.metrics import HitRateWindow, WorkerMetrics, WorkerTelemetry
 
 
 def sample(registry: CollectorRegistry, name: str, **labels: str) -> float | None:

@@ -29,7 +29,7 @@ from radixserve.telemetry.pipeline_metrics import (
     SchedulerMetrics,
     TokenizerMetrics,
 )
-from radixserve.telemetry.worker_metrics import WorkerMetrics
+from radixserve.worker.metrics import WorkerMetrics
 
 DASHBOARDS = Path(__file__).resolve().parents[2] / "dashboards"
 METRIC = re.compile(r"radixserve:[a-zA-Z0-9_:]+")

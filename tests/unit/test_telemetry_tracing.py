@@ -38,7 +38,7 @@ from radixserve.telemetry.tracing import (
     setup_tracing,
     traceparent_of,
 )
-from radixserve.telemetry.worker_metrics import WorkerMetrics, WorkerTelemetry
+from radixserve.worker.metrics import WorkerMetrics, WorkerTelemetry
 from tests.unit.test_telemetry import output, routed
 
 

@@ -15,9 +15,9 @@ import torch
 
 from radixserve import Engine
 from radixserve.engine.distributed import TPGroup
-from radixserve.engine.model.config import ModelConfig
 from radixserve.engine.model.llama import LlamaForCausalLM
 from radixserve.engine.model.loader import load_model
+from radixserve.model_files.config import ModelConfig
 from tests.unit.engine_helpers import make_prompts
 
 pytestmark = pytest.mark.timeout(300)

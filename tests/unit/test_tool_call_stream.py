@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from radixserve.api.tool_calls import (
+from radixserve.chat_format.tool_calls import (
     BARE_ARRAY,
     BARE_NAMED,
     HERMES,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from radixserve.api.tool_calls import ToolCall
+from radixserve.chat_format.tool_calls import ToolCall
 from tests.unit.tool_call_texts import parse
 
 # -- Hermes / Qwen -------------------------------------------------------------------------

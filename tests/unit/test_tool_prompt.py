@@ -1,9 +1,9 @@
-"""A chat with tools as the prompt the model sees (prep.tool_prompt through
+"""A chat with tools as the prompt the model sees (chat_format.tool_prompt through
 PromptTokenizer), with the real SmolLM2 tokenizer: its template knows no tools, so they
 are written into the conversation in the Hermes format; a template that reads `tools`
 gets them, the assistant's calls and the tool results as transformers passes them.
 Strict tools get a structural tag in the call format the template asks for (Hermes,
-Mistral, Llama 3): its calls read back by api.tool_calls, compiled by xgrammar."""
+Mistral, Llama 3): its calls read back by chat_format.tool_calls, compiled by xgrammar."""
 
 from __future__ import annotations
 
@@ -13,9 +13,14 @@ from typing import Any
 
 import pytest
 
-from radixserve.api.tool_calls import ToolCall, ToolCallStream, arguments_json, parse_tool_calls
-from radixserve.engine.model.tokenizer import load_tokenizer
-from radixserve.prep import PrepError, PromptTokenizer, tokenizer_id
+from radixserve.chat_format.tool_calls import (
+    ToolCall,
+    ToolCallStream,
+    arguments_json,
+    parse_tool_calls,
+)
+from radixserve.model_files.tokenizer import load_tokenizer, tokenizer_id
+from radixserve.prep import PrepError, PromptTokenizer
 from radixserve.protocol import ChatMessage, ChatToolCall, SamplingParams, SubmitRequest
 from tests.helpers.tiny_models import embedded_model_dir
 

@@ -1,4 +1,4 @@
-"""Tool calls in model text, for the tests of api/tool_calls.py and the chat stream of
+"""Tool calls in model text, for the tests of chat_format/tool_calls.py and the chat stream of
 `auto` (test_tool_calls.py, test_tool_call_stream.py): the tools, the whole-text parse,
 the plain stream, and a chat stream put together as a client does."""
 
@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from radixserve.api.chat_tools import ToolPlan
-from radixserve.api.tool_calls import ToolCall, ToolCallStream, parse_tool_calls
+from radixserve.chat_format.tool_calls import ToolCall, ToolCallStream, parse_tool_calls
 
 TOOLS = frozenset({"get_weather", "search", "calc_2"})
 MARKERS = ("<tool_call>", "[TOOL_CALLS]")

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from radixserve.api.mapping import GenerationPlan
-from radixserve.api.reasoning import ReasoningTokens
+from radixserve.chat_format.reasoning import ReasoningTokens
 from radixserve.protocol import (
     FinishReason,
     LogprobEntry,

@@ -8,7 +8,7 @@
 `tool_choice` (OpenAI's; default "auto" when there are tools):
 - "auto": the model sees the tools (`SubmitRequest.tools`, rendered by the chat
   template) and may answer in text or call them in its own format, which
-  `api.tool_calls` recognises (Hermes / Qwen `<tool_call>`, Mistral `[TOOL_CALLS]`
+  `chat_format.tool_calls` recognises (Hermes / Qwen `<tool_call>`, Mistral `[TOOL_CALLS]`
   arrays and named calls, with their markers or without, Llama 3 JSON);
 - "required": the answer is constrained (a JSON schema, the grammar hop) to a JSON array
   of `{"name", "arguments"}` calls of the given tools (one with `parallel_tool_calls`
@@ -21,19 +21,19 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from radixserve.api.arguments_stream import FollowedCalls
 from radixserve.api.errors import ApiError
 from radixserve.api.openai_models import ChatCompletionRequest, NamedToolChoice, ToolDef
-from radixserve.api.tool_calls import (
+from radixserve.chat_format.arguments_stream import FollowedCalls
+from radixserve.chat_format.tool_calls import (
     HeldCalls,
     ToolCall,
     ToolCallStream,
     arguments_json,
     parse_tool_calls,
+    tool_call_body,
 )
 
 ToolMode = Literal["auto", "required", "named"]
@@ -64,7 +64,7 @@ class ToolPlan:
 class ToolStream:
     """One streamed choice as content and OpenAI `delta.tool_calls` entries. `auto`:
     content as soon as it is known not to be a call; a call's arguments piece by piece as
-    the model writes them, in any of the formats (`api.arguments_stream`), or the call in
+    the model writes them, in any of the formats (`chat_format.arguments_stream`), or the call in
     one entry once it is decided where it is written otherwise. Named: the answer is the
     call's arguments, streamed as they come (the first entry carries the id and name).
     Required: a list of calls, read at the end."""
@@ -187,16 +187,6 @@ def plan_tools(req: ChatCompletionRequest) -> ToolPlan | None:
     if req.parallel_tool_calls is False:
         calls["maxItems"] = 1
     return ToolPlan("required", names, tools_json, json.dumps(calls))
-
-
-def tool_call_body(call: ToolCall, index: int | None = None) -> dict[str, Any]:
-    """OpenAI's `tool_calls` entry (with `index` in a streamed delta), a fresh id."""
-    body: dict[str, Any] = {
-        "id": f"call_{uuid.uuid4().hex[:24]}",
-        "type": "function",
-        "function": {"name": call.name, "arguments": call.arguments},
-    }
-    return body if index is None else {"index": index, **body}
 
 
 def _check_tools(tools: list[ToolDef]) -> tuple[str, ...]:

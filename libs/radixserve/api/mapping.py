@@ -35,7 +35,7 @@ from radixserve.api.openai_models import (
     OpenAISamplingFields,
     ResponseFormat,
 )
-from radixserve.api.reasoning import REASONING_FORMATS, ReasoningFormat
+from radixserve.chat_format.reasoning import REASONING_FORMATS, ReasoningFormat
 from radixserve.protocol import (
     ChatMessage,
     ChatToolCall,
@@ -130,7 +130,7 @@ def plan_chat(
     arrival_time: float,
     reasoning_parser: str | None = None,
 ) -> GenerationPlan:
-    """`reasoning_parser`: the gateway's (api/reasoning.py); the answer's reasoning is
+    """`reasoning_parser`: the gateway's (chat_format/reasoning.py); the answer's reasoning is
     then split from its content unless the request says `separate_reasoning: false`, and
     counted in usage either way."""
     check_model(req.model, served_model)

@@ -15,7 +15,6 @@ from typing import Any
 import msgspec
 
 from radixserve.api.assembly import Assembly, ChoiceState, Usage
-from radixserve.api.chat_tools import tool_call_body
 from radixserve.api.errors import SERVER_ERROR, ApiError
 from radixserve.api.logprobs import (
     chat_logprobs,
@@ -26,7 +25,8 @@ from radixserve.api.logprobs import (
     prepend_logprobs,
 )
 from radixserve.api.mapping import GenerationPlan
-from radixserve.api.reasoning import split_reasoning
+from radixserve.chat_format.reasoning import split_reasoning
+from radixserve.chat_format.tool_calls import tool_call_body
 from radixserve.protocol import FinishReason
 
 SSE_DONE = b"data: [DONE]\n\n"

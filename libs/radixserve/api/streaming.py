@@ -35,7 +35,6 @@ from radixserve.api.logprobs import (
     prepend_logprobs,
 )
 from radixserve.api.mapping import GenerationPlan
-from radixserve.api.reasoning import ReasoningStream
 from radixserve.api.responses import (
     chat_finish_reason,
     generate_output,
@@ -43,6 +42,7 @@ from radixserve.api.responses import (
     sse,
     usage_body,
 )
+from radixserve.chat_format.reasoning import ReasoningStream
 
 
 class Streamer(Protocol):

@@ -1,6 +1,6 @@
 """`Engine.chat` with tools: the conversation rendered as the tokenizer service renders it
-(`prep.tool_prompt`), the answer's calls read back as the gateway reads them
-(`api.tool_calls`), in-process.
+(`chat_format.tool_prompt`), the answer's calls read back as the gateway reads them
+(`chat_format.tool_calls`), in-process.
 
     ids, params = chat_prompt(tokenizer, messages, tools, sampling_params)
     out = engine.generate(input_ids=ids, sampling_params=params)
@@ -23,16 +23,15 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from radixserve.api.chat_tools import tool_call_body
-from radixserve.api.tool_calls import parse_tool_calls
-from radixserve.engine.model.tokenizer import apply_chat_template
-from radixserve.engine.sampling.params import GRAMMAR_FIELDS
-from radixserve.prep.tool_prompt import (
+from radixserve.chat_format.tool_calls import parse_tool_calls, tool_call_body
+from radixserve.chat_format.tool_prompt import (
     keeps_special_markers,
     special_tokens,
     strict_tools_tag,
     template_inputs,
 )
+from radixserve.engine.sampling.params import GRAMMAR_FIELDS
+from radixserve.model_files.tokenizer import apply_chat_template
 from radixserve.protocol import ChatMessage, ChatToolCall
 
 

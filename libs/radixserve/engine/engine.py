@@ -38,7 +38,6 @@ from radixserve.engine.groups import ChoiceOutput, RequestGroup
 from radixserve.engine.heap import settle_started_heap, thaw
 from radixserve.engine.kvcache.block_events import BlockEventLog, event_block_size
 from radixserve.engine.kvcache.radix_cache import RadixCache
-from radixserve.engine.model.tokenizer import apply_chat_template, load_tokenizer
 from radixserve.engine.outputs import Tracked, final_output, stream_delta
 from radixserve.engine.request import FinishReason, Req, ReqStatus
 from radixserve.engine.runner import ModelRunner, resolve_device
@@ -51,6 +50,7 @@ from radixserve.engine.tensor_parallel import (
     build_scheduler,
 )
 from radixserve.engine.token_ids import checked_token_ids
+from radixserve.model_files.tokenizer import apply_chat_template, load_tokenizer
 from radixserve.protocol.kv_events import AllBlocksCleared, KvEvent
 
 if TYPE_CHECKING:

@@ -21,9 +21,10 @@ from radixserve.engine.graphs.cuda_graph_runner import CudaGraphRunner
 from radixserve.engine.graphs.piecewise import PiecewiseGraphs
 from radixserve.engine.heap import collect_all
 from radixserve.engine.kvcache.pool import KVPool, ReqToTokenPool
-from radixserve.engine.model.config import ModelConfig
-from radixserve.engine.model.loader import load_model, resolve_dtype, resolve_model_path
+from radixserve.engine.model.loader import load_model, resolve_dtype
 from radixserve.engine.sampling import sampler
+from radixserve.model_files.config import ModelConfig
+from radixserve.model_files.paths import resolve_model_path
 
 log = logging.getLogger(__name__)
 

@@ -42,12 +42,12 @@ from radixserve.engine.kvcache.base import PrefixCache
 from radixserve.engine.kvcache.naive_cache import NaiveCache
 from radixserve.engine.kvcache.pool import KVPool, ReqToTokenPool
 from radixserve.engine.kvcache.radix_cache import RadixCache
-from radixserve.engine.model.tokenizer import load_tokenizer
 from radixserve.engine.request import Req
 from radixserve.engine.runner import ModelRunner, resolve_device
 from radixserve.engine.sampling.params import SamplingParams
 from radixserve.engine.sched.finish import Detokenize
 from radixserve.engine.sched.scheduler import Runner, Scheduler, StepOutput
+from radixserve.model_files.tokenizer import load_tokenizer
 
 log = logging.getLogger(__name__)
 

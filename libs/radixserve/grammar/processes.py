@@ -90,9 +90,9 @@ def _child_main(requests: Connection, replies: Connection, spec: CompilerSpec) -
     _exit_with_parent(os.getppid())
     # Ctrl-C in a terminal signals the whole process group: the parent stops its children.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from radixserve.engine.model.tokenizer import load_tokenizer
     from radixserve.grammar.compile import XGrammarCompiler
     from radixserve.grammar.registry import entry_builder
+    from radixserve.model_files.tokenizer import load_tokenizer
 
     compiler = XGrammarCompiler.for_tokenizer(load_tokenizer(spec.folder), spec.vocab_size)
     build = entry_builder(compiler, spec.tokenizer_id)

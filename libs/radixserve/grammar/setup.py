@@ -32,9 +32,9 @@ def registry_for_model(
     stopped past that limit (`processes.CompileProcesses`, which calls `on_stop(kind)`);
     0: threads compile, without a limit (a compile that never ends holds its thread).
     """
-    from radixserve.engine.model.config import ModelConfig
-    from radixserve.engine.model.loader import resolve_model_path
-    from radixserve.prep.prompt import tokenizer_id
+    from radixserve.model_files.config import ModelConfig
+    from radixserve.model_files.paths import resolve_model_path
+    from radixserve.model_files.tokenizer import tokenizer_id
 
     if compile_workers < 1:
         raise ValueError(f"need at least one compile worker, got {compile_workers}")
@@ -56,9 +56,9 @@ def registry_for_model(
         )
         build, release = processes, processes.close
     else:
-        from radixserve.engine.model.tokenizer import load_tokenizer
         from radixserve.grammar.compile import XGrammarCompiler
         from radixserve.grammar.registry import entry_builder
+        from radixserve.model_files.tokenizer import load_tokenizer
 
         compiler = XGrammarCompiler.for_tokenizer(load_tokenizer(folder), vocab_size)
         build, release = entry_builder(compiler, name), None

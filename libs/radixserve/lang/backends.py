@@ -168,8 +168,8 @@ class RuntimeEndpoint:
 
     def _load_tokenizer(self) -> PreTrainedTokenizerBase:
         if self._tokenizer is None:
-            from radixserve.engine.model.loader import resolve_model_path
-            from radixserve.engine.model.tokenizer import load_tokenizer
+            from radixserve.model_files.paths import resolve_model_path
+            from radixserve.model_files.tokenizer import load_tokenizer
 
             self._tokenizer = load_tokenizer(resolve_model_path(self._model_path))
         return self._tokenizer

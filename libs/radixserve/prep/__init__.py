@@ -30,7 +30,6 @@ from radixserve.prep.prompt import (
     PromptIds,
     PromptTokenizer,
     load_prompt_tokenizer,
-    tokenizer_id,
 )
 from radixserve.prep.request import request_address, tokenized_request
 
@@ -49,6 +48,5 @@ __all__ = [
     "load_prompt_tokenizer",
     "request_address",
     "tokenized_request",
-    "tokenizer_id",
     "unavailable_error",
 ]

@@ -4,13 +4,12 @@
     prompt = prompter.prompt_ids(submit)        # PrepError on an empty or invalid prompt
     prompter.check_fits(prompt, submit.sampling.max_new_tokens)   # PrepError (400)
 
-The chat template and the tokenizer are the engine's (`engine.model.tokenizer`), so a
+The chat template and the tokenizer are the engine's (`model_files.tokenizer`), so a
 prompt is tokenized here exactly as `Engine.chat` / `Engine.generate` would.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from dataclasses import dataclass
@@ -19,36 +18,22 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from radixserve.engine.model.config import ModelConfig
-from radixserve.engine.model.tokenizer import apply_chat_template, load_tokenizer
-from radixserve.prep.errors import CONTEXT_LENGTH_EXCEEDED, PrepError
-from radixserve.prep.grammar import grammar_spec
-from radixserve.prep.tool_prompt import (
+from radixserve.chat_format.tool_prompt import (
     keeps_special_markers,
     special_tokens,
     strict_tools_tag,
     template_inputs,
 )
+from radixserve.model_files.config import ModelConfig
+from radixserve.model_files.tokenizer import apply_chat_template, load_tokenizer, tokenizer_id
+from radixserve.prep.errors import CONTEXT_LENGTH_EXCEEDED, PrepError
+from radixserve.prep.grammar import grammar_spec
 from radixserve.protocol import SubmitRequest
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
-
-# The files that define a tokenizer's behaviour, hashed into its id. Anything else in
-# the model folder (weights, generation config) does not change how text becomes ids.
-_TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "chat_template.json",
-)
 
 
 @dataclass(frozen=True)
@@ -62,22 +47,6 @@ class PromptIds:
     def source_words(self) -> str:
         """How the length error names the prompt: OpenAI says "in the messages" for chat."""
         return "the messages" if self.param == "messages" else "the prompt"
-
-
-def tokenizer_id(model_dir: str | Path) -> str:
-    """A name for the tokenizer in `model_dir` that is the same on every host: a hash of
-    its files, so grammars compiled for it (`protocol.grammar_key`) are shared only by
-    services that tokenize alike."""
-    folder = Path(model_dir)
-    digest = hashlib.sha256()
-    for name in _TOKENIZER_FILES:
-        path = folder / name
-        if path.is_file():
-            data = path.read_bytes()
-            digest.update(name.encode())
-            digest.update(len(data).to_bytes(8, "little"))
-            digest.update(data)
-    return f"tok-{digest.hexdigest()[:16]}"
 
 
 class PromptTokenizer:
@@ -141,7 +110,7 @@ class PromptTokenizer:
         """`req` with special tokens kept in its answer's text when the model may call its
         tools freely (no grammar of its own) in a format whose marker is a special token
         of this tokenizer, as Mistral's make `[TOOL_CALLS]` (and `[ARGS]`): without the
-        markers, `api.tool_calls` cannot tell calls from the content written before them.
+        markers, `chat_format.tool_calls` cannot tell calls from the content written before them.
         The text is as the model wrote it (no spaces put around the special tokens), and
         the stop token that ends the answer still leaves it (detok/stop.py). `req` as it
         is otherwise."""

@@ -101,8 +101,8 @@ def run(ns: argparse.Namespace) -> int:
 
 def load_tokenizer(model: str | None) -> PreTrainedTokenizerBase:
     # Imported here: `radixserve serve detokenizer --help` must not pay for torch.
-    from radixserve.engine.model.loader import resolve_model_path
-    from radixserve.engine.model.tokenizer import load_tokenizer as load_from_folder
+    from radixserve.model_files.paths import resolve_model_path
+    from radixserve.model_files.tokenizer import load_tokenizer as load_from_folder
 
     return load_from_folder(resolve_model_path(model))
 

@@ -132,7 +132,7 @@ def run(ns: argparse.Namespace) -> int:
 
 async def start(ctx: ServiceContext, settings: TokenizerSettings) -> None:
     # Heavy imports (transformers) only once the service really starts: `--help` stays quick.
-    from radixserve.engine.model.loader import resolve_model_path
+    from radixserve.model_files.paths import resolve_model_path
     from radixserve.prep import load_prompt_tokenizer
 
     model_dir = await asyncio.to_thread(resolve_model_path, settings.model)

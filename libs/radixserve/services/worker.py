@@ -35,7 +35,7 @@ from radixserve.engine.flags import add_engine_arguments, engine_kwargs
 from radixserve.services.messages import decode_or_drop
 from radixserve.services.runtime import ServiceContext, run_service, settings_from_args
 from radixserve.telemetry.tracing import get_tracer
-from radixserve.telemetry.worker_metrics import WorkerMetrics, WorkerTelemetry
+from radixserve.worker.metrics import WorkerMetrics, WorkerTelemetry
 
 if TYPE_CHECKING:
     from radixserve.worker.driver import EngineDriver

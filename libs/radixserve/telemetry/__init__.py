@@ -2,7 +2,6 @@
 
 common.py            the process's registry + what every service exports (NATS / Redis round trips)
 metrics.py           the gateway's metrics      pipeline_metrics.py  tokenizer, scheduler, grammar, detokenizer
-worker_metrics.py    the worker's metrics and request spans, fed from the engine thread
 buckets.py           histogram buckets (OpenTelemetry GenAI conventions)
 exposition.py        the /metrics port of services without an HTTP server
 tracing.py           tracing setup (OTLP, off by default), per-request contexts on batch messages
@@ -10,6 +9,7 @@ otlp_json.py         the OTLP/HTTP JSON span exporter     genai.py  GenAI attrib
 gateway_trace.py     the gateway's root span               detok_trace.py  the detokenizer's spans
 latency.py           TTFT and inter-token latency at the gateway
 
+The worker's metrics are `radixserve.worker.metrics` (they read the engine's load).
 W3C trace context in NATS headers is `radixserve.bus.tracing`'s.
 """
 

@@ -27,8 +27,8 @@ from typing import Any
 
 from radixserve import protocol
 from radixserve.engine.engine import Engine, EngineLoad
-from radixserve.telemetry.worker_metrics import WorkerTelemetry
 from radixserve.worker.convert import OutputBuilder, engine_params
+from radixserve.worker.metrics import WorkerTelemetry
 
 log = logging.getLogger(__name__)
 

@@ -34,9 +34,9 @@ from radixserve.engine.distributed import SINGLE, TPGroup
 from radixserve.engine.kernels.linear import add_norm_linear, linear
 from radixserve.engine.kernels.norm import rms_norm
 from radixserve.engine.kernels.rotary import Rotation, apply_rotary_and_store
-from radixserve.engine.model.config import ModelConfig
 from radixserve.engine.model.rope import RotaryTable
 from radixserve.engine.model.weights import StoredTensor, iter_safetensors
+from radixserve.model_files.config import ModelConfig
 
 if TYPE_CHECKING:
     from radixserve.engine.attention.base import AttentionBackend

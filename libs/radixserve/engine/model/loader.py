@@ -12,33 +12,12 @@ from pathlib import Path
 import torch
 
 from radixserve.engine.distributed import SINGLE, TPGroup
-from radixserve.engine.model.config import ModelConfig
-from radixserve.engine.model.gguf_convert import convert_gguf, embedded_gguf_path
 from radixserve.engine.model.llama import LlamaForCausalLM
+from radixserve.model_files.config import ModelConfig
 
 log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_model_path(model_path: str | Path | None, cache_dir: Path | None = None) -> Path:
-    """The Hugging Face folder to load: None/"" -> the embedded SmolLM2, a .gguf -> its conversion."""
-    if model_path is None or str(model_path) == "":
-        return convert_gguf(embedded_gguf_path(), cache_dir)
-    path = Path(model_path).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return convert_gguf(path, cache_dir)
-    if path.is_dir() and (path / "config.json").is_file():
-        return path
-    if not path.exists():
-        raise FileNotFoundError(
-            f"model path {model_path!r} does not exist (paths must be local: a Hugging Face "
-            "folder with config.json, or a .gguf file; nothing is downloaded)"
-        )
-    raise ValueError(
-        f"model path {model_path!r} is neither a folder with config.json nor a .gguf file "
-        "(for a folder holding a GGUF, pass the .gguf file itself)"
-    )
 
 
 def resolve_dtype(
@@ -79,7 +58,7 @@ def load_model(
     load_format: str = "auto",
     tp: TPGroup = SINGLE,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """Load a Hugging Face folder (see resolve_model_path) onto `device` in eval mode.
+    """Load a Hugging Face folder (model_files.paths.resolve_model_path) onto `device`, in eval mode.
 
     `max_positions` sizes the rotary table (default: the model's max_position_embeddings);
     `config` saves parsing config.json again when the caller already has it.

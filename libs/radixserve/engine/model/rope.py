@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from radixserve.engine.model.config import ModelConfig
+    from radixserve.model_files.config import ModelConfig
 
 
 def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:

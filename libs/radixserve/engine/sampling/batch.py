@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence, Set
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
+from radixserve.engine.sampling.inputs import SamplingInput
 from radixserve.engine.sampling.noise import row_uniforms
 from radixserve.engine.sampling.params import SamplingParams
 from radixserve.engine.sampling.penalties import LogitBias, Penalties, StopTokenMask
@@ -23,23 +23,6 @@ from radixserve.engine.transfer import upload
 
 # Above this top-k a full sort beats torch.topk.
 MAX_TOPK_WITHOUT_SORT = 1024
-
-
-class SamplingInput(Protocol):
-    """What the sampler needs of a request (the engine's `Req` has all of it)."""
-
-    @property
-    def params(self) -> SamplingParams: ...
-    @property
-    def origin_input_ids(self) -> Sequence[int]: ...
-    @property
-    def output_ids(self) -> Sequence[int]: ...
-    @property
-    def stop_token_ids(self) -> Set[int]: ...  # eos (unless ignore_eos) + params.stop_token_ids
-    @property
-    def seed(self) -> int: ...  # resolved when the request was created (resolve_seed)
-    @property
-    def num_pending(self) -> int: ...  # outputs sampled but not in output_ids yet (overlap)
 
 
 @dataclass(frozen=True, eq=False)

@@ -18,15 +18,12 @@ the last row.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
+from radixserve.engine.sampling.inputs import SamplingInput
 from radixserve.engine.sampling.penalties import Penalties, add_counts, mark_seen
 from radixserve.engine.transfer import upload, upload_int64
-
-if TYPE_CHECKING:
-    from radixserve.engine.sampling.batch import SamplingInput
 
 MIN_ROWS = 8
 

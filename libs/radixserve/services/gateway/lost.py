@@ -25,8 +25,7 @@ from radixserve.bus import BusError
 from radixserve.protocol import InflightQuery, InflightReply, ProtocolError, decode, encode
 
 if TYPE_CHECKING:
-    from radixserve.services.gateway.inflight import Inflight
-    from radixserve.services.gateway.state import GatewayState
+    from radixserve.services.gateway.state import GatewayState, Run
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +53,7 @@ async def check_lost_requests(state: GatewayState, silence_s: float) -> None:
 async def check_once(state: GatewayState, silence_s: float) -> int:
     """One round; how many requests it failed as lost."""
     now = time.monotonic()
-    quiet: dict[Inflight, float] = {}
+    quiet: dict[Run, float] = {}
     for run in list(state.inflight):
         since = run.silent_since()
         if since is not None and now - since >= silence_s:

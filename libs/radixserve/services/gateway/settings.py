@@ -8,9 +8,9 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from radixserve.api.reasoning import REASONING_FORMATS
-from radixserve.engine.model.names import EMBEDDED_MODEL_NAME
-from radixserve.engine.model.names import served_model_name as model_name_of
+from radixserve.chat_format.reasoning import REASONING_FORMATS
+from radixserve.model_files.names import EMBEDDED_MODEL_NAME
+from radixserve.model_files.names import served_model_name as model_name_of
 from radixserve.services.runtime import ServiceSettings, settings_from_args
 from radixserve.store import StoreSettings
 
@@ -46,7 +46,7 @@ class GatewaySettings:
     # A request silent this long is checked with the scheduler, and answered 503
     # request_lost if it saw it end (gateway/lost.py); 0: no check.
     lost_check_s: float = 30.0
-    # How the served model writes its reasoning (api/reasoning.py); chat answers then
+    # How the served model writes its reasoning (chat_format/reasoning.py); chat answers then
     # carry it as reasoning_content. None: answers are content only.
     reasoning_parser: str | None = None
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from radixserve.api import ApiError
+from radixserve.api import ApiError, Assembly
 from radixserve.bus import Bus
 from radixserve.protocol import Subjects
 from radixserve.services.gateway.aborts import AbortSender
@@ -17,8 +17,17 @@ from radixserve.services.gateway.settings import GatewaySettings
 from radixserve.services.gateway.workers import WorkerTracker
 from radixserve.telemetry import GatewayMetrics
 
-if TYPE_CHECKING:
-    from radixserve.services.gateway.inflight import Inflight
+
+class Run(Protocol):
+    """What the shared state knows of a request in flight (`inflight.Inflight`): what the
+    lost-request check (`lost.py`) asks of it."""
+
+    assembly: Assembly
+
+    @property
+    def rid(self) -> str: ...
+    def silent_since(self) -> float | None: ...
+    def report_lost(self) -> None: ...
 
 
 @dataclass
@@ -33,7 +42,7 @@ class GatewayState:
     started_at: int = field(default_factory=lambda: int(time.time()))
     # Set on SIGTERM: new requests get 503 while the ones in flight finish.
     draining: bool = False
-    inflight: set[Inflight] = field(default_factory=set)
+    inflight: set[Run] = field(default_factory=set)
     _idle: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
@@ -63,11 +72,11 @@ class GatewayState:
             return ["nats"]
         return self.workers.missing()
 
-    def add_inflight(self, run: Inflight) -> None:
+    def add_inflight(self, run: Run) -> None:
         self.inflight.add(run)
         self._idle.clear()
 
-    def remove_inflight(self, run: Inflight) -> None:
+    def remove_inflight(self, run: Run) -> None:
         self.inflight.discard(run)
         if not self.inflight:
             self._idle.set()

@@ -16,8 +16,10 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +126,8 @@ def convert_gguf(gguf_path: str | Path, cache_dir: Path | None = None) -> Path:
 
 
 def _write_hf_folder(gguf_path: Path, out: Path) -> None:
+    # torch only here: a service that finds the conversion cached never imports it.
+    import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint

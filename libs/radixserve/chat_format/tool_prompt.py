@@ -8,7 +8,7 @@ gets them as transformers passes them: the tool list, assistant messages with
 `tool_calls` (arguments as objects, as those templates print them) and `tool` messages
 with their `tool_call_id`. A template that does not (the embedded SmolLM2's) would drop
 them silently, so they are written into the conversation instead, in the Hermes format
-that `api.tool_calls` parses back: the tool list and how to call one in the system
+that `chat_format.tool_calls` parses back: the tool list and how to call one in the system
 message, earlier calls as `<tool_call>` blocks, results as `<tool_response>` blocks in
 user messages (every template knows the user role).
 
@@ -109,7 +109,7 @@ _LLAMA_TEMPLATE = re.compile(r'<\|python_tag\|>|\{"name": function name, "parame
 
 
 def _call_format(chat_template: Any) -> _CallFormat | _NamedCallFormat | None:
-    """The format the model is asked to write calls in, as `api.tool_calls` reads them
+    """The format the model is asked to write calls in, as `chat_format.tool_calls` reads them
     back: Hermes where the tools are written out (the template knows none) or the template
     prints `<tool_call>`; Mistral's array where it prints `[TOOL_CALLS] [` (spaced as it
     prints it), its named calls where it prints `[TOOL_CALLS]` and, after it, `[ARGS]`;
@@ -131,7 +131,7 @@ def keeps_special_markers(chat_template: Any, specials: Collection[str]) -> bool
     """Whether an answer that may call tools freely must keep special tokens in its text:
     the marker the template's call format opens each call with (`<tool_call>`,
     `[TOOL_CALLS]`) is one of `specials` (as Mistral's tokenizers make `[TOOL_CALLS]`),
-    without which `api.tool_calls` cannot tell calls from the content before them."""
+    without which `chat_format.tool_calls` cannot tell calls from the content before them."""
     form = _call_format(chat_template)
     return form is not None and bool(form.trigger) and form.trigger in specials
 

@@ -32,7 +32,7 @@ closes and everything after `[TOOL_CALLS]` (or an answer opening with `{`, `[{` 
 `<|python_tag|>`) until `finish()`. Whatever the split into deltas, its calls and joined
 content (stripped) equal `parse_tool_calls` on the whole text. What it holds that may be
 calls is `held_calls` (with the `CallLayout` of its format), for a caller that shows the
-calls as they are written (`api.arguments_stream`, where what is shown before it is
+calls as they are written (`chat_format.arguments_stream`, where what is shown before it is
 decided may turn out not to be a call: see there).
 """
 
@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -307,6 +308,16 @@ def _bare_named(text: str, names: Collection[str]) -> list[ToolCall] | None:
 def _split(segments: list[Segment]) -> tuple[str, list[ToolCall]]:
     content = "".join(s for s in segments if isinstance(s, str))
     return content, [s for s in segments if isinstance(s, ToolCall)]
+
+
+def tool_call_body(call: ToolCall, index: int | None = None) -> dict[str, Any]:
+    """OpenAI's `tool_calls` entry (with `index` in a streamed delta), a fresh id."""
+    body: dict[str, Any] = {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
+    return body if index is None else {"index": index, **body}
 
 
 def parse_tool_calls(text: str, tool_names: Collection[str]) -> tuple[str | None, list[ToolCall]]:

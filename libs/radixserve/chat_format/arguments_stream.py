@@ -5,7 +5,7 @@
         ...  # piece.name set: a call announced (its index); else a piece of its arguments
     sent = followed.sent(calls)  # how many of the calls read whole were sent already
 
-`api.tool_calls.ToolCallStream` holds back text that may be calls until it is decided: a
+`chat_format.tool_calls.ToolCallStream` holds back text that may be calls until it is decided: a
 Hermes `<tool_call>` block until it closes, a Mistral `[TOOL_CALLS]` array, a Llama
 answer (one that opens with `{` or `<|python_tag|>`), a bare array (one that opens with
 `[{`) and Mistral's named calls (`[TOOL_CALLS]name[ARGS]{...}`, or `name{...}` without
@@ -41,7 +41,7 @@ import re
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from radixserve.api.tool_calls import JSON_SPACE, CallLayout, ToolCall, arguments_json
+from radixserve.chat_format.tool_calls import JSON_SPACE, CallLayout, ToolCall, arguments_json
 
 _S = JSON_SPACE
 _HEAD = re.compile(

@@ -2,14 +2,29 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+# The files that define a tokenizer's behaviour, hashed into its id. Anything else in
+# the model folder (weights, generation config) does not change how text becomes ids.
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
 
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
-    """The tokenizer saved in a Hugging Face model folder (see loader.resolve_model_path)."""
+    """The tokenizer saved in a Hugging Face model folder (see paths.resolve_model_path)."""
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(f"tokenizer folder not found: {folder}")
@@ -51,3 +66,19 @@ def apply_chat_template(
         raise TypeError(f"chat template rendered {type(text).__name__}, expected str")
     ids: list[int] = tokenizer.encode(text, add_special_tokens=False)
     return ids
+
+
+def tokenizer_id(model_dir: str | Path) -> str:
+    """A name for the tokenizer in `model_dir` that is the same on every host: a hash of
+    its files, so grammars compiled for it (`protocol.grammar_key`) are shared only by
+    services that tokenize alike."""
+    folder = Path(model_dir)
+    digest = hashlib.sha256()
+    for name in _TOKENIZER_FILES:
+        path = folder / name
+        if path.is_file():
+            data = path.read_bytes()
+            digest.update(name.encode())
+            digest.update(len(data).to_bytes(8, "little"))
+            digest.update(data)
+    return f"tok-{digest.hexdigest()[:16]}"
