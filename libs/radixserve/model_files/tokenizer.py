@@ -1,12 +1,19 @@
-"""The served model's tokenizer and its chat template, from local files only."""
+"""The served model's tokenizer and its chat template, from local files only.
+
+transformers 5's AutoTokenizer imports torch (its config classes do): about 240 MB and
+seconds of start-up for a CPU service that only tokenizes. Where AutoTokenizer would
+pick the generic tokenizers backend anyway (`_loads_as_generic_backend`), the backend
+is loaded directly, without torch; every other folder goes through AutoTokenizer.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase, TokenizersBackend
 
 # The files that define a tokenizer's behaviour, hashed into its id. Anything else in
 # the model folder (weights, generation config) does not change how text becomes ids.
@@ -23,15 +30,50 @@ _TOKENIZER_FILES = (
 )
 
 
+# Tokenizer classes that name the generic backend, and model types for which
+# AutoTokenizer keeps a folder's own class (it maps them to no class of their own, or
+# to the generic one, and does not override their hub class): for these it loads
+# TokenizersBackend (checked against AutoTokenizer in tests/unit/test_model_files.py).
+_GENERIC_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
+_GENERIC_MODEL_TYPES = frozenset({"llama", "mistral", "mixtral"})
+
+
 def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
     """The tokenizer saved in a Hugging Face model folder (see paths.resolve_model_path)."""
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(f"tokenizer folder not found: {folder}")
+    if _loads_as_generic_backend(folder):
+        generic: PreTrainedTokenizerBase = TokenizersBackend.from_pretrained(
+            str(folder), local_files_only=True
+        )
+        return generic
+    from transformers import AutoTokenizer
+
     tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
         str(folder), local_files_only=True
     )
     return tokenizer
+
+
+def _loads_as_generic_backend(folder: Path) -> bool:
+    """Whether AutoTokenizer would load this folder as the generic TokenizersBackend: its
+    tokenizer_config names it, with no custom code, for a model type in
+    _GENERIC_MODEL_TYPES, and a tokenizer.json holds the whole tokenizer."""
+    try:
+        tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
+        model_config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return (
+        isinstance(tokenizer_config, dict)
+        and isinstance(model_config, dict)
+        and tokenizer_config.get("tokenizer_class") in _GENERIC_CLASSES
+        and "auto_map" not in tokenizer_config
+        and "auto_map" not in model_config
+        and model_config.get("model_type") in _GENERIC_MODEL_TYPES
+        and (folder / "tokenizer.json").is_file()
+    )
 
 
 def apply_chat_template(
