@@ -182,10 +182,13 @@ def run_offline(
             t0, prefilled = time.perf_counter(), sched.total_prefill_tokens
             decoded, waited = sched.total_decode_tokens, sched.total_device_wait_s
             sampler.step = builds.step = len(steps)
-            sampler.active = stacks is not None and stacks[0] <= len(steps) <= stacks[1]
             clock.begin()
-            finished += [out.req for out in engine.step() if out.finished]
+            # The window is the step alone: samples of the loop around it would dilute it.
+            sampler.active = stacks is not None and stacks[0] <= len(steps) <= stacks[1]
+            outputs = engine.step()
+            sampler.active = False
             clock.end()
+            finished += [out.req for out in outputs if out.finished]
             steps.append(
                 Step(
                     seconds=time.perf_counter() - t0,
@@ -195,7 +198,6 @@ def run_offline(
                     wait_s=sched.total_device_wait_s - waited,
                 )
             )
-        sampler.active = False
         _sync(engine)
         duration = time.perf_counter() - started
     for i, (device_s, idle_s) in enumerate(clock.read()):

@@ -171,16 +171,24 @@ def test_cli_on_a_dummy_tiny_model(
         assert row["completed"] == 2
         assert row["input_tokens"] == sum(r.prompt_len for r in expected)
         assert row["output_tokens"] == sum(r.output_len for r in expected)
-        # The host's stacks over every step: the engine's step on the stack in each sample.
+        # The host's stacks over every step: the engine's step on the stack.
         head, *functions = row["host_stacks"]
         assert re.fullmatch(r"\d+ samples; share on the stack / innermost", head)
-        assert any(line.startswith("  100.0%") and "Engine.step" in line for line in functions)
+        _assert_step_leads(functions)
         # And over the steps whose host took longest on its own: the first line names them.
         named, head, *functions = row["host_stacks_slowest_steps"]
         assert re.fullmatch(r"steps \d+ \([\d.]+ ms\)(, \d+ \([\d.]+ ms\)){4}", named)
         assert int(head.split()[0]) <= int(row["host_stacks"][0].split()[0])
-        assert any(line.startswith("  100.0%") and "Engine.step" in line for line in functions)
+        _assert_step_leads(functions)
     assert set(result["radix_on_over_off"]) == {"sharegpt"}
+
+
+def _assert_step_leads(lines: list[str]) -> None:
+    """In a host-stacks report (`  share%  own%  where qualname` lines), Engine.step is on
+    the stack in most samples: the window is the step, and only a sample that lands in the
+    sampler's own switch around it (a loaded machine) misses it."""
+    step = [float(line.split()[0].rstrip("%")) for line in lines if line.endswith(" Engine.step")]
+    assert len(step) == 1 and step[0] > 50.0, lines
 
 
 def test_host_stacks_finds_the_busy_function(monkeypatch: pytest.MonkeyPatch) -> None:
