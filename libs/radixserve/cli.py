@@ -132,17 +132,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _cmd_serve(service: str, argv: list[str]) -> int:
-    """Each service module brings its own flags (`add_arguments`) and entry point (`run`)."""
+    """Every service module has one skeleton (`runtime.ServiceModule`), run by `run_module`."""
     import importlib
 
-    from radixserve.services.runtime import add_common_arguments
+    from radixserve.services.runtime import add_common_arguments, run_module
 
     module = importlib.import_module(f"radixserve.services.{service}")
     parser = argparse.ArgumentParser(prog=f"radixserve serve {service}", description=module.__doc__)
     add_common_arguments(parser)
     module.add_arguments(parser)
-    code: int = module.run(parser.parse_args(argv))
-    return code
+    return run_module(module, parser.parse_args(argv))
 
 
 def _infra_settings(ns: argparse.Namespace) -> Any:

@@ -15,7 +15,7 @@ import pytest
 from radixserve.api import ApiError, Assembly, chat_completion, make_streamer
 from radixserve.api.mapping import GenerationPlan
 from radixserve.protocol import FinishReason
-from radixserve.services.gateway.settings import add_arguments, gateway_settings_from_args
+from radixserve.services.gateway.settings import add_arguments, settings_from
 from radixserve.services.runtime import add_common_arguments
 from tests.unit.chat_answers import chat_plan, sse_payloads, text_delta, token_deltas
 
@@ -149,7 +149,7 @@ def _settings(argv: list[str], environ: dict[str, str]) -> Any:
     parser = argparse.ArgumentParser()
     add_common_arguments(parser)
     add_arguments(parser)
-    return gateway_settings_from_args(parser.parse_args(argv), environ)
+    return settings_from(parser.parse_args(argv), environ)
 
 
 def test_the_gateway_reads_its_reasoning_parser_from_the_flag_or_the_variable() -> None:

@@ -32,12 +32,7 @@ from radixserve.protocol import (
     retry_later_error,
 )
 from radixserve.services.messages import decode_or_drop
-from radixserve.services.runtime import (
-    ServiceContext,
-    ServiceSettings,
-    run_service,
-    settings_from_args,
-)
+from radixserve.services.runtime import ServiceContext, ServiceSettings, settings_from_args
 from radixserve.telemetry.detok_trace import DetokenizeSpans
 from radixserve.telemetry.pipeline_metrics import DetokenizerMetrics
 
@@ -54,7 +49,7 @@ FLUSH_TIMEOUT_S = 5.0
 
 @dataclass(frozen=True)
 class DetokenizerSettings:
-    common: ServiceSettings
+    service: ServiceSettings
     model: str | None = None  # HF folder or .gguf; None: the embedded SmolLM2
     max_requests: int = DEFAULT_MAX_REQUESTS
 
@@ -88,15 +83,10 @@ def settings_from(ns: argparse.Namespace) -> DetokenizerSettings:
         except ValueError:
             raise ValueError(f"${ENV_MAX_REQUESTS} must be an integer, got {raw!r}") from None
     return DetokenizerSettings(
-        common=settings_from_args(SERVICE, ns),
+        service=settings_from_args(SERVICE, ns),
         model=ns.model or os.environ.get(ENV_MODEL, "").strip() or None,
         max_requests=max_requests,
     )
-
-
-def run(ns: argparse.Namespace) -> int:
-    settings = settings_from(ns)
-    return run_service(settings.common, lambda ctx: main(ctx, settings))
 
 
 def load_tokenizer(model: str | None) -> PreTrainedTokenizerBase:
@@ -107,7 +97,7 @@ def load_tokenizer(model: str | None) -> PreTrainedTokenizerBase:
     return load_from_folder(resolve_model_path(model))
 
 
-async def main(ctx: ServiceContext, settings: DetokenizerSettings) -> None:
+async def start(ctx: ServiceContext, settings: DetokenizerSettings) -> None:
     tokenizer = await asyncio.to_thread(load_tokenizer, settings.model)
     detok = IncrementalDetokenizer(tokenizer, settings.max_requests)
     gaps = StepGaps()

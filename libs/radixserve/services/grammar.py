@@ -20,6 +20,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 from radixserve.bus import BusMsg
@@ -33,7 +34,7 @@ from radixserve.protocol import (
     encode,
 )
 from radixserve.services.messages import decode_or_drop
-from radixserve.services.runtime import ServiceContext, run_service, settings_from_args
+from radixserve.services.runtime import ServiceContext, ServiceSettings, settings_from_args
 from radixserve.telemetry import genai
 from radixserve.telemetry.pipeline_metrics import GrammarMetrics
 from radixserve.telemetry.tracing import get_tracer
@@ -43,6 +44,17 @@ log = logging.getLogger(__name__)
 SERVICE = "grammar"
 _tracer = get_tracer(SERVICE)
 ENV_MODEL = "RADIXSERVE_MODEL"
+
+
+@dataclass(frozen=True)
+class GrammarSettings:
+    service: ServiceSettings
+    model: str | None = None  # None: the embedded SmolLM2
+    compile_timeout_s: float = 4.0
+    compile_limit_s: float = 30.0  # 0: compile in threads, without a limit
+    compile_workers: int = 2
+    cache_ttl_s: float = 7 * 24 * 3600.0
+    redis_cache: bool = True  # False: compiled grammars in memory only
 
 
 class GrammarBackend(Protocol):
@@ -88,19 +100,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-redis-cache", action="store_true", help="memory cache only")
 
 
-def run(ns: argparse.Namespace) -> int:
-    settings = settings_from_args(SERVICE, ns)
-    model = getattr(ns, "model", None) or os.environ.get(ENV_MODEL, "").strip() or None
+def settings_from(ns: argparse.Namespace) -> GrammarSettings:
+    return GrammarSettings(
+        service=settings_from_args(SERVICE, ns),
+        model=ns.model or os.environ.get(ENV_MODEL, "").strip() or None,
+        compile_timeout_s=ns.compile_timeout_s,
+        compile_limit_s=ns.compile_limit_s,
+        compile_workers=ns.compile_workers,
+        cache_ttl_s=ns.cache_ttl_s,
+        redis_cache=not ns.no_redis_cache,
+    )
 
-    async def main(ctx: ServiceContext) -> None:
-        metrics = GrammarMetrics(ctx.metrics)
-        await start(ctx, await _registry(ctx, ns, model, metrics), metrics)
 
-    return run_service(settings, main)
+async def start(ctx: ServiceContext, settings: GrammarSettings) -> None:
+    metrics = GrammarMetrics(ctx.metrics)
+    await _subscribe(ctx, await _registry(ctx, settings, metrics), metrics)
 
 
 async def _registry(
-    ctx: ServiceContext, ns: argparse.Namespace, model: str | None, metrics: GrammarMetrics
+    ctx: ServiceContext, settings: GrammarSettings, metrics: GrammarMetrics
 ) -> GrammarBackend:
     # Heavy imports (transformers, xgrammar) only once the service really starts.
     from radixserve.grammar.setup import registry_for_model
@@ -108,19 +126,19 @@ async def _registry(
     from radixserve.store.settings import StoreSettings
 
     remote = None
-    if not ns.no_redis_cache:
+    if settings.redis_cache:
         store = StoreSettings.from_env()
         remote = RedisGrammarCache(
-            StoreSettings(url=ctx.settings.redis_url, key_prefix=store.key_prefix),
-            ttl_s=ns.cache_ttl_s,
+            StoreSettings(url=settings.service.redis_url, key_prefix=store.key_prefix),
+            ttl_s=settings.cache_ttl_s,
         )
     registry = await asyncio.to_thread(
         registry_for_model,
-        model,
+        settings.model,
         remote=remote,
-        compile_timeout_s=ns.compile_timeout_s,
-        compile_limit_s=ns.compile_limit_s,
-        compile_workers=ns.compile_workers,
+        compile_timeout_s=settings.compile_timeout_s,
+        compile_limit_s=settings.compile_limit_s,
+        compile_workers=settings.compile_workers,
         spawn=ctx.spawn,
         on_stop=metrics.observe_stop,
     )
@@ -133,7 +151,9 @@ async def _registry(
     return registry
 
 
-async def start(ctx: ServiceContext, grammars: GrammarBackend, metrics: GrammarMetrics) -> None:
+async def _subscribe(
+    ctx: ServiceContext, grammars: GrammarBackend, metrics: GrammarMetrics
+) -> None:
 
     async def on_compile(msg: BusMsg) -> None:
         req = decode_or_drop(msg, GrammarCompileRequest, log)

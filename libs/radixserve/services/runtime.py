@@ -1,12 +1,16 @@
 """What every service process shares: settings, logging, connect, supervise, heartbeat, drain.
 
-A service module defines `async def main(ctx: ServiceContext) -> None` that subscribes
-its handlers and returns; `run_service` then keeps the process alive until SIGTERM or
-SIGINT, publishes a `ServiceHeartbeat` every `heartbeat_interval_s`, and on the signal
-runs the drain callbacks the service registered (stop taking work, finish or hand
-back what is in flight), then drains NATS and exits 0. A supervised background task
-that crashes stops the process with exit code 1, so the supervisor (`radixserve up`,
-Docker, Kubernetes) restarts it: nothing fails silently.
+Every service module (`radixserve.services.<name>`) has one skeleton, `ServiceModule`: a
+frozen `<Name>Settings` whose `service` is the `ServiceSettings` below; `add_arguments`
+(its flags); `settings_from(ns)`, which reads and checks flags and variables and imports
+nothing heavy; and `async def start(ctx, settings)`, which subscribes its handlers, spawns
+its tasks and returns. `run_module` builds the settings and hands `start` to
+`run_service`, which keeps the process alive until SIGTERM or SIGINT, publishes a
+`ServiceHeartbeat` every `heartbeat_interval_s`, and on the signal runs the drain
+callbacks the service registered (stop taking work, finish or hand back what is in
+flight), then drains NATS and exits 0. A supervised background task that crashes stops
+the process with exit code 1, so the supervisor (`radixserve up`, Docker, Kubernetes)
+restarts it: nothing fails silently.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from radixserve.bus import Bus, BusSettings
 from radixserve.bus.settings import DEFAULT_NATS_URL, ENV_NATS_URL
@@ -50,6 +54,7 @@ ENV_METRICS_HOST = "RADIXSERVE_METRICS_HOST"
 DEFAULT_METRICS_HOST = "127.0.0.1"
 
 DrainCallback = Callable[[], Awaitable[None]]
+Start = Callable[["ServiceContext"], Awaitable[None]]
 
 
 def default_instance_id(service: str) -> str:
@@ -186,7 +191,7 @@ def _port_from_env(env: Mapping[str, str], name: str) -> int:
 
 @dataclass
 class ServiceContext:
-    """Handed to a service's `main`: its bus, subjects and the means to run and stop."""
+    """Handed to a service's `start`: its bus, subjects and the means to run and stop."""
 
     settings: ServiceSettings
     bus: Bus
@@ -265,10 +270,8 @@ async def _heartbeat_loop(ctx: ServiceContext) -> None:
         await asyncio.sleep(s.heartbeat_interval_s)
 
 
-async def serve_async(
-    settings: ServiceSettings, main: Callable[[ServiceContext], Awaitable[None]]
-) -> int:
-    """Connect, run `main`, heartbeat, wait for a signal, drain. Returns the exit code."""
+async def serve_async(settings: ServiceSettings, start: Start) -> int:
+    """Connect, run `start`, heartbeat, wait for a signal, drain. Returns the exit code."""
     log.info(
         "starting %s (instance %s), NATS %s",
         settings.service,
@@ -287,7 +290,7 @@ async def serve_async(
                 ctx.metrics.registry, settings.metrics_host, settings.metrics_port
             )
             log.info("metrics on %s", metrics_server.url)
-        await main(ctx)
+        await start(ctx)
         ctx.spawn(_heartbeat_loop(ctx), "heartbeat")
         log.info("%s ready", settings.service)
         await ctx.stopping.wait()
@@ -314,22 +317,46 @@ async def serve_async(
     return 0
 
 
-def run_service(
-    settings: ServiceSettings, main: Callable[[ServiceContext], Awaitable[None]]
-) -> int:
-    """Blocking entry point used by `radixserve serve <name>`."""
+def run_service(settings: ServiceSettings, start: Start) -> int:
+    """Blocking: set up logging and tracing, then serve until a signal or a crash."""
     setup_logging(settings.service)
     tracing = setup_tracing(settings.tracing_settings(), settings.service, settings.instance_id)
     try:
         name, factory = loop_factory(settings.event_loop)
         log.info("%s on the %s event loop", settings.service, name)
         with asyncio.Runner(loop_factory=factory) as runner:
-            return runner.run(serve_async(settings, main))
+            return runner.run(serve_async(settings, start))
     except Exception as exc:
         log.error("%s failed: %s", settings.service, exc, exc_info=True)
         return 1
     finally:
         tracing.shutdown()  # the spans still buffered go out before the process ends
+
+
+class HasServiceSettings(Protocol):
+    """What `run_module` needs of a `<Name>Settings`: the common part."""
+
+    @property
+    def service(self) -> ServiceSettings: ...
+
+
+SettingsT = TypeVar("SettingsT", bound=HasServiceSettings)
+
+
+class ServiceModule(Protocol[SettingsT]):
+    """The skeleton every `radixserve.services.<name>` module has (see the docstring above)."""
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None: ...
+
+    def settings_from(self, ns: argparse.Namespace) -> SettingsT: ...
+
+    async def start(self, ctx: ServiceContext, settings: SettingsT) -> None: ...
+
+
+def run_module(module: ServiceModule[SettingsT], ns: argparse.Namespace) -> int:
+    """`radixserve serve <name>`: the module's settings from `ns`, then its `start` served."""
+    settings = module.settings_from(ns)
+    return run_service(settings.service, lambda ctx: module.start(ctx, settings))
 
 
 class _LogfmtFormatter(logging.Formatter):

@@ -57,12 +57,7 @@ from radixserve.routing import (
     merge_flush_replies,
 )
 from radixserve.services.messages import decode_or_drop
-from radixserve.services.runtime import (
-    ServiceContext,
-    ServiceSettings,
-    run_service,
-    settings_from_args,
-)
+from radixserve.services.runtime import ServiceContext, ServiceSettings, settings_from_args
 from radixserve.telemetry import genai
 from radixserve.telemetry.pipeline_metrics import SchedulerMetrics
 from radixserve.telemetry.tracing import get_tracer
@@ -139,15 +134,6 @@ def settings_from(ns: argparse.Namespace) -> SchedulerSettings:
         worker_ack_timeout_s=ns.worker_ack_timeout_s,
         routing=ns.routing,
     )
-
-
-def run(ns: argparse.Namespace) -> int:
-    settings = settings_from(ns)
-
-    async def main(ctx: ServiceContext) -> None:
-        await start(ctx, settings)
-
-    return run_service(settings.service, main)
 
 
 async def start(ctx: ServiceContext, settings: SchedulerSettings) -> None:

@@ -42,12 +42,7 @@ from radixserve.protocol import (
 )
 from radixserve.routing import RecentAborts
 from radixserve.services.messages import decode_or_drop
-from radixserve.services.runtime import (
-    ServiceContext,
-    ServiceSettings,
-    run_service,
-    settings_from_args,
-)
+from radixserve.services.runtime import ServiceContext, ServiceSettings, settings_from_args
 from radixserve.telemetry import genai
 from radixserve.telemetry.pipeline_metrics import TokenizerMetrics
 from radixserve.telemetry.tracing import get_tracer
@@ -119,15 +114,6 @@ def settings_from(ns: argparse.Namespace) -> TokenizerSettings:
         grammar_timeout_s=ns.grammar_timeout_s,
         schedule_ack_timeout_s=ns.schedule_ack_timeout_s,
     )
-
-
-def run(ns: argparse.Namespace) -> int:
-    settings = settings_from(ns)
-
-    async def main(ctx: ServiceContext) -> None:
-        await start(ctx, settings)
-
-    return run_service(settings.service, main)
 
 
 async def start(ctx: ServiceContext, settings: TokenizerSettings) -> None:

@@ -27,13 +27,15 @@ import asyncio
 import functools
 import logging
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from radixserve import protocol
 from radixserve.bus import BusError, BusMsg
 from radixserve.engine.flags import add_engine_arguments, engine_kwargs
 from radixserve.services.messages import decode_or_drop
-from radixserve.services.runtime import ServiceContext, run_service, settings_from_args
+from radixserve.services.runtime import ServiceContext, ServiceSettings, settings_from_args
 from radixserve.telemetry.tracing import get_tracer
 from radixserve.worker.metrics import WorkerMetrics, WorkerTelemetry
 
@@ -51,6 +53,14 @@ FLUSH_TIMEOUT_S = 10.0  # the engine's answer to flush_cache (it flushes between
 DEFAULT_ENGINE_STALL_S = 300.0  # above any one step, first-use kernel compiles included
 
 
+@dataclass(frozen=True)
+class WorkerSettings:
+    service: ServiceSettings
+    # The EngineConfig keyword arguments given by flags or variables (engine.flags).
+    engine_options: Mapping[str, Any] = field(default_factory=dict)
+    engine_stall_s: float = DEFAULT_ENGINE_STALL_S  # 0: never
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
     parser.add_argument(
@@ -62,16 +72,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def run(ns: argparse.Namespace) -> int:
-    settings = settings_from_args(SERVICE, ns)
-    kwargs = engine_kwargs(ns)
+def settings_from(ns: argparse.Namespace) -> WorkerSettings:
+    service = settings_from_args(SERVICE, ns)
+    engine_options = engine_kwargs(ns)
     if ns.engine_stall_s < 0:
         raise SystemExit(f"--engine-stall-s must be >= 0, got {ns.engine_stall_s:g}")
+    return WorkerSettings(
+        service=service, engine_options=engine_options, engine_stall_s=ns.engine_stall_s
+    )
 
-    async def main(ctx: ServiceContext) -> None:
-        await WorkerService(ctx, kwargs, engine_stall_s=ns.engine_stall_s).start()
 
-    return run_service(settings, main)
+async def start(ctx: ServiceContext, settings: WorkerSettings) -> None:
+    await WorkerService(
+        ctx, settings.engine_options, engine_stall_s=settings.engine_stall_s
+    ).start()
 
 
 def engine_failure(driver: EngineDriver, stall_s: float) -> str | None:
@@ -97,7 +111,7 @@ class WorkerService:
     def __init__(
         self,
         ctx: ServiceContext,
-        engine_options: dict[str, Any],
+        engine_options: Mapping[str, Any],
         engine_stall_s: float = DEFAULT_ENGINE_STALL_S,
     ) -> None:
         self.ctx = ctx

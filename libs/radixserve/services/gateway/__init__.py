@@ -20,21 +20,14 @@ token. Stateless: scale by replicas. Off NATS it answers 503 `no_bus`; on SIGTER
 
 from __future__ import annotations
 
-import argparse
+from radixserve.services.gateway.settings import GatewaySettings, add_arguments, settings_from
+from radixserve.services.runtime import ServiceContext
 
-from radixserve.services.gateway.settings import add_arguments, gateway_settings_from_args
-
-__all__ = ["add_arguments", "run"]
+__all__ = ["GatewaySettings", "add_arguments", "settings_from", "start"]
 
 
-def run(ns: argparse.Namespace) -> int:
+async def start(ctx: ServiceContext, settings: GatewaySettings) -> None:
     # FastAPI and uvicorn load here, not at import: `serve gateway --help` stays quick.
-    from radixserve.services.gateway.service import main
-    from radixserve.services.runtime import ServiceContext, run_service
+    from radixserve.services.gateway import service
 
-    settings = gateway_settings_from_args(ns)
-
-    async def start(ctx: ServiceContext) -> None:
-        await main(ctx, settings)
-
-    return run_service(settings.service, start)
+    await service.start(ctx, settings)

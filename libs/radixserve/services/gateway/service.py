@@ -61,7 +61,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def main(ctx: ServiceContext, settings: GatewaySettings) -> None:
+async def start(ctx: ServiceContext, settings: GatewaySettings) -> None:
     bus, subjects = ctx.bus, ctx.subjects
     metrics = GatewayMetrics(common=ctx.metrics)  # on the process's registry
     # No PING here: Redis being down must not keep the gateway from serving (records

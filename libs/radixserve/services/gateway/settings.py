@@ -137,7 +137,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def gateway_settings_from_args(
+def settings_from(
     ns: argparse.Namespace, environ: Mapping[str, str] | None = None
 ) -> GatewaySettings:
     env = os.environ if environ is None else environ
