@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: run test test-compose lint format unit integration gpu check-packaging bench-engine-cpu bench-overhead bench-online bench-routing bench-soak bench-gpu clean venv
+.PHONY: run test quick quick-unit suite test-compose lint format unit integration gpu check-packaging bench-engine-cpu bench-overhead bench-online bench-routing bench-soak bench-gpu clean venv
 
 venv: $(STAMP)
 
@@ -34,8 +34,24 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-test: lint check-packaging
-	$(PY) -m pytest -q --ignore=tests/packaging --ignore=tests/deploy $(PYTEST_ARGS)
+# What CI runs. Lint, the packaging checks and the suite are independent: they run side by
+# side (output line by line), and the suite reports its slowest tests.
+test: $(STAMP)
+	$(MAKE) --no-print-directory -j3 --output-sync=line lint check-packaging suite
+
+# The unit tests spread over every core (a module's tests on one worker, so its fixtures
+# are built once); the stack tests after them, one at a time.
+suite: $(STAMP)
+	$(PY) -m pytest -q -n auto --dist loadfile tests/unit --durations=25 $(PYTEST_ARGS)
+	$(PY) -m pytest -q --ignore=tests/packaging --ignore=tests/deploy --ignore=tests/unit \
+		--durations=25 $(PYTEST_ARGS)
+
+# The dev loop: lint beside the unit tests not marked slow, spread over every core.
+quick: $(STAMP)
+	$(MAKE) --no-print-directory -j2 --output-sync=target lint quick-unit
+
+quick-unit: $(STAMP)
+	$(PY) -m pytest -q -n auto -m "not slow" tests/unit --durations=10 $(PYTEST_ARGS)
 
 # The compose file, the Helm chart and the Dockerfiles, checked with no Docker engine and
 # no cluster (compose-spec, helm-python-sdk, kubernetes-validate --strict, hadolint).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -12,8 +13,9 @@ from tests.helpers.tiny_models import make_tiny_llama, make_tiny_qwen3
 
 @pytest.fixture(scope="session", autouse=True)
 def _few_threads() -> None:
-    # Two cores here; more threads only thrash.
-    torch.set_num_threads(2)
+    # Two cores here; more threads only thrash, and xdist's workers share the cores.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    torch.set_num_threads(max(1, min(2, (os.cpu_count() or 2) // workers)))
 
 
 @pytest.fixture(scope="session")

@@ -261,6 +261,7 @@ def _params(i: int) -> dict[str, Any]:
     return {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_engine_steps_equal_the_per_request_path(
     tiny_llama_dir: Path, page_size: int, monkeypatch: pytest.MonkeyPatch

@@ -30,6 +30,7 @@ def offline(monkeypatch: pytest.MonkeyPatch) -> ModuleType:
     return importlib.import_module("offline")
 
 
+@pytest.mark.slow
 def test_shared_prefix_counts_and_cache_hits(offline: ModuleType, tiny_llama_dir: Path) -> None:
     requests = generated_shared_prefix(
         random.Random(0),
@@ -141,6 +142,7 @@ def test_warmup_is_each_workloads_head_with_short_outputs(offline: ModuleType) -
         assert w.output_len == min(r.output_len, offline.WARMUP_OUTPUT_LEN)
 
 
+@pytest.mark.slow
 def test_cli_on_a_dummy_tiny_model(
     offline: ModuleType, tiny_llama_dir: Path, tmp_path: Path
 ) -> None:

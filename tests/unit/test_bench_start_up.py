@@ -25,6 +25,7 @@ def _start_up(tokenizer: Path, out: Path, *flags: str) -> tuple[list[dict[str, A
     return json.loads(out.read_text()), done.stdout
 
 
+@pytest.mark.slow
 def test_compare_runs_both_variants_in_fresh_processes(
     tiny_llama_dir: Path, tmp_path: Path
 ) -> None:
@@ -37,6 +38,7 @@ def test_compare_runs_both_variants_in_fresh_processes(
     assert "\non " in table and "\noff " in table
 
 
+@pytest.mark.slow
 def test_first_of_each_times_every_kind_twice(
     tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
 
 
+@pytest.mark.slow
 def test_rows_per_prompt_length_on_the_cpu(tiny_llama_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "ttft.json"
     argv = [sys.executable, str(BENCH_DIR / "ttft.py"), "--tokenizer", str(tiny_llama_dir)]

@@ -81,6 +81,7 @@ def _eager_logits(engine: Engine, batch: ForwardBatch) -> torch.Tensor:
         return engine.runner.model(batch, engine.runner.attn)
 
 
+@pytest.mark.slow
 def test_padded_replay_equals_eager_and_writes_only_its_slots(tiny_llama_dir: Path) -> None:
     engine = _engine(tiny_llama_dir)
     graphs = _static_runner(engine, max_bs=8)
@@ -111,6 +112,7 @@ def test_padded_replay_equals_eager_and_writes_only_its_slots(tiny_llama_dir: Pa
     assert graphs.num_replays == 4
 
 
+@pytest.mark.slow
 def test_generation_through_the_static_pass_equals_eager(tiny_llama_dir: Path) -> None:
     prompts = make_prompts(1000, [5, 9, 3], seed=4)
     eager = engine_outputs(_engine(tiny_llama_dir), prompts, 5)
@@ -129,6 +131,7 @@ def _share_prefix(reqs: PagedRequests, leader: int, length: int) -> int:
     return row
 
 
+@pytest.mark.slow
 def test_cascade_replay_equals_the_plain_pass(tiny_llama_dir: Path) -> None:
     engine = _engine(tiny_llama_dir, max_total_tokens=2048)
     graphs = _static_runner(engine, max_bs=16, cascade=True)
@@ -169,6 +172,7 @@ def test_cascade_replay_equals_the_plain_pass(tiny_llama_dir: Path) -> None:
     assert graphs.num_replays == 3
 
 
+@pytest.mark.slow
 def test_generation_with_cascade_graphs_equals_the_torch_backend(tiny_llama_dir: Path) -> None:
     # Four prompts over one 72-token system prompt and two unrelated ones: their decode
     # steps (6 requests, the graph of 8) replay the cascade variant.
@@ -182,6 +186,7 @@ def test_generation_with_cascade_graphs_equals_the_torch_backend(tiny_llama_dir:
     assert graphs.num_replays >= 4
 
 
+@pytest.mark.slow
 def test_cascade_groups_are_reused_only_while_the_decode_batch_keeps_its_members(
     tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -228,6 +233,7 @@ def test_cascade_groups_are_reused_only_while_the_decode_batch_keeps_its_members
     assert len(set(steps)) >= 3  # the batch shrank at least twice
 
 
+@pytest.mark.slow
 def test_cascade_steps_through_retraction_equal_the_torch_backend(tiny_llama_dir: Path) -> None:
     # A pool that holds the shared system prompt and only some of the questions and
     # outputs: requests are retracted and come back; their cascade groups are searched

@@ -155,6 +155,7 @@ def test_submit_takes_a_numpy_array_as_the_same_prompt(engine: Engine) -> None:
     assert got == expected
 
 
+@pytest.mark.slow
 def test_generate_from_several_threads_at_once(engine: Engine) -> None:
     """Callers on their own threads share the steps: each gets what it gets alone, even
     when another thread's step finishes its request (which once read as an idle engine)."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from radixserve import Engine
 from radixserve.engine.request import ReqStatus
 from radixserve.engine.sched.prefill import IN_BATCH_SHARE_MIN
@@ -20,6 +22,7 @@ def _engine(model_dir: Path, **kwargs: object) -> Engine:
     )
 
 
+@pytest.mark.slow
 def test_shared_prefix_is_reused(tiny_llama_dir: Path) -> None:
     engine = _engine(tiny_llama_dir)
     prefix, tail_a, tail_b = make_prompts(engine.runner.vocab_size, [500, 20, 30], seed=7)
@@ -40,6 +43,7 @@ def test_shared_prefix_is_reused(tiny_llama_dir: Path) -> None:
     assert again["meta_info"]["cached_tokens"] == 0
 
 
+@pytest.mark.slow
 def test_abort_half_of_in_flight(tiny_llama_dir: Path) -> None:
     engine = _engine(tiny_llama_dir, max_running_requests=64, chunked_prefill_size=256)
     prompts = make_prompts(
@@ -106,6 +110,7 @@ def test_prefix_is_shared_while_its_first_request_decodes(tiny_llama_dir: Path) 
     assert finals[second].output_ids == reference[0]
 
 
+@pytest.mark.slow
 def test_one_batch_of_one_prefix_keeps_one_copy(tiny_llama_dir: Path) -> None:
     """Requests of one prefix prefilled in the same step each compute it, but once their
     prefill completes the duplicates go back to the pool: one cached copy remains. (A
@@ -127,6 +132,7 @@ def test_one_batch_of_one_prefix_keeps_one_copy(tiny_llama_dir: Path) -> None:
     assert engine.num_tracked() == 0
 
 
+@pytest.mark.slow
 def test_prompts_sharing_an_uncached_prefix_prefill_it_once(tiny_llama_dir: Path) -> None:
     # Three prompts over one new 300-token prefix arrive together and one step's chunk
     # could hold them all: the first computes the prefix, the others wait a step for it

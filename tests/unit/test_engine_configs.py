@@ -32,6 +32,7 @@ def baseline(tiny_llama_dir: Path) -> list[list[int]]:
     return _run(tiny_llama_dir, chunked_prefill_size=-1)[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "kwargs",
     [
@@ -57,6 +58,7 @@ def test_same_outputs(
     assert usage.in_flight_tokens == 0 and usage.protected_tokens == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("disable_radix_cache", [False, True])
 def test_retraction_keeps_outputs(
     tiny_llama_dir: Path, baseline: list[list[int]], disable_radix_cache: bool

@@ -50,6 +50,7 @@ def test_context_longer_than_trained_positions(
 
 
 # -- 2. a request mid-chunk must not get a lone decoder aborted ------------------------------
+@pytest.mark.slow
 def test_chunked_request_cannot_starve_a_lone_decoder(tiny_llama_dir: Path) -> None:
     options = {
         "max_total_tokens": 200,

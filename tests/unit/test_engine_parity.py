@@ -36,14 +36,17 @@ def _check(model_dir: Path, lengths: list[int], **engine_kwargs: object) -> None
     assert usage.in_flight_tokens == 0 and usage.protected_tokens == 0
 
 
+@pytest.mark.slow
 def test_tiny_llama_matches_hf(tiny_llama_dir: Path) -> None:
     _check(tiny_llama_dir, [5, 17, 40, 3, 64])
 
 
+@pytest.mark.slow
 def test_tiny_qwen3_matches_hf(tiny_qwen3_dir: Path) -> None:
     _check(tiny_qwen3_dir, [7, 30, 2, 51])
 
 
+@pytest.mark.slow
 def test_repetition_penalty_matches_hf(tiny_llama_dir: Path) -> None:
     """HF's RepetitionPenaltyLogitsProcessor over prompt + output, with the penalty state
     kept on the device across steps, with and without overlap scheduling."""

@@ -209,6 +209,7 @@ def test_model_on_the_kernels_matches_hf(
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_model_storing_kv_in_the_rotary_kernel_is_exact(
     tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

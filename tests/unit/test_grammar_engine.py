@@ -102,6 +102,7 @@ def _generate(
     return out
 
 
+@pytest.mark.slow
 def test_every_schema_regex_and_the_arithmetic_grammar_give_valid_output(engine: Engine) -> None:
     cases = _cases()
     outs = _generate(engine, ["Answer:"] * len(cases), [params for params, _ in cases])
@@ -111,6 +112,7 @@ def test_every_schema_regex_and_the_arithmetic_grammar_give_valid_output(engine:
     assert engine.num_tracked() == 0
 
 
+@pytest.mark.slow
 def test_json_object_and_structural_tag(engine: Engine) -> None:
     # `response_format: json_object` is any JSON object (unbounded: this prompt's greedy
     # path closes it; the SmolLM2 stack test gives a real one).
@@ -205,6 +207,7 @@ def test_stop_strings_ignore_eos_and_min_tokens_with_a_grammar(engine: Engine) -
         assert out["meta_info"]["finish_reason"]["type"] == "stop"
 
 
+@pytest.mark.slow
 def test_logprobs_are_the_models_own_distribution(engine: Engine, tiny_llama_dir: Path) -> None:
     """A constrained token's logprob is log_softmax of the raw logits (as unconstrained),
     checked against Hugging Face's forward over the same sequence."""
@@ -235,6 +238,7 @@ def test_logprobs_are_the_models_own_distribution(engine: Engine, tiny_llama_dir
     assert [t for t, _ in top[0]] == reference[0].topk(3).indices.tolist()
 
 
+@pytest.mark.slow
 def test_no_matcher_state_crosses_requests_that_share_a_prefix(engine: Engine) -> None:
     prompt = make_prompts(engine.runner.vocab_size, [40], seed=9)[0]
     digits, letters = _generate(
@@ -258,6 +262,7 @@ def test_no_matcher_state_crosses_requests_that_share_a_prefix(engine: Engine) -
     assert free["output_ids"] == alone["output_ids"]
 
 
+@pytest.mark.slow
 def test_jump_forward_saves_forward_passes_and_keeps_the_output_valid(engine: Engine) -> None:
     params = [{"json_schema": json.dumps(LONG_KEYS_SCHEMA), "max_new_tokens": 256}] * 2
     prompts = ["Customer record:", "Another customer:"]
@@ -272,6 +277,7 @@ def test_jump_forward_saves_forward_passes_and_keeps_the_output_valid(engine: En
     assert passes[True] <= 0.7 * passes[False], passes
 
 
+@pytest.mark.slow
 def test_64_constrained_and_64_unconstrained_requests_share_batches(engine: Engine) -> None:
     cases = _cases()
     vocab = engine.runner.vocab_size

@@ -88,6 +88,7 @@ def _pid(pool: CompileProcesses) -> int:
     return pid
 
 
+@pytest.mark.slow
 def test_entries_equal_the_in_thread_compile(processes: CompileProcesses, tokenizer: Any) -> None:
     local = entry_builder(XGrammarCompiler.for_tokenizer(tokenizer, len(tokenizer)), TOKENIZER_ID)
     sources = [
@@ -103,6 +104,7 @@ def test_entries_equal_the_in_thread_compile(processes: CompileProcesses, tokeni
     assert refusal is not None and "Unclosed" in refusal
 
 
+@pytest.mark.slow
 def test_a_compile_past_the_limit_is_stopped_and_refused(processes: CompileProcesses) -> None:
     pid = _pid(processes)
     stopped, restarts = processes.counters.stopped, processes.counters.restarts
@@ -119,6 +121,7 @@ def test_a_compile_past_the_limit_is_stopped_and_refused(processes: CompileProce
     assert _pid(processes) != pid
 
 
+@pytest.mark.slow
 def test_a_process_that_died_is_replaced(processes: CompileProcesses) -> None:
     # Killed while idle: the next compile starts a new one.
     pid = _pid(processes)
@@ -156,6 +159,7 @@ def test_a_process_that_cannot_start_is_an_error(tmp_path: Path) -> None:
         CompileProcesses(spec, processes=1, limit_s=LIMIT_S, start_timeout_s=60)
 
 
+@pytest.mark.slow
 async def test_registry_refuses_a_stopped_grammar_and_remembers(
     processes: CompileProcesses,
 ) -> None:
@@ -200,6 +204,7 @@ async def test_registry_refuses_a_stopped_grammar_and_remembers(
     await registry.close()
 
 
+@pytest.mark.slow
 async def test_the_service_registry_compiles_in_processes_or_threads() -> None:
     from radixserve.grammar.setup import registry_for_model
 
@@ -219,6 +224,7 @@ async def test_the_service_registry_compiles_in_processes_or_threads() -> None:
             assert build.pids == [None]  # close() ended its process
 
 
+@pytest.mark.slow
 def test_a_child_ends_when_its_parent_dies_mid_compile(tmp_path: Path, tokenizer: Any) -> None:
     # A parent process starts the pool and a compile that takes ~15 s, then is killed:
     # its child must not compile on as an orphan.

@@ -109,6 +109,7 @@ def test_forward_before_metadata_is_an_error() -> None:
         hybrid.forward(p.q, p.k, p.v, 1, p.batch, p.scale)
 
 
+@pytest.mark.slow
 def test_engine_on_a_torch_prefill_and_triton_decode_equals_the_torch_backend(
     tiny_llama_dir: Path,
 ) -> None:

@@ -30,6 +30,7 @@ def engine(tiny_llama_dir: Path) -> Engine:
     return Engine(str(tiny_llama_dir), device="cpu", dtype="float32", max_total_tokens=4096)
 
 
+@pytest.mark.slow
 def test_greedy_tokens_with_a_bias_match_transformers(engine: Engine, tiny_llama_dir: Path) -> None:
     prompts = make_prompts(engine.runner.vocab_size, [9, 23], seed=4)
     plain = hf_greedy(tiny_llama_dir, prompts, 8)

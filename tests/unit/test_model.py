@@ -65,6 +65,7 @@ def prompts(vocab_size: int, seed: int) -> list[list[int]]:
     return [torch.randint(100, vocab_size, (n,), generator=gen).tolist() for n in LENGTHS]
 
 
+@pytest.mark.slow
 def test_extend_batch_matches_hf(harness: ModelHarness) -> None:
     seqs = prompts(harness.config.vocab_size, seed=0)
     rows = [harness.requests.new_request() for _ in seqs]
@@ -77,6 +78,7 @@ def test_extend_batch_matches_hf(harness: ModelHarness) -> None:
     torch.testing.assert_close(logits, expected, atol=ATOL, rtol=RTOL)
 
 
+@pytest.mark.slow
 def test_prefix_extend_then_decode_matches_hf(harness: ModelHarness) -> None:
     seqs = prompts(harness.config.vocab_size, seed=1)
     follow = [s[0] for s in prompts(harness.config.vocab_size, seed=2)]  # one decode token each
@@ -132,6 +134,7 @@ def test_tied_head_shares_the_embedding(tiny_qwen3_dir: Path, tiny_llama_dir: Pa
     assert untied.lm_head.weight.data_ptr() != untied.model.embed_tokens.weight.data_ptr()
 
 
+@pytest.mark.slow
 def test_converted_smollm2_answers_sensibly(smollm2_dir: Path) -> None:
     """Greedy decoding through our stack: a wrong GGUF q/k un-permutation would not say Paris."""
     from radixserve.model_files.tokenizer import apply_chat_template, load_tokenizer

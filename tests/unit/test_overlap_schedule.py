@@ -81,6 +81,7 @@ def _workload(vocab_size: int, stop_id: int) -> tuple[list[list[int]], list[dict
     return prompts, params
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "kwargs",
     [
@@ -126,6 +127,7 @@ def test_overlap_equals_step_by_step(tiny_llama_dir: Path, kwargs: dict[str, Any
         assert overlapped.scheduler.total_retractions > 0
 
 
+@pytest.mark.slow
 def test_overlap_keeps_a_step_in_flight(tiny_llama_dir: Path) -> None:
     """The step API under overlap: tokens arrive one step late, aborts free everything."""
     engine = _engine(tiny_llama_dir, overlap=True)
@@ -187,6 +189,7 @@ def _drive(
     return [done[c] for c in choices], overlapped
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kwargs", [{}, RETRACTING], ids=["default", "retracting"])
 def test_penalized_requests_run_overlapped(tiny_llama_dir: Path, kwargs: dict[str, Any]) -> None:
     # The plain engine checks after every step that each penalized request's device state
@@ -211,6 +214,7 @@ def test_penalized_requests_run_overlapped(tiny_llama_dir: Path, kwargs: dict[st
         assert any(r.num_retractions and r.params.has_penalty for r in got)
 
 
+@pytest.mark.slow
 def test_finished_and_aborted_requests_drop_their_penalty_rows(tiny_llama_dir: Path) -> None:
     engine = _engine(tiny_llama_dir, overlap=True)
     state = engine.scheduler.penalty_state

@@ -217,6 +217,7 @@ def baseline(tiny_llama_dir: Path) -> list[list[int]]:
     return engine_outputs(engine, _prompts(engine.runner.vocab_size), MAX_NEW)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("disable_radix_cache", [False, True], ids=["radix", "no-radix"])
 @pytest.mark.parametrize("page_size", [4, 16])
 def test_paged_outputs_equal_page_size_one_under_retraction(
@@ -239,6 +240,7 @@ def test_paged_outputs_equal_page_size_one_under_retraction(
     assert usage.free_tokens + usage.evictable_tokens == usage.pool_size
 
 
+@pytest.mark.slow
 def test_shared_prefix_reuses_whole_pages(tiny_llama_dir: Path) -> None:
     engine = _engine(tiny_llama_dir, page_size=16)
     prefix, tail_a, tail_b = make_prompts(engine.runner.vocab_size, [500, 20, 30], seed=7)

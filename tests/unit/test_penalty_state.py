@@ -133,6 +133,7 @@ def test_state_equals_rebuild_with_rows_joining_and_leaving(device: str) -> None
     assert most > MIN_ROWS  # the state grew past its first allocation
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None)
 @given(st.integers(0, 2**32 - 1))
 def test_state_equals_rebuild_random(seed: int) -> None:

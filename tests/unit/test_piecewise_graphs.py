@@ -111,6 +111,7 @@ def test_padded_pieces_equal_eager_and_write_only_their_slots(tiny_llama_dir: Pa
     assert [pieces.padded_size(n) for n in (29, 9, 1)] == [32, 16, 8]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["llama", "qwen3"])
 def test_generation_through_the_pieces_equals_eager(
     tiny_llama_dir: Path, tiny_qwen3_dir: Path, model: str

@@ -74,6 +74,7 @@ def test_a_row_draws_the_same_token_in_any_batch_and_reads_rows_in_place() -> No
     assert torch.equal(subset, whole[pick])
 
 
+@pytest.mark.slow
 def test_16_bit_logits_draw_as_their_float32_values() -> None:
     logits, rows = cases.random_case(6, VOCAB, 9, DEVICE)
     half = logits.to(torch.bfloat16)

@@ -36,6 +36,7 @@ def engines(tiny_llama_dir: Path):  # type: ignore[no-untyped-def]
         one.shutdown()
 
 
+@pytest.mark.slow
 def test_two_ranks_generate_what_one_does(engines: tuple[Engine, Engine]) -> None:
     one, two = engines
     assert two.runner.kv_pool.k_buffers[0].shape[1] == 1  # 2 KV heads over 2 ranks
@@ -120,6 +121,7 @@ def test_each_rank_loads_its_rows_of_the_vocabulary(
         assert (head.data_ptr() == embeddings.data_ptr()) == config.tie_word_embeddings
 
 
+@pytest.mark.slow
 def test_constrained_requests_compile_their_grammar_on_every_rank(
     engines: tuple[Engine, Engine],
 ) -> None:

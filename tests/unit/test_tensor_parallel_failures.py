@@ -28,6 +28,7 @@ pytestmark = pytest.mark.timeout(300)
 ENGINE = {"device": "cpu", "dtype": "float32", "max_total_tokens": 4096}
 
 
+@pytest.mark.slow
 def test_a_lost_rank_stops_the_engine_and_one_engine_runs_at_a_time(
     tiny_llama_dir: Path,
 ) -> None:
@@ -64,6 +65,7 @@ def test_a_lost_rank_stops_the_engine_and_one_engine_runs_at_a_time(
         again.shutdown()
 
 
+@pytest.mark.slow
 def test_a_script_without_a_main_guard_fails_at_once(tiny_llama_dir: Path, tmp_path: Path) -> None:
     """The ranks are spawned and import the caller's main module; without `if __name__ ==
     '__main__':` rank 1 dies importing it. Rank 0 says so at once instead of waiting out
@@ -158,6 +160,7 @@ def test_a_process_that_aborted_nccl_starts_no_other_engine(
     assert not multiprocessing.active_children()
 
 
+@pytest.mark.slow
 def test_an_idle_engine_outlives_the_collective_timeout(tiny_llama_dir: Path) -> None:
     """The ranks wait for rank 0's next step on a pipe, without a timeout: an engine idle
     for longer than `dist_timeout_s` still runs. (They used to wait in a gloo broadcast,

@@ -29,6 +29,7 @@ def odd_vocab_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return Path(make_tiny_qwen3(folder, seed=1, vocab_size=49151))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("model_fixture", "tied"),
     [

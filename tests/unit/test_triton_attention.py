@@ -242,6 +242,7 @@ def test_config_and_factory_pick_the_backend() -> None:
     assert isinstance(make_attention_backend("auto", cpu), TorchAttentionBackend)
 
 
+@pytest.mark.slow
 def test_engine_greedy_outputs_equal_the_torch_backend(tiny_llama_dir: Path) -> None:
     # Chunks of 16 put chunk continuations (cached prefix + new tokens) and mixed
     # decode + prefill batches through both kernels; then decode steps. (The engine's
@@ -267,6 +268,7 @@ def test_engine_greedy_outputs_equal_the_torch_backend(tiny_llama_dir: Path) -> 
     assert outputs("triton") == outputs("torch")
 
 
+@pytest.mark.slow
 def test_engine_greedy_outputs_with_kv_stored_by_the_rotary_kernel(
     tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -299,6 +301,7 @@ def test_engine_greedy_outputs_with_kv_stored_by_the_rotary_kernel(
     assert fused == outputs()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_engine_cascade_steps_equal_the_torch_backend(tiny_llama_dir: Path, page_size: int) -> None:
     # Four prompts over one 72-token system prompt and one unrelated prompt: once their
@@ -333,6 +336,7 @@ def test_engine_cascade_steps_equal_the_torch_backend(tiny_llama_dir: Path, page
     assert run("triton", disable_cascade=True) == (reference, 0)
 
 
+@pytest.mark.slow
 def test_engine_cascade_beside_a_chunked_prefill_equals_the_torch_backend(
     tiny_llama_dir: Path,
 ) -> None:
