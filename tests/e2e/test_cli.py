@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.commands import CLI, cli_env
+from tests.e2e.commands import CLI, cli_env, sigint_as_in_a_terminal
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -66,6 +66,7 @@ def test_up_serves_the_api_and_ctrl_c_leaves_nothing(tmp_path: Path) -> None:
         stderr=subprocess.STDOUT,
         text=True,
         env=cli_env(),
+        preexec_fn=sigint_as_in_a_terminal,
     )
     lines: list[str] = []
     try:

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from radixserve.infra import free_port
-from tests.e2e.commands import CLI, cli_env
+from tests.e2e.commands import CLI, cli_env, sigint_as_in_a_terminal
 from tests.helpers.tiny_models import make_tiny_llama
 
 BACK_WITHIN_S = 15.0  # the acceptance bound, kill to the first good answer
@@ -146,7 +146,12 @@ def radixserve_up(tmp_path: Path) -> Iterator[Up]:
         str(READY_TIMEOUT_S),
     ]
     proc = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=cli_env()
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=cli_env(),
+        preexec_fn=sigint_as_in_a_terminal,
     )
     output = Output()
     reader = threading.Thread(target=output.follow, args=(proc,), daemon=True)
