@@ -477,6 +477,11 @@ async def test_request_record_in_redis(
     assert record["received_at"] <= record["first_token_at"] <= record["finished_at"]
     missing = await http.get("/v1/requests/nope")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "not_found"
+    # Not an id at all (a NUL, a newline, too long): a 400 at once, the connection intact.
+    for bad in ("%00", "a%0Ab", "x" * 200, "%20lead"):
+        refused = await http.get(f"/v1/requests/{bad}")
+        assert refused.status_code == 400, (bad, refused.text)
+        assert refused.json()["error"]["param"] == "id"
 
 
 async def test_metrics_and_flush_cache(

@@ -285,6 +285,10 @@ _CHAT_ERRORS: list[tuple[dict[str, Any], str]] = [
         "messages[0].content[0].type",
     ),
     ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text"),
+    # A turn without content (but an assistant's) is refused at once.
+    ({"messages": [{"role": "user"}]}, "messages[0].content"),
+    ({"messages": [{"role": "system", "content": None}, *USER]}, "messages[0].content"),
+    ({"messages": [*USER, {"role": "tool", "tool_call_id": "call_1"}]}, "messages[1].content"),
     ({"messages": USER, "temperature": -0.1}, "temperature"),
     ({"messages": USER, "temperature": "0.5"}, "temperature"),
     ({"messages": USER, "top_p": 0}, "top_p"),

@@ -346,6 +346,12 @@ def chat_messages(messages: Sequence[ChatMessageIn]) -> list[ChatMessage]:
     for i, message in enumerate(messages):
         content = message.content
         if content is None:
+            # Only an assistant's turn may go without text (its tool calls, or an empty
+            # earlier answer); any other would reach the model as an empty turn.
+            if message.role != "assistant":
+                raise ApiError.invalid(
+                    f"a {message.role} message needs its content", f"messages[{i}].content"
+                )
             text = ""
         elif isinstance(content, str):
             text = content

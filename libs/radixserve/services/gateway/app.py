@@ -17,6 +17,7 @@ are FastAPI routes too, for every other method (405) and the OpenAPI schema.
 from __future__ import annotations
 
 import logging
+import re
 import uuid
 from collections.abc import Awaitable, Callable
 
@@ -46,6 +47,9 @@ GENERATION_PATHS: dict[str, Endpoint] = {
     "/v1/completions": "completion",
     "/generate": "generate",
 }
+
+# What the ids the gateway hands out look like (a uuid, `chatcmpl-...`), with room to spare.
+_REQUEST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 
 
 class RequestIdMiddleware:
@@ -213,6 +217,13 @@ def create_app(state: GatewayState) -> ASGIApp:
 
     @app.get("/v1/requests/{rid}")
     async def get_request_record(rid: str) -> Response:
+        if not _REQUEST_ID.fullmatch(rid):
+            # Checked before it is echoed in a header or used in a Redis key: a NUL or a
+            # newline there would break the response, not answer it.
+            return error_response(
+                ApiError.invalid("not a request id (letters, digits, . _ : -)", "id"),
+                uuid.uuid4().hex,
+            )
         try:
             record = await state.records.get(rid)
         except Exception as exc:
