@@ -32,7 +32,13 @@ from radixserve.protocol import (
     retry_later_error,
 )
 from radixserve.services.messages import decode_or_drop
-from radixserve.services.runtime import ServiceContext, ServiceSettings, settings_from_args
+from radixserve.services.runtime import (
+    ENV_MODEL,
+    ServiceContext,
+    ServiceSettings,
+    model_path_from,
+    settings_from_args,
+)
 from radixserve.telemetry.detok_trace import DetokenizeSpans
 from radixserve.telemetry.pipeline_metrics import DetokenizerMetrics
 
@@ -42,7 +48,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SERVICE = "detokenizer"
-ENV_MODEL = "RADIXSERVE_MODEL"
 ENV_MAX_REQUESTS = "RADIXSERVE_DETOK_MAX_REQUESTS"
 FLUSH_TIMEOUT_S = 5.0
 
@@ -84,7 +89,7 @@ def settings_from(ns: argparse.Namespace) -> DetokenizerSettings:
             raise ValueError(f"${ENV_MAX_REQUESTS} must be an integer, got {raw!r}") from None
     return DetokenizerSettings(
         service=settings_from_args(SERVICE, ns),
-        model=ns.model or os.environ.get(ENV_MODEL, "").strip() or None,
+        model=model_path_from(ns.model),
         max_requests=max_requests,
     )
 

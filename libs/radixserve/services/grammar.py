@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -34,7 +33,13 @@ from radixserve.protocol import (
     encode,
 )
 from radixserve.services.messages import decode_or_drop
-from radixserve.services.runtime import ServiceContext, ServiceSettings, settings_from_args
+from radixserve.services.runtime import (
+    ENV_MODEL,
+    ServiceContext,
+    ServiceSettings,
+    model_path_from,
+    settings_from_args,
+)
 from radixserve.telemetry import genai
 from radixserve.telemetry.pipeline_metrics import GrammarMetrics
 from radixserve.telemetry.tracing import get_tracer
@@ -43,7 +48,6 @@ log = logging.getLogger(__name__)
 
 SERVICE = "grammar"
 _tracer = get_tracer(SERVICE)
-ENV_MODEL = "RADIXSERVE_MODEL"
 
 
 @dataclass(frozen=True)
@@ -103,7 +107,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def settings_from(ns: argparse.Namespace) -> GrammarSettings:
     return GrammarSettings(
         service=settings_from_args(SERVICE, ns),
-        model=ns.model or os.environ.get(ENV_MODEL, "").strip() or None,
+        model=model_path_from(ns.model),
         compile_timeout_s=ns.compile_timeout_s,
         compile_limit_s=ns.compile_limit_s,
         compile_workers=ns.compile_workers,

@@ -54,6 +54,15 @@ ENV_METRICS_HOST = "RADIXSERVE_METRICS_HOST"
 DEFAULT_METRICS_HOST = "127.0.0.1"
 
 DrainCallback = Callable[[], Awaitable[None]]
+ENV_MODEL = "RADIXSERVE_MODEL"
+
+
+def model_path_from(flag: str | None, environ: Mapping[str, str] = os.environ) -> str | None:
+    """The model path a service serves: its `--model`, else $RADIXSERVE_MODEL, else None
+    (the embedded SmolLM2)."""
+    return flag or environ.get(ENV_MODEL, "").strip() or None
+
+
 Start = Callable[["ServiceContext"], Awaitable[None]]
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -42,7 +41,13 @@ from radixserve.protocol import (
 )
 from radixserve.routing import RecentAborts
 from radixserve.services.messages import decode_or_drop
-from radixserve.services.runtime import ServiceContext, ServiceSettings, settings_from_args
+from radixserve.services.runtime import (
+    ENV_MODEL,
+    ServiceContext,
+    ServiceSettings,
+    model_path_from,
+    settings_from_args,
+)
 from radixserve.telemetry import genai
 from radixserve.telemetry.pipeline_metrics import TokenizerMetrics
 from radixserve.telemetry.tracing import get_tracer
@@ -56,7 +61,6 @@ log = logging.getLogger(__name__)
 
 SERVICE = "tokenizer"
 _tracer = get_tracer(SERVICE)
-ENV_MODEL = "RADIXSERVE_MODEL"
 # Aborts kept as long as the longest a gateway waits for a request (its default timeout).
 ABORT_MEMORY_S = 600.0
 
@@ -109,7 +113,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def settings_from(ns: argparse.Namespace) -> TokenizerSettings:
     return TokenizerSettings(
         service=settings_from_args(SERVICE, ns),
-        model=ns.model or os.environ.get(ENV_MODEL, "").strip() or None,
+        model=model_path_from(ns.model),
         context_length=ns.context_length,
         grammar_timeout_s=ns.grammar_timeout_s,
         schedule_ack_timeout_s=ns.schedule_ack_timeout_s,

@@ -11,13 +11,17 @@ from dataclasses import dataclass, field
 from radixserve.chat_format.reasoning import REASONING_FORMATS
 from radixserve.model_files.names import EMBEDDED_MODEL_NAME
 from radixserve.model_files.names import served_model_name as model_name_of
-from radixserve.services.runtime import ServiceSettings, settings_from_args
+from radixserve.services.runtime import (
+    ENV_MODEL,
+    ServiceSettings,
+    model_path_from,
+    settings_from_args,
+)
 from radixserve.store import StoreSettings
 
 SERVICE = "gateway"
 
 ENV_SERVED_MODEL_NAME = "RADIXSERVE_SERVED_MODEL_NAME"
-ENV_MODEL = "RADIXSERVE_MODEL"
 ENV_HOST = "RADIXSERVE_GATEWAY_HOST"
 ENV_PORT = "RADIXSERVE_GATEWAY_PORT"
 ENV_REQUEST_TIMEOUT_S = "RADIXSERVE_REQUEST_TIMEOUT_S"
@@ -86,7 +90,7 @@ def served_model_name(flag: str | None, model: str | None, environ: Mapping[str,
     name = flag or environ.get(ENV_SERVED_MODEL_NAME, "").strip()
     if name:
         return name
-    return model_name_of(model or environ.get(ENV_MODEL, "").strip() or None)
+    return model_name_of(model_path_from(model, environ))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
