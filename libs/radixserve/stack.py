@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shlex
 import socket
 import sys
 import time
@@ -24,14 +25,27 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import httpx
 
-from radixserve.bus import BusConnectError
+from radixserve.bus import BusConnectError, BusSettings
+from radixserve.bus.settings import (
+    ENV_NATS_CREDS_FILE,
+    ENV_NATS_NKEY_SEED_FILE,
+    ENV_NATS_PASSWORD,
+    ENV_NATS_URL,
+    ENV_NATS_USER,
+)
+from radixserve.credentials import FILE_SUFFIX
+from radixserve.infra.nats_auth import ADMIN, NatsUsers
 from radixserve.infra.process import InfraError, ManagedProcess
+from radixserve.infra.redis_acl import RedisAcl
 from radixserve.infra.servers import LocalServer
 from radixserve.services.health import HealthReport, probe
+from radixserve.services.runtime import ENV_PREFIX
+from radixserve.store.settings import ENV_REDIS_PASSWORD, ENV_REDIS_URL, ENV_REDIS_USER
 
 # Start order; stop runs it backwards except that the gateway goes first.
 START_ORDER = ("detokenizer", "grammar", "scheduler", "tokenizer", "worker", "gateway")
 STOP_ORDER = ("gateway", "tokenizer", "scheduler", "worker", "grammar", "detokenizer")
+_NATS_OTHER_AUTH = (ENV_NATS_PASSWORD + FILE_SUFFIX, ENV_NATS_CREDS_FILE, ENV_NATS_NKEY_SEED_FILE)
 BACKOFF_START_S = 1.0
 BACKOFF_MAX_S = 30.0
 STABLE_AFTER_S = 60.0
@@ -58,6 +72,10 @@ class StackSpec:
     # worker k sees gpus[k * n : (k + 1) * n] as its CUDA_VISIBLE_DEVICES; 0: no pinning.
     gpus_per_worker: int = 0
     gpus: tuple[str, ...] = ()
+    # The credentials of the NATS and Redis that `up` started (None: none, or servers
+    # started elsewhere, whose credentials the services take from the environment).
+    nats_users: NatsUsers | None = None
+    redis_acl: RedisAcl | None = None
 
     def __post_init__(self) -> None:
         needed = self.workers * self.gpus_per_worker
@@ -68,12 +86,59 @@ class StackSpec:
             )
 
     def instance_env(self, instance: str) -> dict[str, str]:
-        """Variables for one instance: a worker's GPUs (none for other services)."""
+        """Variables for one instance: its service's NATS user and the Redis user (in the
+        environment, never in argv, so `ps` does not show them), a worker's GPUs."""
         name, _, index = instance.rpartition("-")
-        if name != "worker" or not self.gpus_per_worker:
-            return {}
-        k, n = int(index), self.gpus_per_worker
-        return {"CUDA_VISIBLE_DEVICES": ",".join(self.gpus[k * n : (k + 1) * n])}
+        env = self._credentials_env(name)
+        if name == "worker" and self.gpus_per_worker:
+            k, n = int(index), self.gpus_per_worker
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(self.gpus[k * n : (k + 1) * n])
+        return env
+
+    def _credentials_env(self, service: str) -> dict[str, str]:
+        env: dict[str, str] = {}
+        # Other ways to authenticate that this process's environment may hold are blanked:
+        # two of them at once would be an error in the service.
+        if self.nats_users is not None:
+            env.update(dict.fromkeys(_NATS_OTHER_AUTH, ""))
+            env[ENV_NATS_USER] = service
+            env[ENV_NATS_PASSWORD] = self.nats_users.password(service)
+        if self.redis_acl is not None:
+            env[ENV_REDIS_PASSWORD + FILE_SUFFIX] = ""
+            env[ENV_REDIS_USER] = self.redis_acl.user
+            env[ENV_REDIS_PASSWORD] = self.redis_acl.password
+        return env
+
+    @property
+    def admin_nats_url(self) -> str:
+        """The NATS URL with the admin's credentials (if any), for the health probe."""
+        if self.nats_users is None:
+            return self.nats_url
+        return self.nats_users.url_for(ADMIN, self.nats_url)
+
+    def write_admin_env(self, path: Path | None = None) -> Path | None:
+        """`path` (default `<log_dir>/credentials.env`), mode 0600: the variables that let a
+        shell's `radixserve health` and `radixserve keys` reach this stack's NATS (as
+        admin) and Redis; None when they need no credentials."""
+        if self.nats_users is None and self.redis_acl is None:
+            return None
+        lines = {
+            ENV_NATS_URL: self.nats_url,
+            ENV_REDIS_URL: self.redis_url,
+            ENV_PREFIX: self.subject_prefix,
+        }
+        if self.nats_users is not None:
+            lines[ENV_NATS_USER] = ADMIN
+            lines[ENV_NATS_PASSWORD] = self.nats_users.password(ADMIN)
+        if self.redis_acl is not None:
+            lines[ENV_REDIS_USER] = self.redis_acl.user
+            lines[ENV_REDIS_PASSWORD] = self.redis_acl.password
+        path = path or self.log_dir / "credentials.env"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as out:
+            out.writelines(f"{name}={shlex.quote(value)}\n" for name, value in lines.items())
+        return path
 
     def instances(self) -> list[tuple[str, str]]:
         """(service, instance id) in start order."""
@@ -264,7 +329,9 @@ class Stack:
         missing = "everything"
         while time.monotonic() < deadline:
             self.supervise_once()
-            report, missing = probe_once(self.spec.nats_url, self.spec.subject_prefix, 1.2)
+            report, missing = probe_once(
+                BusSettings(url=self.spec.admin_nats_url), self.spec.subject_prefix, 1.2
+            )
             if not missing and self._gateway_ok():
                 return report
             if not missing:
@@ -289,13 +356,13 @@ class Stack:
         return [s.process.pid for s in self.services if s.process.pid is not None]
 
 
-def probe_once(nats_url: str, prefix: str, listen_s: float) -> tuple[HealthReport, str]:
+def probe_once(bus: BusSettings, prefix: str, listen_s: float) -> tuple[HealthReport, str]:
     """The heartbeats heard in `listen_s` and what is missing ("" when healthy); a NATS
-    that does not answer is what is missing then."""
+    that does not answer (or refuses the credentials) is what is missing then."""
     try:
-        report = asyncio.run(probe(nats_url, prefix, listen_s))
-    except BusConnectError:
-        return HealthReport(), f"NATS at {nats_url}"
+        report = asyncio.run(probe(bus, prefix, listen_s))
+    except BusConnectError as exc:
+        return HealthReport(), f"NATS at {bus.url} ({exc})"
     missing = [*report.missing(), *([] if report.ready_workers else ["a ready worker"])]
     return report, ", ".join(missing)
 
@@ -309,6 +376,30 @@ def check_port_free(host: str, port: int) -> None:
             raise ValueError(
                 f"port {port} on {host} is in use ({exc.strerror}); pass --port to pick another"
             ) from None
+
+
+def local_credentials() -> Path:
+    """Where `radixserve up` leaves its admin credentials for the same user's `radixserve
+    health` and `radixserve keys` (the latest `up`'s; removed when it stops)."""
+    return (
+        Path(os.environ.get("RADIXSERVE_CACHE_DIR", "") or Path.home() / ".cache/radixserve")
+        / "up-credentials.env"
+    )
+
+
+def load_local_credentials(environ: dict[str, str] | os._Environ[str]) -> bool:
+    """Take the variables of `local_credentials()` that `environ` does not set; True when
+    there was such a file."""
+    path = local_credentials()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError:
+        return False
+    for line in text.splitlines():
+        if "=" in line:
+            name, _, value = line.partition("=")
+            environ.setdefault(name.strip(), " ".join(shlex.split(value)))
+    return True
 
 
 def default_log_dir() -> Path:

@@ -10,12 +10,17 @@ when nothing changed), and the stack comes up as a user starts it without a GPU:
     RADIXSERVE_GPU_WORKERS=0 docker compose -p radixserve-test --profile cpu up -d \\
         nats redis tokenizer scheduler grammar detokenizer worker-cpu gateway prometheus
 
-(Grafana, the OpenTelemetry collector and Jaeger have no stand-in here: not started.) Every
+(Grafana, the OpenTelemetry collector and Jaeger have no stand-in here: not started;
+secrets-init, which the gateway waits for, is.) Every
 compose command carries `-p radixserve-test --profile cpu`, `down` included: .env's
 COMPOSE_PROFILES=gpu would otherwise leave worker-cpu, the network and a volume behind.
 
-Once the gateway's /health/ready answers 200, a json_schema request is sent at once (is
-the whole API ready?), then the API is driven with the `openai` client and httpx,
+Once the gateway's /health/ready answers 200 (open), the admin key secrets-init made is
+read as a user reads it (`docker compose exec gateway cat /secrets/admin-api-key`) and
+every API call carries it; one without a key, or with a wrong one, is refused. NATS and
+Redis want credentials (secrets-init's): `radixserve health` as the NATS admin, run as
+docker-compose.yml says, sees every service, and without credentials it is refused. A
+json_schema request is sent at once (is the whole API ready?), then the API is driven with the `openai` client and httpx,
 Prometheus is asked for its targets, the worker is restarted (a request meanwhile must be
 answered, not left hanging: its scheduler refusal is also what the dashboard's "Scheduler
 refusals" panel shows), and every expression of the overview dashboard must return a
@@ -66,6 +71,7 @@ SERVICES = [
     "prometheus",
 ]
 GATEWAY = "http://127.0.0.1:8000"
+ADMIN_KEY_FILE = "/secrets/admin-api-key"  # secrets-init's, as docker-compose.yml says
 PROMETHEUS = "http://127.0.0.1:9090"
 READY_TIMEOUT_S = float(os.environ.get("RADIXSERVE_COMPOSE_READY_TIMEOUT_S", "900"))
 UP_TIMEOUT_S = READY_TIMEOUT_S + 120
@@ -105,10 +111,16 @@ class Stack:
     compose: list[str]
     env: dict[str, str]
     model: str = ""
+    api_key: str = ""
     # A json_schema request sent the moment the gateway said ready: status, seconds, body.
     first_structured: tuple[int, float, str] = (0, 0.0, "")
 
+    @property
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"}
+
     def run(self, *args: str, timeout_s: float = COMMAND_TIMEOUT_S) -> str:
+        """The command's stdout (its stderr, compose's progress, only in a failure)."""
         # `--profile cpu` on every command, `down` included: .env's COMPOSE_PROFILES=gpu
         # would leave worker-cpu (and so the network and a volume) out of a plain `down`.
         done = subprocess.run(
@@ -121,7 +133,7 @@ class Stack:
         )
         out = (done.stdout + done.stderr).decode("utf-8", "replace")
         assert done.returncode == 0, f"{' '.join(args)} exited {done.returncode}:\n{out[-4000:]}"
-        return out
+        return done.stdout.decode("utf-8", "replace")
 
     def logs(self, tail: int = 50) -> str:
         try:
@@ -245,10 +257,11 @@ def stack() -> Iterator[Stack]:
         health = _get(f"{GATEWAY}/health")
         services = _json(health).get("services", {}) if health is not None else {}
         FIGURES["services ready at gateway ready"] = services
-        models = httpx.get(f"{GATEWAY}/v1/models", timeout=30)
+        stack.api_key = stack.run("exec", "-T", "gateway", "cat", ADMIN_KEY_FILE).strip()
+        models = httpx.get(f"{GATEWAY}/v1/models", headers=stack.auth, timeout=30)
         assert models.status_code == 200, models.text
         stack.model = models.json()["data"][0]["id"]
-        stack.first_structured = _structured_request(stack.model)
+        stack.first_structured = _structured_request(stack)
     except BaseException:
         stack.dump_logs("stack start")
         _down(stack)
@@ -275,12 +288,13 @@ def _down(stack: Stack) -> None:
     assert not left, f"left after `down -v`: {left}"
 
 
-def _structured_request(model: str) -> tuple[int, float, str]:
+def _structured_request(stack: Stack) -> tuple[int, float, str]:
     started = time.monotonic()
     answer = httpx.post(
         f"{GATEWAY}/v1/chat/completions",
+        headers=stack.auth,
         json={
-            "model": model,
+            "model": stack.model,
             "messages": [{"role": "user", "content": "A city to visit and for how many days?"}],
             "max_tokens": 64,
             "temperature": 0,
@@ -304,7 +318,39 @@ def _logs_on_failure(request: pytest.FixtureRequest) -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def client(stack: Stack) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{GATEWAY}/v1", api_key="unused", max_retries=0, timeout=180)
+    return openai.OpenAI(
+        base_url=f"{GATEWAY}/v1", api_key=stack.api_key, max_retries=0, timeout=180
+    )
+
+
+def test_the_api_wants_the_key_secrets_init_made(stack: Stack) -> None:
+    """Auth is on by default: no key or a wrong one is a 401, health stays open, and the
+    API port's /metrics wants a key of the metrics scope (Prometheus scrapes the
+    gateway's metrics port instead, see test_prometheus_scrapes_every_service)."""
+    body = {"text": "Hi", "sampling_params": {"max_new_tokens": 1}}
+    for headers in ({}, {"Authorization": "Bearer rsk-not-a-key"}, {"x-api-key": "wrong"}):
+        assert httpx.get(f"{GATEWAY}/v1/models", headers=headers, timeout=30).status_code == 401
+        refused = httpx.post(f"{GATEWAY}/generate", json=body, headers=headers, timeout=30)
+        assert refused.status_code == 401, refused.text
+        assert httpx.get(f"{GATEWAY}/metrics", headers=headers, timeout=30).status_code == 401
+    assert httpx.get(f"{GATEWAY}/health/ready", timeout=30).status_code == 200
+    assert httpx.get(f"{GATEWAY}/metrics", headers=stack.auth, timeout=30).status_code == 200
+    by_header = httpx.get(f"{GATEWAY}/v1/models", headers={"x-api-key": stack.api_key}, timeout=30)
+    assert by_header.status_code == 200, by_header.text
+
+
+def test_radixserve_health_as_the_nats_admin(stack: Stack) -> None:
+    """The operator's command of docker-compose.yml: secrets-init's container is the NATS
+    admin (its password file mounted); the same command without credentials is refused."""
+    health = ["run", "--rm", "--entrypoint", "radixserve", "secrets-init", "health"]
+    stack.run(*health, "--wait", "60", timeout_s=COMMAND_TIMEOUT_S)  # exit 0: all alive
+    anonymous = subprocess.run(
+        [*stack.compose, "-p", PROJECT, "--profile", "cpu", "run", "--rm",
+         "-e", "RADIXSERVE_NATS_USER=", "-e", "RADIXSERVE_NATS_PASSWORD_FILE=",
+         *health[2:]],
+        cwd=REPO, env=stack.env, capture_output=True, timeout=COMMAND_TIMEOUT_S, check=False,
+    )  # fmt: skip
+    assert anonymous.returncode != 0, anonymous.stdout.decode("utf-8", "replace")[-2000:]
 
 
 def _greedy_chat(client: openai.OpenAI, model: str) -> Any:
@@ -412,7 +458,7 @@ def test_native_generate(stack: Stack) -> None:
         "text": "The capital of France is",
         "sampling_params": {"temperature": 0, "max_new_tokens": 8},
     }
-    answer = httpx.post(f"{GATEWAY}/generate", json=body, timeout=180)
+    answer = httpx.post(f"{GATEWAY}/generate", json=body, headers=stack.auth, timeout=180)
     assert answer.status_code == 200, answer.text
     out = answer.json()
     assert out["text"].strip(), out
@@ -468,6 +514,7 @@ def test_worker_restart_serves_again(client: openai.OpenAI, stack: Stack) -> Non
     asked = time.monotonic()
     meanwhile = httpx.post(
         f"{GATEWAY}/v1/chat/completions",
+        headers=stack.auth,
         json={"model": stack.model, "messages": HELLO, "max_tokens": 8},
         timeout=READY_TIMEOUT_S,
     )
@@ -516,8 +563,9 @@ def dashboard_expressions(path: Path) -> list[tuple[str, str]]:
     return plain
 
 
-def _traffic(client: openai.OpenAI, model: str) -> None:
+def _traffic(client: openai.OpenAI, stack: Stack) -> None:
     """A few requests of each kind, and one the gateway refuses (an error series)."""
+    model = stack.model
     for i in range(3):
         client.chat.completions.create(
             model=model,
@@ -538,16 +586,17 @@ def _traffic(client: openai.OpenAI, model: str) -> None:
         )
     refused = httpx.post(
         f"{GATEWAY}/v1/chat/completions",
+        headers=stack.auth,
         json={"model": model, "messages": [], "max_tokens": -1},
         timeout=60,
     )
-    assert refused.status_code >= 400
+    assert 400 <= refused.status_code != 401, refused.text  # refused for its body, not its key
 
 
 def test_every_dashboard_expression_has_a_series(client: openai.OpenAI, stack: Stack) -> None:
     expressions = dashboard_expressions(REPO / "dashboards/radixserve-overview.json")
     assert expressions
-    _traffic(client, stack.model)
+    _traffic(client, stack)
     time.sleep(20)  # four scrapes of the counters the traffic moved
 
     def query(expr: str) -> tuple[int, str]:

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import signal
+import stat
 import subprocess
 import threading
 import time
@@ -216,16 +218,27 @@ def kill_and_time_recovery(
 
 
 def health_wait(up: Up) -> None:
-    """`radixserve health --wait` against `up`'s NATS exits 0."""
-    nats_url = up.infra_url("NATS")
+    """`radixserve health --wait` with the credentials `up` wrote (its `Creds` file, the
+    admin's NATS user) exits 0; without them `up`'s NATS refuses it."""
+    creds = Path(up.infra_url("Creds"))
+    assert stat.S_IMODE(creds.stat().st_mode) == 0o600
+    admin = dict(shlex.split(line)[0].split("=", 1) for line in creds.read_text().splitlines())
     health = subprocess.run(
-        [*CLI, "health", "--wait", "60", "--nats-url", nats_url, "--subject-prefix", up.prefix],
+        [*CLI, "health", "--wait", "60", "--subject-prefix", up.prefix],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**cli_env(), **admin},
+    )
+    assert health.returncode == 0, health.stdout + health.stderr
+    anonymous = subprocess.run(
+        [*CLI, "health", "--nats-url", up.infra_url("NATS"), "--subject-prefix", up.prefix],
         capture_output=True,
         text=True,
         timeout=120,
         env=cli_env(),
     )
-    assert health.returncode == 0, health.stdout + health.stderr
+    assert anonymous.returncode == 1 and "wants credentials" in anonymous.stderr, anonymous.stderr
 
 
 @pytest.mark.timeout(600)

@@ -30,8 +30,8 @@ from radixserve.telemetry import GatewayMetrics
 from tests.fixtures.gateway import (
     WAIT_S,
     FakePipeline,
-    _start_gateway,
     expected_text,
+    start_gateway,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -45,7 +45,7 @@ async def test_sigterm_drains_in_flight_requests_then_exits_with_redis_down(
 ) -> None:
     # Redis is down for this gateway: requests are served all the same.
     dead_redis = f"redis://127.0.0.1:{free_port()}/0"
-    gen = _start_gateway(nats_url, dead_redis, tmp_path / "drain.log")
+    gen = start_gateway(nats_url, dead_redis, tmp_path / "drain.log")
     gateway = next(gen)
     bus = await Bus.connect(nats_url)
     fake = FakePipeline(bus, Subjects(gateway.prefix))
@@ -86,7 +86,7 @@ async def test_sigterm_drains_in_flight_requests_then_exits_with_redis_down(
 async def test_nats_down_is_503_and_recovers(
     private_nats: NatsServer, redis_url: str, tmp_path: Path
 ) -> None:
-    gen = _start_gateway(private_nats.url, redis_url, tmp_path / "nats_down.log")
+    gen = start_gateway(private_nats.url, redis_url, tmp_path / "nats_down.log")
     gateway = next(gen)
     try:
         async with httpx.AsyncClient(base_url=gateway.base_url, timeout=WAIT_S) as http:
@@ -118,7 +118,7 @@ async def test_a_request_no_tokenizer_acknowledges_is_503_not_a_wait_for_the_tim
     # The request timeout (60 s) is far past the client's (WAIT_S): a request left
     # waiting would fail the test with a read timeout.
     flags = ("--request-timeout-s", "60", "--submit-ack-timeout-s", "0.5")
-    gen = _start_gateway(nats_url, redis_url, tmp_path / "ack.log", *flags)
+    gen = start_gateway(nats_url, redis_url, tmp_path / "ack.log", *flags)
     gateway = next(gen)
     bus = await Bus.connect(nats_url)
     subjects = Subjects(gateway.prefix)
@@ -169,7 +169,7 @@ async def test_a_request_whose_end_was_lost_is_503_not_a_wait_for_the_timeout(
     # "hang": the fake pipeline takes the request and sends nothing back, as when its
     # last output was lost on the way. A fake scheduler answers the gateway's question.
     flags = ("--request-timeout-s", "60", "--lost-check-s", "1")
-    gen = _start_gateway(nats_url, redis_url, tmp_path / "lost.log", *flags)
+    gen = start_gateway(nats_url, redis_url, tmp_path / "lost.log", *flags)
     gateway = next(gen)
     bus = await Bus.connect(nats_url)
     subjects = Subjects(gateway.prefix)

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from radixserve.infra import free_port
-from radixserve.store import Store, StoreConnectError, StoreSettings
+from radixserve.store import Bucket, Store, StoreConnectError, StoreSettings
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -159,3 +159,31 @@ async def test_connect_gives_up_when_nothing_listens() -> None:
     with pytest.raises(StoreConnectError, match="2 attempts"):
         await Store.connect(settings)
     assert time.monotonic() - started < 3.0
+
+
+async def test_limiter_decides_several_buckets_at_once(store: Store) -> None:
+    # Requests/min and tokens/min of one key: allowed only when both have the cost,
+    # and then both pay; a refusal takes from neither.
+    requests, tokens = Bucket("k:req", 1e-3, 3), Bucket("k:tok", 1e-3, 2)
+    first = await store.allow_all([requests, tokens])
+    second = await store.allow_all([requests, tokens])
+    third = await store.allow_all([requests, tokens])
+    assert [d.allowed for d in first + second + third] == [True] * 4 + [False] * 2
+    assert [round(d.remaining) for d in third] == [1, 0]
+    assert third[0].retry_after_s == 0 and third[1].retry_after_s > 900  # 1 token at 1e-3/s
+    # The refusal took nothing: the request bucket still has its last token.
+    assert (await store.allow("k:req", 1e-3, 3)).allowed
+    assert not (await store.allow("k:req", 1e-3, 3)).allowed
+
+
+async def test_limiter_charge_overdraws_and_then_refuses(store: Store) -> None:
+    # A charge of usage known after the request goes below zero; the bucket refuses
+    # until it has refilled past the debt.
+    assert (await store.allow("tok", 1.0, 10)).allowed
+    debt = await store.charge("tok", 1.0, 10, 25)
+    assert debt.allowed and -16.1 < debt.remaining < -15.9
+    assert 15.9 < debt.retry_after_s < 16.1
+    refused = await store.allow("tok", 1.0, 10)
+    assert not refused.allowed and 16.9 < refused.retry_after_s < 17.1
+    with pytest.raises(ValueError, match="no buckets"):
+        await store.allow_all([])

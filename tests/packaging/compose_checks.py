@@ -9,16 +9,18 @@ every string value (from `env`, else the default) and casts the numeric fields a
 does, then validates the result with compose-spec (the Compose
 Specification's Rust implementation). compose-spec checks each service's shape but not
 what refers to what, so `compose_problems` checks the rest: depends_on targets exist and
-are healthy-able, named volumes are declared, bind mounts exist, every variable is a
+are healthy-able (or, waited on to complete, do not restart), named volumes are declared, bind mounts exist, every variable is a
 documented RADIXSERVE_* one with a default, and the radixserve services are hardened.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import compose_spec
@@ -26,6 +28,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
+INIT_SECRETS = ROOT / "docker" / "init_secrets.py"
 RADIXSERVE_IMAGES = ("${RADIXSERVE_IMAGE", "${RADIXSERVE_CUDA_IMAGE")
 # `$$` (a literal dollar), `${NAME}`, `${NAME:-default}` / `-` / `:?` / `?` / `:+` / `+`, `$NAME`.
 _VARIABLE = re.compile(
@@ -158,6 +161,15 @@ def _service_problems(
             problems.append(f"depends_on an unknown service {target!r}")
         elif rule.get("condition") == "service_healthy" and "healthcheck" not in services[target]:
             problems.append(f"waits for {target} to be healthy, but {target} has no healthcheck")
+        elif (
+            rule.get("condition") == "service_completed_successfully"
+            and str(services[target].get("restart", "no")).split(":")[0] not in ONE_SHOT_RESTARTS
+        ):
+            # A task restarted after it succeeds never stays completed: its waiters hang.
+            problems.append(
+                f"waits for {target} to complete, but {target} restarts "
+                f"({services[target].get('restart')}: want no or on-failure)"
+            )
     timeout = str(service.get("healthcheck", {}).get("timeout", ""))
     if timeout and _seconds(timeout) < MIN_HEALTHCHECK_TIMEOUT_S:
         problems.append(
@@ -177,6 +189,7 @@ def _service_problems(
 
 
 MIN_HEALTHCHECK_TIMEOUT_S = 10.0
+ONE_SHOT_RESTARTS = ("no", "on-failure")
 
 
 def _seconds(duration: str) -> float:
@@ -204,8 +217,40 @@ def _hardening_problems(service: dict[str, Any]) -> list[str]:
     return problems
 
 
+def published(service: dict[str, Any]) -> list[tuple[str, str]]:
+    """(host address, container port) of every port a service publishes; no address is
+    every interface, 0.0.0.0, as Docker binds it."""
+    found = []
+    for port in service.get("ports", []):
+        if isinstance(port, dict):
+            found.append((str(port.get("host_ip") or "0.0.0.0"), str(port["target"])))
+            continue
+        parts = str(port).rsplit("/", 1)[0].split(":")
+        host = parts[0] if len(parts) == 3 else "0.0.0.0"
+        found.append((host, parts[-1]))
+    return found
+
+
+def mounts(service: dict[str, Any]) -> dict[str, tuple[str, bool]]:
+    """Container path -> (source, read-only) of a service's short-syntax volumes."""
+    found = {}
+    for volume in service.get("volumes", []):
+        source, target, *mode = str(volume).split(":")
+        found[target] = (source, "ro" in mode)
+    return found
+
+
 def environment(service: dict[str, Any]) -> dict[str, str]:
     env = service.get("environment", {})
     if isinstance(env, list):
         env = dict(item.split("=", 1) for item in env)
     return {key: "" if value is None else str(value) for key, value in env.items()}
+
+
+def load_init_secrets() -> ModuleType:
+    """docker/init_secrets.py (compose's secrets-init) as a module: its file names."""
+    spec = importlib.util.spec_from_file_location("init_secrets", INIT_SECRETS)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -1,8 +1,10 @@
 """Render the Helm chart and check what it renders, with no helm binary and no cluster.
 
     manifests = render_chart(CHART_DIR, {"worker": {"gpu": {"enabled": True}}})
+    render_notes(CHART_DIR)                 # what `helm install` prints (NOTES.txt)
     strict_errors(manifests, "1.37")        # [] when every object passes strict validation
     container_violations(manifests)         # [] when every container meets the policy
+    ingress_sources(manifests, labels, port)  # who the NetworkPolicies let reach a port
 
 Rendering is Helm's own engine in-process (helm-python-sdk); validation is
 kubernetes-validate's bundled OpenAPI schemas in strict mode (unknown fields are errors).
@@ -47,10 +49,17 @@ def load_values(path: Path) -> dict[str, Any]:
     return helm.values_from_yaml(path.read_text())
 
 
+def _render(chart_dir: Path, values: dict[str, Any] | None) -> dict[str, str]:
+    with helm.Chart.load(chart_dir) as chart:
+        rendered: dict[str, str] = chart.render(
+            values=values, name=RELEASE, namespace=NAMESPACE, is_install=True
+        )
+    return rendered
+
+
 def render_chart(chart_dir: Path, values: dict[str, Any] | None = None) -> list[Manifest]:
     """Every object the chart renders (raises helm's error on bad values or templates)."""
-    with helm.Chart.load(chart_dir) as chart:
-        rendered = chart.render(values=values, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    rendered = _render(chart_dir, values)
     manifests = []
     for source, text in sorted(rendered.items()):
         if not source.endswith((".yaml", ".yml")):
@@ -59,6 +68,13 @@ def render_chart(chart_dir: Path, values: dict[str, Any] | None = None) -> list[
             if body:
                 manifests.append(Manifest(source, body))
     return manifests
+
+
+def render_notes(chart_dir: Path, values: dict[str, Any] | None = None) -> str:
+    """What `helm install` prints after it (templates/NOTES.txt)."""
+    return next(
+        text for source, text in _render(chart_dir, values).items() if source.endswith("NOTES.txt")
+    )
 
 
 def lint_errors(chart_dir: Path, values: dict[str, Any] | None = None) -> list[str]:
@@ -187,3 +203,51 @@ def by_kind(manifests: list[Manifest], kind: str) -> dict[str, dict[str, Any]]:
 
 def component_of(body: dict[str, Any]) -> str:
     return str(body["metadata"]["labels"]["app.kubernetes.io/component"])
+
+
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """A label selector (matchLabels, matchExpressions) against a pod's labels."""
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for expression in selector.get("matchExpressions", []):
+        key, operator = expression["key"], expression["operator"]
+        if operator == "In" and labels.get(key) not in expression["values"]:
+            return False
+        if operator == "NotIn" and labels.get(key) in expression["values"]:
+            return False
+        if operator == "Exists" and key not in labels:
+            return False
+        if operator == "DoesNotExist" and key in labels:
+            return False
+    return True
+
+
+def ingress_sources(
+    manifests: list[Manifest], labels: dict[str, str], port: dict[str, Any]
+) -> list[list[dict[str, Any]] | None]:
+    """Who the NetworkPolicies let reach a container `port` ({name, containerPort}) of
+    a pod with `labels`: the `from` of every rule that admits the port, None for a rule
+    without `from` (anyone). [] when none does: the chart's default-deny selects every
+    pod of the release, so the port is closed."""
+    sources: list[list[dict[str, Any]] | None] = []
+    for policy in by_kind(manifests, "NetworkPolicy").values():
+        spec = policy["spec"]
+        if "Ingress" not in spec.get("policyTypes", []) or not selects(spec["podSelector"], labels):
+            continue
+        for rule in spec.get("ingress", []):
+            ports = rule.get("ports")
+            if ports is None or any(
+                p.get("port") in (port["name"], port["containerPort"]) for p in ports
+            ):
+                sources.append(rule.get("from"))
+    return sources
+
+
+def pod_ports(manifests: list[Manifest]) -> Iterator[tuple[str, dict[str, str], dict[str, Any]]]:
+    """(component, pod labels, container port) of every workload's every port."""
+    for manifest in manifests:
+        for pod in pod_specs(manifest):
+            labels = manifest.body["spec"]["template"]["metadata"]["labels"]
+            for container in pod.get("containers", []):
+                for port in container.get("ports", []):
+                    yield labels["app.kubernetes.io/component"], labels, port

@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 from collections.abc import Callable
@@ -19,6 +20,8 @@ import yaml
 
 from radixserve.engine.config import EngineConfig
 from radixserve.engine.flags import engine_kwargs
+from radixserve.infra.nats_auth import ADMIN, ROLES
+from radixserve.infra.redis_acl import DEFAULT_USER
 from tests.packaging.compose_checks import (
     COMPOSE_FILE,
     ROOT,
@@ -26,6 +29,9 @@ from tests.packaging.compose_checks import (
     environment,
     interpolate,
     load_compose,
+    load_init_secrets,
+    mounts,
+    published,
     variables,
 )
 
@@ -198,11 +204,124 @@ def test_prometheus_scrapes_every_service(model: dict[str, Any]) -> None:
         for sd in job.get("dns_sd_configs", []):
             targets.update({name: sd["port"] for name in sd["names"]})
     services = model["services"]
-    assert targets["gateway"] == 8000
-    for name in (*RADIXSERVE_SERVICES[1:], *WORKERS):
+    for name in (*RADIXSERVE_SERVICES, *WORKERS):
         port = environment(services[name]).get("RADIXSERVE_METRICS_PORT")
         assert port is not None, f"{name} has no /metrics port"
         assert targets.get(name) == int(port), f"Prometheus does not scrape {name}:{port}"
+    # The gateway's API port answers /metrics only with a key: not the one scraped.
+    gateway = environment(services["gateway"])
+    assert gateway["RADIXSERVE_METRICS_PORT"] != gateway["RADIXSERVE_GATEWAY_PORT"]
+    assert [port for _, port in published(services["gateway"])] == ["8000"]
+    # ...and its health is still "ready to serve", not "its metrics port answers".
+    assert gateway["RADIXSERVE_HEALTH_URL"] == "http://127.0.0.1:8000/health/ready"
+
+
+def _init_args(model: dict[str, Any]) -> dict[str, str]:
+    command = model["services"]["secrets-init"]["command"]
+    return dict(zip(command[::2], command[1::2], strict=True))
+
+
+def test_auth_is_on_by_default(model: dict[str, Any]) -> None:
+    """secrets-init (a one-shot on the radixserve image) makes the keys file in a volume
+    before the gateway starts; the gateway reads that file, mounted read-only."""
+    services = model["services"]
+    init = services["secrets-init"]
+    raw = yaml.safe_load(TEXT)["services"]["secrets-init"]
+    assert raw["image"].startswith("${RADIXSERVE_IMAGE:-radixserve}")
+    assert init["entrypoint"] == ["python", "/opt/radixserve/init_secrets.py"]
+    assert init["restart"] == "no"
+    keys_dir = _init_args(model)["--keys-dir"]
+    volume, read_only = mounts(init)[keys_dir]
+    assert not read_only
+    gateway = services["gateway"]
+    assert gateway["depends_on"]["secrets-init"]["condition"] == "service_completed_successfully"
+    keys_file = Path(environment(gateway)["RADIXSERVE_API_KEYS_FILE"])
+    assert keys_file.name == "api-keys.json"
+    assert mounts(gateway)[str(keys_file.parent)] == (volume, True)
+    assert volume in model["volumes"]
+    assert "RADIXSERVE_ALLOW_UNAUTHENTICATED" not in environment(gateway)
+    assert "RADIXSERVE_ALLOW_UNAUTHENTICATED" not in TEXT
+    # The documented way to read the key names the file secrets-init writes.
+    assert f"docker compose exec gateway cat {keys_file.parent}/admin-api-key" in TEXT
+
+
+def test_the_image_makes_the_secrets_volumes_writable_by_its_user(model: dict[str, Any]) -> None:
+    """A new named volume copies the owner of the image folder it is mounted on: the
+    non-root secrets-init can write its volumes only if the image made them 10001's."""
+    dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
+    init = model["services"]["secrets-init"]
+    assert init["user"] == "10001:10001"
+    assert set(mounts(init)) <= _image_secret_folders(dockerfile)
+    script = init["entrypoint"][-1]
+    assert "docker/init_secrets.py" in dockerfile and script.startswith("/opt/radixserve/")
+
+
+def _image_secret_folders(dockerfile: str) -> set[str]:
+    """The folders the image makes 10001's, mode 0700 or 0750 (`install -d ...`)."""
+    text = dockerfile.replace("\\\n", " ")
+    found: set[str] = set()
+    for match in re.finditer(r"install -d -o 10001 -g 10001 -m 07[05]0((?:\s+/[^\s&;]+)+)", text):
+        found.update(match[1].split())
+    return found
+
+
+def test_grafana_has_a_generated_password_and_no_anonymous_access(model: dict[str, Any]) -> None:
+    services = model["services"]
+    grafana = services["grafana"]
+    env = environment(grafana)
+    assert "GF_SECURITY_ADMIN_PASSWORD" not in env  # only its __FILE form
+    password = Path(env["GF_SECURITY_ADMIN_PASSWORD__FILE"])
+    grafana_dir = _init_args(model)["--grafana-dir"]
+    volume, _ = mounts(services["secrets-init"])[grafana_dir]
+    assert mounts(grafana)[str(password.parent)] == (volume, True)
+    assert password.name == "admin-password"  # docker/init_secrets.py GRAFANA_PASSWORD_FILE
+    # The file is 0640 and secrets-init's group's: Grafana's user is in that group.
+    assert grafana["group_add"] == [services["secrets-init"]["user"].split(":")[1]]
+    assert grafana["depends_on"]["secrets-init"]["condition"] == "service_completed_successfully"
+    assert env["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
+    assert "GF_AUTH_ANONYMOUS_ORG_ROLE" not in env
+    read = f"docker compose run --rm --entrypoint cat secrets-init {grafana_dir}/{password.name}"
+    assert read in TEXT  # as its owner: `exec` in Grafana may lack group_add's group
+
+
+def test_no_default_grafana_password_anywhere() -> None:
+    """Neither compose nor its configuration sets a Grafana password (admin/admin)."""
+    files = [COMPOSE_FILE, *sorted(p for p in DEPLOY.rglob("*") if p.is_file())]
+    for path in files:
+        text = path.read_text()
+        assert not re.search(r"GF_SECURITY_ADMIN_PASSWORD\s*[:=]", text), path
+        assert not re.search(r"(?m)^\s*admin_password\s*[:=]", text), path
+
+
+LOOPBACK_ONLY = ("nats", "redis", "prometheus", "otel-collector", "jaeger", "grafana")
+NOT_PUBLISHED = ("redis", "otel-collector")
+
+
+@pytest.mark.parametrize("host", [None, "0.0.0.0"])
+def test_only_the_api_follows_the_publish_host(host: str | None) -> None:
+    """RADIXSERVE_PUBLISH_HOST=0.0.0.0 opens the API (with its keys) to the network, and
+    nothing else: the unauthenticated tools stay on loopback, the bus is never published."""
+    env = {"RADIXSERVE_PUBLISH_HOST": host} if host else {}
+    services = load_compose(TEXT, env)["services"]
+    assert {address for address, _ in published(services["gateway"])} == {host or "127.0.0.1"}
+    for name in LOOPBACK_ONLY:
+        assert {address for address, _ in published(services[name])} <= {"127.0.0.1"}, name
+    for name in NOT_PUBLISHED:
+        assert published(services[name]) == [], name
+    assert "4222" not in [port for _, port in published(services["nats"])]
+    for name, service in services.items():  # the other radixserve services: no ports
+        if name != "gateway" and name not in LOOPBACK_ONLY:
+            assert published(service) == [], name
+
+
+def test_published_ports_are_read_as_docker_binds_them() -> None:
+    service = {"ports": ["8000", "9000:90", "127.0.0.1:3000:3000/tcp", {"target": 5}]}
+    assert published(service) == [
+        ("0.0.0.0", "8000"),
+        ("0.0.0.0", "90"),
+        ("127.0.0.1", "3000"),
+        ("0.0.0.0", "5"),
+    ]
 
 
 def test_grafana_provisions_the_dashboards_and_their_datasource(model: dict[str, Any]) -> None:
@@ -292,11 +411,19 @@ BROKEN: dict[str, tuple[Callable[[str], str], str]] = {
         "writable",
     ),
     "unhealthy-dependency": (
-        lambda t: t.replace('      test: ["CMD", "redis-cli", "ping"]\n', "").replace(
-            "    healthcheck:\n      interval: 5s\n      timeout: 15s\n      retries: 5\n      start_period: 5s\n",
+        lambda t: re.sub(
+            r"    healthcheck:\n      # As the radixserve user.*?start_period: 5s\n",
             "",
+            t,
+            count=1,
+            flags=re.S,
         ),
         "no healthcheck",
+    ),
+    # An init task restarted after it succeeds: the gateway would wait for ever.
+    "restarting-init": (
+        lambda t: t.replace('    restart: "no"\n', "", 1),
+        "waits for secrets-init to complete, but secrets-init restarts",
     ),
     # 3 s timed out on a loaded host while the services still served.
     "hasty-healthcheck": (
@@ -323,3 +450,141 @@ def test_interpolation_follows_compose() -> None:
     assert interpolate(text, {"X": "x", "Y": "", "W": "1"}) == "a x b  c ${Z} d set f x"
     assert interpolate(text, {}) == "a d b e c ${Z} d  f "
     assert variables(f"# ${{C}}\nk: {text}\n") == {"X": "d", "Y": "e", "W": None}
+
+
+# --- NATS and Redis with credentials (secrets-init's) --------------------------------
+
+INIT = load_init_secrets()
+# Each radixserve service -> its NATS role (radixserve.infra.nats_auth).
+NATS_ROLE = {
+    "gateway": "gateway",
+    "tokenizer": "tokenizer",
+    "scheduler": "scheduler",
+    "grammar": "grammar",
+    "detokenizer": "detokenizer",
+    "worker": "worker",
+    "worker-cpu": "worker",
+}
+REDIS_CLIENTS = ("gateway", "grammar")  # the services that use Redis
+
+
+def _init_volume(model: dict[str, Any], path: str) -> str:
+    """The volume secrets-init writes at `path` (mounted writable)."""
+    volume, read_only = mounts(model["services"]["secrets-init"])[path]
+    assert not read_only, path
+    return volume
+
+
+def _role_volumes(model: dict[str, Any]) -> dict[str, str]:
+    users_dir = _init_args(model)["--nats-users-dir"]
+    return {role: _init_volume(model, f"{users_dir}/{role}") for role in ROLES}
+
+
+def _mounted_file(service: dict[str, Any], path: str) -> tuple[str, bool]:
+    """(volume, read-only) of the mount that holds the file `path`."""
+    return mounts(service)[str(Path(path).parent)]
+
+
+def _after(service: dict[str, Any], target: str, condition: str) -> bool:
+    return bool(service.get("depends_on", {}).get(target, {}).get("condition") == condition)
+
+
+def test_nats_runs_with_the_config_secrets_init_writes(model: dict[str, Any]) -> None:
+    services = model["services"]
+    nats = services["nats"]
+    command = nats["command"]
+    config = command[command.index("-c") + 1]
+    assert Path(config).name == INIT.NATS_CONFIG_FILE
+    volume = _init_volume(model, _init_args(model)["--nats-config-dir"])
+    assert _mounted_file(nats, config) == (volume, True)
+    assert _after(nats, "secrets-init", "service_completed_successfully")
+    # The config holds every role's password: the NATS server alone mounts it.
+    holders = [name for name, s in services.items() if volume in {v for v, _ in mounts(s).values()}]
+    assert sorted(holders) == ["nats", "secrets-init"]
+    # secrets-init renders the permissions for the services' own prefix.
+    prefix = environment(services["secrets-init"])["RADIXSERVE_SUBJECT_PREFIX"]
+    assert prefix == environment(services["gateway"])["RADIXSERVE_SUBJECT_PREFIX"]
+
+
+def test_redis_runs_with_the_acl_secrets_init_writes(model: dict[str, Any]) -> None:
+    services = model["services"]
+    redis = services["redis"]
+    command = redis["command"]
+    acl = command[command.index("--aclfile") + 1]
+    assert Path(acl).name == INIT.REDIS_ACL_FILE
+    volume = _init_volume(model, _init_args(model)["--redis-dir"])
+    assert _mounted_file(redis, acl) == (volume, True)
+    assert _after(redis, "secrets-init", "service_completed_successfully")
+    # Its files are secrets-init's, 0600: Redis runs as their owner.
+    assert redis["user"] == services["secrets-init"]["user"]
+    # The health check authenticates as the ACL's user, with the mounted password
+    # (test_secrets_init runs it against a real redis-server).
+    test = redis["healthcheck"]["test"]
+    assert test[0] == "CMD-SHELL" and f"--user {DEFAULT_USER} " in test[1]
+    assert f"{Path(acl).parent}/{INIT.PASSWORD_FILE}" in test[1]
+
+
+def test_each_service_is_its_own_nats_user_and_sees_no_other_password(
+    model: dict[str, Any],
+) -> None:
+    services = model["services"]
+    roles = _role_volumes(model)
+    nats_config = _init_volume(model, _init_args(model)["--nats-config-dir"])
+    redis_volume = _init_volume(model, _init_args(model)["--redis-dir"])
+    for name, role in NATS_ROLE.items():
+        service = services[name]
+        env = environment(service)
+        assert env["RADIXSERVE_NATS_USER"] == role, name
+        password = env["RADIXSERVE_NATS_PASSWORD_FILE"]
+        assert Path(password).name == INIT.PASSWORD_FILE
+        assert _mounted_file(service, password) == (roles[role], True), name
+        assert _after(service, "secrets-init", "service_completed_successfully"), name
+        seen = {volume for volume, _ in mounts(service).values()}
+        assert seen & (set(roles.values()) | {nats_config}) == {roles[role]}, name
+        if name in REDIS_CLIENTS:
+            assert env["RADIXSERVE_REDIS_USER"] == DEFAULT_USER
+            password = env["RADIXSERVE_REDIS_PASSWORD_FILE"]
+            assert _mounted_file(service, password) == (redis_volume, True), name
+        else:  # no service gets a secret it does not use
+            assert redis_volume not in seen, name
+            assert not {k for k in env if k.startswith("RADIXSERVE_REDIS_")} - {
+                "RADIXSERVE_REDIS_URL"
+            }, name
+    # admin's password is the operator's: in secrets-init only.
+    holders = [n for n, s in services.items() if roles[ADMIN] in {v for v, _ in mounts(s).values()}]
+    assert holders == ["secrets-init"]
+
+
+# Names of variables that would hold a secret in clear (their _FILE forms are fine).
+_SECRET_NAME = re.compile(r"PASSWORD|PASSWD|SECRET|CREDENTIAL|TOKEN$|API_KEY$|_AUTH$|PASS$")
+
+
+def clear_secrets(env: dict[str, str]) -> list[str]:
+    return [k for k in env if _SECRET_NAME.search(k) and not k.endswith("_FILE")]
+
+
+def test_no_password_in_clear_in_any_environment(model: dict[str, Any]) -> None:
+    for name, service in model["services"].items():
+        assert clear_secrets(environment(service)) == [], name
+    assert clear_secrets({"RADIXSERVE_NATS_PASSWORD": "x", "REDISCLI_AUTH": "y"}) == [
+        "RADIXSERVE_NATS_PASSWORD",
+        "REDISCLI_AUTH",
+    ]
+    assert "--requirepass" not in TEXT
+
+
+def test_the_operator_reads_the_nats_admin_password_and_runs_health(
+    model: dict[str, Any],
+) -> None:
+    """`radixserve health` as admin, from the secrets-init container (on the compose
+    network, with admin's password file): the commands the file documents work there."""
+    services = model["services"]
+    init = services["secrets-init"]
+    env = environment(init)
+    admin_file = f"{_init_args(model)['--nats-users-dir']}/{ADMIN}/{INIT.PASSWORD_FILE}"
+    assert env["RADIXSERVE_NATS_USER"] == ADMIN
+    assert env["RADIXSERVE_NATS_PASSWORD_FILE"] == admin_file
+    assert env["RADIXSERVE_NATS_URL"] == environment(services["gateway"])["RADIXSERVE_NATS_URL"]
+    assert f"docker compose run --rm --entrypoint cat secrets-init {admin_file}" in TEXT
+    assert "docker compose run --rm --entrypoint radixserve secrets-init health" in TEXT
+    assert "depends_on" not in init  # `run` starts nothing else

@@ -10,10 +10,10 @@ from tests.helpers.import_graph import Import, cycles, imports, module_files
 # Bottom first. A package (or top-level module) may import those in lower layers only;
 # `radixserve` itself (its lazy `Engine`) sits on top of everything.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("retry", "protocol"),
+    ("retry", "protocol", "credentials"),
     ("model_files", "chat_format", "detok"),
     ("api", "prep", "grammar", "routing", "store", "bus", "infra", "benchmark"),
-    ("telemetry",),
+    ("telemetry", "auth"),
     ("engine",),
     ("worker", "lang"),
     ("services",),

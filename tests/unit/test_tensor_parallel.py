@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -87,6 +88,35 @@ def test_aborts_and_a_flush_keep_the_ranks_in_step(engines: tuple[Engine, Engine
     assert got["output_ids"] == expected["output_ids"]
     assert got["meta_info"]["cached_tokens"] == 0  # flushed on every rank
     assert two.num_tracked() == 0
+
+
+@pytest.mark.slow
+def test_priorities_and_the_starvation_bound_keep_the_ranks_in_step(
+    engines: tuple[Engine, Engine],
+) -> None:
+    """Mixed priorities, two requests past the starvation bound: every rank admits in
+    rank 0's order (its priorities, arrivals and each step's clock reading travel with
+    the commands), so the batch rows line up and the tokens are one rank's."""
+    prompts = make_prompts(engines[0].runner.vocab_size, [9, 14, 7, 20, 11], seed=13)
+    outputs = []
+    for engine in engines:
+        clock = [1000.0]
+        engine.scheduler.clock = lambda clock=clock: clock[0]  # type: ignore[misc]
+        got: dict[str, list[int]] = {}
+        for i, (ids, priority) in enumerate(zip(prompts, [0, 0, 1, 2, 0], strict=True)):
+            if i == 2:
+                clock[0] += 30.0  # the first two are past the bound (10 s) from here on
+            engine.submit(
+                ids, {"max_new_tokens": 6, "temperature": 0}, rid=f"p-{i}", priority=priority
+            )
+        order = sorted(engine.scheduler.waiting, key=lambda r: r.arrival_order)
+        assert [r.priority for r in order] == [0, 0, 1, 2, 0]
+        while engine.has_work():
+            for out in engine.step():
+                got.setdefault(out.rid, []).extend(out.new_token_ids)
+        engine.scheduler.clock = time.monotonic
+        outputs.append(got)
+    assert outputs[1] == outputs[0] and len(outputs[0]) == 5
 
 
 def test_shard_sizes_must_divide(tiny_llama_dir: Path) -> None:

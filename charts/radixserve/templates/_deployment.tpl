@@ -17,10 +17,15 @@ One radixserve service as a Deployment. Called with a dict:
   resources   requests and limits
   extraVolumes, extraVolumeMounts, nodeSelector, tolerations, affinity,
   terminationGracePeriodSeconds: optional
+Every one gets its NATS and Redis credentials and TLS files (radixserve.busCredentials).
 */}}
 {{- define "radixserve.deployment" -}}
 {{- $root := .root -}}
 {{- $fullname := include "radixserve.fullname" $root -}}
+{{- $bus := include "radixserve.busCredentials" . | fromYaml -}}
+{{- $env := concat (default list .env) $bus.env -}}
+{{- $extraVolumes := concat (default list .extraVolumes) $bus.volumes -}}
+{{- $extraMounts := concat (default list .extraVolumeMounts) $bus.mounts -}}
 apiVersion: apps/v1
 kind: Deployment
 metadata:
@@ -69,7 +74,7 @@ spec:
             - configMapRef:
                 name: {{ $fullname }}-engine
             {{- end }}
-          {{- with .env }}
+          {{- with $env }}
           env:
             {{- toYaml . | nindent 12 }}
           {{- end }}
@@ -86,12 +91,12 @@ spec:
             {{- toYaml $root.Values.securityContext | nindent 12 }}
           volumeMounts:
             {{- include "radixserve.volumeMounts" . | nindent 12 }}
-            {{- with .extraVolumeMounts }}
+            {{- with $extraMounts }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
       volumes:
         {{- include "radixserve.volumes" . | nindent 8 }}
-        {{- with .extraVolumes }}
+        {{- with $extraVolumes }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
 {{- end }}

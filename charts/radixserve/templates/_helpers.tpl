@@ -50,7 +50,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 
 {{- define "radixserve.natsUrl" -}}
 {{- if .Values.nats.enabled }}
-{{- printf "nats://%s-nats:4222" (include "radixserve.fullname" .) }}
+{{- printf "%s://%s-nats:4222" (ternary "tls" "nats" .Values.nats.tls.enabled) (include "radixserve.fullname" .) }}
 {{- else }}
 {{- required "nats.url is required when nats.enabled is false" .Values.nats.url }}
 {{- end }}
@@ -58,7 +58,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 
 {{- define "radixserve.redisUrl" -}}
 {{- if .Values.redis.enabled }}
-{{- printf "redis://%s-redis:6379/0" (include "radixserve.fullname" .) }}
+{{- printf "%s://%s-redis:6379/0" (ternary "rediss" "redis" .Values.redis.tls.enabled) (include "radixserve.fullname" .) }}
 {{- else }}
 {{- required "redis.url is required when redis.enabled is false" .Values.redis.url }}
 {{- end }}
@@ -171,4 +171,111 @@ livenessProbe:
   periodSeconds: 15
   timeoutSeconds: 5
   failureThreshold: 4
+{{- end }}
+
+{{/* The Secret holding the gateway's api-keys.json: auth.existingSecret, else the chart's. */}}
+{{- define "radixserve.apiKeysSecret" -}}
+{{- default (printf "%s-api-keys" (include "radixserve.fullname" .)) .Values.auth.existingSecret }}
+{{- end }}
+
+{{/*
+The data of a Secret of the release as installed (JSON; {} when there is none, and always
+under `helm template`, which sees no cluster): a generated secret keeps its values across
+upgrades. Call with (dict "root" $ "name" NAME).
+*/}}
+{{- define "radixserve.installedSecretData" -}}
+{{- (lookup "v1" "Secret" .root.Release.Namespace .name).data | default dict | toJson }}
+{{- end }}
+
+{{/* The NATS users, one per role (radixserve.infra.nats_auth ROLES): a service's is its component. */}}
+{{- define "radixserve.natsRoles" -}}
+{{- list "gateway" "tokenizer" "scheduler" "worker" "grammar" "detokenizer" "admin" | toJson }}
+{{- end }}
+
+{{/* The services that use Redis (request records, the grammar cache): only they get its password. */}}
+{{- define "radixserve.redisClients" -}}
+{{- list "gateway" "grammar" | toJson }}
+{{- end }}
+
+{{/* The Secret of the NATS passwords (a key per role): natsAuth.existingSecret, else the chart's. */}}
+{{- define "radixserve.natsAuthSecret" -}}
+{{- default (printf "%s-nats-auth" (include "radixserve.fullname" .)) .Values.natsAuth.existingSecret }}
+{{- end }}
+
+{{/* The Secret of the Redis user's password (key `password`): redisAuth.existingSecret, else the chart's. */}}
+{{- define "radixserve.redisAuthSecret" -}}
+{{- default (printf "%s-redis-auth" (include "radixserve.fullname" .)) .Values.redisAuth.existingSecret }}
+{{- end }}
+
+{{/*
+What a service's pod needs to reach NATS and Redis: its own role's NATS user and password
+(a Secret volume of that one key: never another role's), the Redis user's password for the
+services that use Redis, and the TLS CA (and client certificate) when TLS is on. Called
+with (dict "root" $ "component" NAME); YAML {env, volumes, mounts}.
+*/}}
+{{- define "radixserve.busCredentials" -}}
+{{- $v := .root.Values }}
+{{- $env := list }}
+{{- $volumes := list }}
+{{- $mounts := list }}
+{{- $secretMode := 288 }}{{/* 0440: the pod's fsGroup reads it, nobody else */}}
+{{- if $v.natsAuth.enabled }}
+{{- $dir := "/etc/radixserve/nats" }}
+{{- $file := ternary "user.creds" "password" $v.natsAuth.creds }}
+{{- $key := ternary (printf "%s.creds" .component) .component $v.natsAuth.creds }}
+{{- if $v.natsAuth.creds }}
+{{- $env = append $env (dict "name" "RADIXSERVE_NATS_CREDS_FILE" "value" (printf "%s/%s" $dir $file)) }}
+{{- else }}
+{{- $env = append $env (dict "name" "RADIXSERVE_NATS_USER" "value" .component) }}
+{{- $env = append $env (dict "name" "RADIXSERVE_NATS_PASSWORD_FILE" "value" (printf "%s/%s" $dir $file)) }}
+{{- end }}
+{{- $secret := dict "secretName" (include "radixserve.natsAuthSecret" .root) "defaultMode" $secretMode "items" (list (dict "key" $key "path" $file)) }}
+{{- $volumes = append $volumes (dict "name" "nats-auth" "secret" $secret) }}
+{{- $mounts = append $mounts (dict "name" "nats-auth" "mountPath" $dir "readOnly" true) }}
+{{- end }}
+{{- if $v.nats.tls.enabled }}
+{{- $dir := "/etc/radixserve/nats-tls" }}
+{{- $env = append $env (dict "name" "RADIXSERVE_NATS_TLS_CA" "value" (printf "%s/ca.crt" $dir)) }}
+{{- $items := list "ca.crt" }}
+{{- if $v.nats.tls.verifyClients }}
+{{- $items = list "ca.crt" "tls.crt" "tls.key" }}
+{{- $env = append $env (dict "name" "RADIXSERVE_NATS_TLS_CERT" "value" (printf "%s/tls.crt" $dir)) }}
+{{- $env = append $env (dict "name" "RADIXSERVE_NATS_TLS_KEY" "value" (printf "%s/tls.key" $dir)) }}
+{{- end }}
+{{- $volumes = append $volumes (dict "name" "nats-tls" "secret" (dict "secretName" (required "nats.tls.secretName is required with nats.tls.enabled" $v.nats.tls.secretName) "defaultMode" $secretMode "items" (include "radixserve.secretItems" $items | fromYamlArray))) }}
+{{- $mounts = append $mounts (dict "name" "nats-tls" "mountPath" $dir "readOnly" true) }}
+{{- end }}
+{{- if has .component (include "radixserve.redisClients" . | fromJsonArray) }}
+{{- if $v.redisAuth.enabled }}
+{{- $dir := "/etc/radixserve/redis" }}
+{{- with $v.redisAuth.user }}
+{{- $env = append $env (dict "name" "RADIXSERVE_REDIS_USER" "value" .) }}
+{{- end }}
+{{- $env = append $env (dict "name" "RADIXSERVE_REDIS_PASSWORD_FILE" "value" (printf "%s/password" $dir)) }}
+{{- $secret := dict "secretName" (include "radixserve.redisAuthSecret" .root) "defaultMode" $secretMode "items" (list (dict "key" "password" "path" "password")) }}
+{{- $volumes = append $volumes (dict "name" "redis-auth" "secret" $secret) }}
+{{- $mounts = append $mounts (dict "name" "redis-auth" "mountPath" $dir "readOnly" true) }}
+{{- end }}
+{{- if $v.redis.tls.enabled }}
+{{- $dir := "/etc/radixserve/redis-tls" }}
+{{- $env = append $env (dict "name" "RADIXSERVE_REDIS_TLS_CA" "value" (printf "%s/ca.crt" $dir)) }}
+{{- $items := list "ca.crt" }}
+{{- if $v.redis.tls.verifyClients }}
+{{- $items = list "ca.crt" "tls.crt" "tls.key" }}
+{{- $env = append $env (dict "name" "RADIXSERVE_REDIS_TLS_CERT" "value" (printf "%s/tls.crt" $dir)) }}
+{{- $env = append $env (dict "name" "RADIXSERVE_REDIS_TLS_KEY" "value" (printf "%s/tls.key" $dir)) }}
+{{- end }}
+{{- $volumes = append $volumes (dict "name" "redis-tls" "secret" (dict "secretName" (required "redis.tls.secretName is required with redis.tls.enabled" $v.redis.tls.secretName) "defaultMode" $secretMode "items" (include "radixserve.secretItems" $items | fromYamlArray))) }}
+{{- $mounts = append $mounts (dict "name" "redis-tls" "mountPath" $dir "readOnly" true) }}
+{{- end }}
+{{- end }}
+{{- dict "env" $env "volumes" $volumes "mounts" $mounts | toYaml }}
+{{- end }}
+
+{{/* Secret volume items: each key as a file of the same name. */}}
+{{- define "radixserve.secretItems" -}}
+{{- range . }}
+- key: {{ . }}
+  path: {{ . }}
+{{- end }}
 {{- end }}

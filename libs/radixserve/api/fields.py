@@ -8,7 +8,8 @@ parameter share one rule. The ranges mirror the engine's
 the client hears about a bad value from the gateway, with `param`, at once.
 
 Rules that relate two fields (min_tokens <= max_tokens, one grammar at most) live in
-`mapping`, where both values are known.
+`mapping`, where both values are known; the bounds a server may configure (n, max_tokens,
+stop strings, grammar sizes, ...) in `limits`.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 MAX_TOP_LOGPROBS = 20
 # OpenAI's legacy completions `logprobs` takes at most 5.
 MAX_COMPLETION_LOGPROBS = 5
-# OpenAI allows up to 128 choices; more would only be a way to fill the KV pool.
-MAX_N = 128
+# SGLang's `priority` (higher is admitted first), bounded so no client outbids every
+# other by an arbitrary margin; the gateway may clamp it further per API key.
+MIN_PRIORITY = -1_000_000
+MAX_PRIORITY = 1_000_000
 
 
 def _top_k_rule(value: int) -> int:
@@ -38,7 +41,7 @@ TopK = Annotated[int, AfterValidator(_top_k_rule)]
 MinP = Annotated[float, Field(ge=0, le=1)]
 Penalty = Annotated[float, Field(ge=-2, le=2)]  # frequency_penalty, presence_penalty
 RepetitionPenalty = Annotated[float, Field(gt=0, le=2)]
-NumChoices = Annotated[int, Field(ge=1, le=MAX_N)]
+NumChoices = Annotated[int, Field(ge=1)]  # the upper bound is `RequestLimits.max_n`
 # Whatever fits a 64-bit seed, signed or not (torch takes both).
 Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]
 # Token ids travel as packed int32; the tokenizer checks them against the vocabulary.
@@ -48,6 +51,7 @@ LogprobStartLen = Annotated[int, Field(ge=-1)]  # -1: no prompt logprobs
 CompletionLogprobs = Annotated[int, Field(ge=0, le=MAX_COMPLETION_LOGPROBS)]
 # A bare string or a list of them; normalised to a list by `mapping`.
 Stop = str | list[str]
+Priority = Annotated[int, Field(ge=MIN_PRIORITY, le=MAX_PRIORITY)]
 
 
 class Body(BaseModel):

@@ -12,7 +12,10 @@ merge (`index = prompt_index * n + choice`). Every rule that needs more than one
 field lives here and raises `ApiError` with the offending `param`.
 
 Defaults when the client sets no length: 256 new tokens for chat, 16 for
-`/v1/completions` (OpenAI's legacy default), SGLang's 128 for `/generate`.
+`/v1/completions` (OpenAI's legacy default), SGLang's 128 for `/generate` (each at most
+`RequestLimits.max_output_tokens`). The bounds of `limits` are checked by `bounds` as
+each value comes in. `priority` (SGLang's, default 0) goes into every submit; the
+gateway may replace it (`with_priority`, e.g. clamped to the caller's API-key class).
 """
 
 from __future__ import annotations
@@ -20,13 +23,24 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import msgspec
 
+from radixserve.api.bounds import (
+    GRAMMAR_FIELDS,
+    check_grammar,
+    check_messages,
+    check_output_tokens,
+    check_prompts,
+    check_sampling,
+    check_tools,
+)
 from radixserve.api.chat_tools import ToolPlan, plan_tools
 from radixserve.api.errors import ApiError
+from radixserve.api.fields import MAX_PRIORITY, MIN_PRIORITY
+from radixserve.api.limits import DEFAULT_LIMITS, RequestLimits
 from radixserve.api.native_models import GenerateRequest
 from radixserve.api.openai_models import (
     ChatCompletionRequest,
@@ -54,7 +68,12 @@ GENERATE_DEFAULT_MAX_NEW_TOKENS = SamplingParams().max_new_tokens  # SGLang's 12
 JSON_OBJECT_SCHEMA = '{"type": "object"}'
 
 _ID_PREFIX: dict[Endpoint, str] = {"chat": "chatcmpl-", "completion": "cmpl-", "generate": ""}
-_GRAMMAR_FIELDS = ("regex", "json_schema", "ebnf", "structural_tag")
+# Where each `response_format` type keeps its grammar in the body.
+_RESPONSE_FORMAT_PARAM = {
+    "json_object": "response_format",
+    "json_schema": "response_format.json_schema.schema",
+    "structural_tag": "response_format.structures",
+}
 
 
 def new_response_id(endpoint: Endpoint) -> str:
@@ -85,6 +104,9 @@ class GenerationPlan:
     # `separate_reasoning`, default true).
     reasoning: ReasoningFormat | None = None
     separate_reasoning: bool = True
+    # The body's `priority` (None: not given; the submits then carry 0), for the gateway
+    # to weigh against what the caller may ask before `with_priority`.
+    requested_priority: int | None = None
 
     @property
     def rids(self) -> tuple[str, ...]:
@@ -129,12 +151,18 @@ def plan_chat(
     served_model: str,
     arrival_time: float,
     reasoning_parser: str | None = None,
+    limits: RequestLimits = DEFAULT_LIMITS,
 ) -> GenerationPlan:
     """`reasoning_parser`: the gateway's (chat_format/reasoning.py); the answer's reasoning is
     then split from its content unless the request says `separate_reasoning: false`, and
     counted in usage either way."""
     check_model(req.model, served_model)
+    check_messages(len(req.messages), limits)
+    if req.tools:
+        check_tools(req.tools, limits)
     tools = plan_tools(req)
+    if tools is not None and tools.schema is not None:  # a required or named call
+        check_grammar(tools.schema, "tools", limits)
     template_kwargs = _template_kwargs(req.chat_template_kwargs)
     if req.continue_final_message and req.messages and req.messages[-1].role != "assistant":
         raise ApiError.invalid(
@@ -150,11 +178,12 @@ def plan_chat(
     )
     sampling = _openai_sampling(
         req,
-        max_new_tokens=CHAT_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
+        max_new_tokens=_output_tokens(max_tokens, CHAT_DEFAULT_MAX_TOKENS, max_param, limits),
         max_param=max_param,
         return_logprob=bool(req.logprobs),
         top_logprobs_num=req.top_logprobs or 0,
         response_format=req.response_format,
+        limits=limits,
     )
     if tools is not None and tools.schema is not None:  # a required or named call
         sampling = msgspec.structs.replace(sampling, json_schema=tools.schema)
@@ -164,6 +193,7 @@ def plan_chat(
         sampling=sampling,
         messages=messages,
         stream=bool(req.stream),
+        priority=req.priority or 0,
         arrival_time=arrival_time,
         model=served_model,
         tools=None if tools is None else tools.tools_json,
@@ -182,6 +212,7 @@ def plan_chat(
         tools=tools,
         reasoning=reasoning,
         separate_reasoning=req.separate_reasoning is not False,
+        requested_priority=req.priority,
     )
 
 
@@ -192,6 +223,7 @@ def plan_completion(
     gateway_id: str,
     served_model: str,
     arrival_time: float,
+    limits: RequestLimits = DEFAULT_LIMITS,
 ) -> GenerationPlan:
     check_model(req.model, served_model)
     if req.best_of not in (None, 1):
@@ -199,6 +231,7 @@ def plan_completion(
     if req.suffix:
         raise ApiError.invalid("suffix (insertion) is not supported", "suffix")
     prompts = completion_prompts(req.prompt)
+    check_prompts(len(prompts), "prompt", limits)
     echo_texts: tuple[str, ...] = ()
     if req.echo:
         if not all(isinstance(p, str) for p in prompts):
@@ -210,16 +243,26 @@ def plan_completion(
         echo_texts = tuple(p for p in prompts if isinstance(p, str))
     sampling = _openai_sampling(
         req,
-        max_new_tokens=COMPLETION_DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens,
+        max_new_tokens=_output_tokens(
+            req.max_tokens, COMPLETION_DEFAULT_MAX_TOKENS, "max_tokens", limits
+        ),
         max_param="max_tokens",
         return_logprob=req.logprobs is not None,
         top_logprobs_num=req.logprobs or 0,
         response_format=req.response_format,
+        limits=limits,
     )
     if echo_texts and req.logprobs is not None:  # OpenAI: the echoed prompt's logprobs too
         sampling = msgspec.structs.replace(sampling, logprob_start_len=0)
     submits = _prompt_submits(
-        prompts, response_id, gateway_id, sampling, bool(req.stream), served_model, arrival_time
+        prompts,
+        response_id,
+        gateway_id,
+        sampling,
+        bool(req.stream),
+        served_model,
+        arrival_time,
+        req.priority or 0,
     )
     return GenerationPlan(
         endpoint="completion",
@@ -231,6 +274,7 @@ def plan_completion(
         include_usage=_include_usage(req),
         logprobs=req.logprobs is not None,
         echo_texts=echo_texts,
+        requested_priority=req.priority,
     )
 
 
@@ -241,6 +285,7 @@ def plan_generate(
     gateway_id: str,
     served_model: str,
     arrival_time: float,
+    limits: RequestLimits = DEFAULT_LIMITS,
 ) -> GenerationPlan:
     if (req.text is None) == (req.input_ids is None):
         raise ApiError.invalid("give exactly one of text or input_ids", "text")
@@ -255,9 +300,16 @@ def plan_generate(
         assert req.input_ids is not None
         batch = bool(req.input_ids) and isinstance(req.input_ids[0], list)
         prompts = _id_prompts(req.input_ids, "input_ids")
+    check_prompts(len(prompts), "text" if req.text is not None else "input_ids", limits)
     values = req.sampling_params.model_dump(exclude_none=True) if req.sampling_params else {}
+    check_sampling(values, "sampling_params.", limits)
     values["stop"] = normalize_stop(values.get("stop"))
-    values["max_new_tokens"] = values.get("max_new_tokens", GENERATE_DEFAULT_MAX_NEW_TOKENS)
+    values["max_new_tokens"] = _output_tokens(
+        values.get("max_new_tokens"),
+        GENERATE_DEFAULT_MAX_NEW_TOKENS,
+        "sampling_params.max_new_tokens",
+        limits,
+    )
     _check_min_tokens(
         values.get("min_new_tokens"),
         values["max_new_tokens"],
@@ -272,7 +324,14 @@ def plan_generate(
         values["logprob_start_len"] = req.logprob_start_len
     sampling = SamplingParams(**values)
     submits = _prompt_submits(
-        prompts, response_id, gateway_id, sampling, bool(req.stream), served_model, arrival_time
+        prompts,
+        response_id,
+        gateway_id,
+        sampling,
+        bool(req.stream),
+        served_model,
+        arrival_time,
+        req.priority or 0,
     )
     return GenerationPlan(
         endpoint="generate",
@@ -283,7 +342,19 @@ def plan_generate(
         stream=bool(req.stream),
         logprobs=bool(req.return_logprob),
         batch=batch or sampling.n > 1,
+        requested_priority=req.priority,
     )
+
+
+def with_priority(plan: GenerationPlan, priority: int) -> GenerationPlan:
+    """The plan with every submit at `priority` (the gateway's decision, e.g. the body's
+    `requested_priority` clamped to what the caller's API key may ask)."""
+    if not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+        raise ValueError(f"priority must be in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {priority}")
+    if all(s.priority == priority for s in plan.submits):
+        return plan  # the common case (no priorities anywhere): nothing to copy
+    submits = tuple(msgspec.structs.replace(s, priority=priority) for s in plan.submits)
+    return replace(plan, submits=submits)
 
 
 # -- the pieces ---------------------------------------------------------------------------
@@ -422,6 +493,7 @@ def _prompt_submits(
     stream: bool,
     model: str,
     arrival_time: float,
+    priority: int,
 ) -> tuple[SubmitRequest, ...]:
     submits = []
     for i, prompt in enumerate(prompts):
@@ -435,6 +507,7 @@ def _prompt_submits(
                 text=text,
                 input_ids=ids,
                 stream=stream,
+                priority=priority,
                 arrival_time=arrival_time,
                 model=model,
             )
@@ -450,6 +523,7 @@ def _openai_sampling(
     return_logprob: bool,
     top_logprobs_num: int,
     response_format: ResponseFormat | None,
+    limits: RequestLimits,
 ) -> SamplingParams:
     _check_min_tokens(req.min_tokens, max_new_tokens, "min_tokens", max_param)
     values: dict[str, Any] = {
@@ -462,7 +536,7 @@ def _openai_sampling(
         "frequency_penalty": req.frequency_penalty,
         "presence_penalty": req.presence_penalty,
         "repetition_penalty": req.repetition_penalty,
-        "stop": normalize_stop(req.stop),
+        "stop": req.stop,
         "stop_token_ids": req.stop_token_ids,
         "ignore_eos": req.ignore_eos,
         "n": req.n,
@@ -476,10 +550,16 @@ def _openai_sampling(
         "json_schema": req.json_schema,
         "ebnf": req.ebnf,
         "structural_tag": req.structural_tag,
-        "logit_bias": None if req.logit_bias is None else logit_bias(req.logit_bias, "logit_bias"),
+        "logit_bias": req.logit_bias,
     }
+    check_sampling(values, "", limits)
+    values["stop"] = normalize_stop(req.stop)
+    if req.logit_bias is not None:
+        values["logit_bias"] = logit_bias(req.logit_bias, "logit_bias")
     grammar = response_format_grammar(response_format)
     if grammar is not None:
+        assert response_format is not None
+        check_grammar(grammar[1], _RESPONSE_FORMAT_PARAM[response_format.type], limits)
         values["response_format"] = grammar[1]
     _check_one_grammar(values, "")
     if grammar is not None:
@@ -518,7 +598,7 @@ def response_format_schema(fmt: ResponseFormat | None) -> str | None:
 
 
 def _check_one_grammar(values: dict[str, Any], prefix: str) -> None:
-    names = [n for n in (*_GRAMMAR_FIELDS, "response_format") if values.get(n) is not None]
+    names = [n for n in (*GRAMMAR_FIELDS, "response_format") if values.get(n) is not None]
     if len(names) > 1:
         raise ApiError.invalid(
             "at most one of regex, json_schema, ebnf, structural_tag, response_format may be "
@@ -533,6 +613,15 @@ def _check_min_tokens(
     if min_tokens is not None and min_tokens > max_tokens:
         bound = f"{max_param}={max_tokens}" if max_param else str(max_tokens)
         raise ApiError.invalid(f"{param} must be <= {bound} (got {min_tokens})", param)
+
+
+def _output_tokens(value: int | None, default: int, param: str, limits: RequestLimits) -> int:
+    """The client's length, checked against the bound, or the endpoint's default kept
+    within it (a server configured below the default still answers)."""
+    if value is None:
+        return min(default, limits.max_output_tokens)
+    check_output_tokens(value, param, limits)
+    return value
 
 
 def _first_set(*candidates: tuple[int | None, str]) -> tuple[int | None, str]:

@@ -15,6 +15,7 @@ from radixserve.api.fields import (
     MinP,
     NumChoices,
     Penalty,
+    Priority,
     RepetitionPenalty,
     Seed,
     Stop,
@@ -64,3 +65,4 @@ class GenerateRequest(Body):
     top_logprobs_num: TopLogprobsNum | None = None
     # With return_logprob: the prompt tokens' logprobs from this position on (-1: none).
     logprob_start_len: LogprobStartLen | None = None
+    priority: Priority | None = None  # higher is admitted first (default 0)

@@ -18,6 +18,7 @@ from radixserve.api.fields import (
     MaxTokens,
     NumChoices,
     Penalty,
+    Priority,
     Seed,
     SGLangSamplingFields,
     Stop,
@@ -121,6 +122,7 @@ class OpenAISamplingFields(SGLangSamplingFields):
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None  # token id (a string) -> [-100, 100]
+    priority: Priority | None = None  # SGLang's: higher is admitted first (default 0)
 
 
 class ChatCompletionRequest(OpenAISamplingFields):

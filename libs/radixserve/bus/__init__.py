@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from radixserve.bus.client import Bus, BusHealth, BusSubscription, Handler
 from radixserve.bus.errors import (
+    BusAuthError,
     BusClosed,
     BusConnectError,
     BusError,
@@ -19,12 +20,13 @@ from radixserve.bus.errors import (
     BusTimeout,
 )
 from radixserve.bus.message import BusMsg
-from radixserve.bus.settings import BusSettings
+from radixserve.bus.settings import BusSettings, NatsAuth
 from radixserve.bus.tracing import TRACEPARENT, extract_trace, inject_trace
 
 __all__ = [
     "TRACEPARENT",
     "Bus",
+    "BusAuthError",
     "BusClosed",
     "BusConnectError",
     "BusError",
@@ -36,6 +38,7 @@ __all__ = [
     "BusSubscription",
     "BusTimeout",
     "Handler",
+    "NatsAuth",
     "extract_trace",
     "inject_trace",
 ]

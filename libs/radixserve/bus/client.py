@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ from nats.js import JetStreamContext
 from opentelemetry import context as otel_context
 
 from radixserve.bus.errors import (
+    BusAuthError,
     BusClosed,
     BusConnectError,
     BusError,
@@ -50,7 +52,7 @@ from radixserve.bus.errors import (
     BusTimeout,
 )
 from radixserve.bus.message import BusMsg
-from radixserve.bus.settings import BusSettings
+from radixserve.bus.settings import NO_CREDENTIALS, BusSettings
 from radixserve.bus.tracing import extract_trace, inject_trace
 from radixserve.retry import RetriesExhausted, retry_with_backoff
 
@@ -58,6 +60,9 @@ log = logging.getLogger(__name__)
 
 Handler = Callable[[BusMsg], Awaitable[None]]
 _POLL_S = 0.05
+# How nats-server words a refusal of who we are (-ERR), and a refused subject.
+_AUTH_ERRORS = ("authorization violation", "authentication timeout", "user authentication")
+_PERMISSION = "permissions violation"
 
 
 @dataclass(frozen=True)
@@ -103,6 +108,9 @@ class Bus:
         self._nc: NatsClient | None = None
         self._js: JetStreamContext | None = None
         self._closing = False  # nats-py reports a requested close as a disconnect too
+        # During a connect attempt: why the server refused us, set by the error callback.
+        self._refusal: str | None = None
+        self._refused = asyncio.Event()
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -122,13 +130,17 @@ class Bus:
 
         async def attempt() -> NatsClient:
             nc = NatsClient()
+            self._refusal = None
+            self._refused.clear()
             try:
                 # NOTE: with unlimited reconnects nats-py's own first connect never gives
                 # up, so each attempt is bounded from outside and the client closed.
-                await _bounded(self._connect_once(nc), s.connect_timeout_s)
+                await _bounded(self._connect_once(nc), s.connect_timeout_s, self._refused)
             except BaseException:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(nc.close(), s.connect_timeout_s)
+                if self._refusal is not None:  # retrying cannot change the server's mind
+                    raise BusAuthError(self._refusal) from None
                 raise
             return nc
 
@@ -147,7 +159,7 @@ class Bus:
                 f"cannot connect to NATS at {s.url} after {s.connect_attempts} attempts "
                 f"({s.connect_timeout_s}s each): {exc.last_error!r}"
             ) from exc.last_error
-        log.info("NATS connected to %s as %r", s.url, s.name)
+        log.info("NATS connected to %s as %r (%s)", s.url, s.name, s.auth.identity)
 
     async def _connect_once(self, nc: NatsClient) -> None:
         s = self.settings
@@ -168,6 +180,7 @@ class Bus:
             reconnected_cb=self._on_reconnected,
             closed_cb=self._on_closed,
             error_cb=self._on_error,
+            **s.auth.connect_options(),
         )
 
     async def drain(self) -> None:
@@ -361,11 +374,39 @@ class Bus:
         log.log(level, "NATS connection to %s closed", self.settings.url)
 
     async def _on_error(self, exc: Exception) -> None:
+        refusal = _refusal(exc, self.settings)
+        if refusal is not None:
+            if self._nc is None:  # the first connect: the attempt gives up at once
+                self._refusal = refusal
+                self._refused.set()
+            else:  # a reconnect: nats-py goes on trying (the server may be reconfigured)
+                log.error("%s", refusal)
+            return
+        if _PERMISSION in str(exc).lower():
+            who = self.settings.auth.identity
+            log.error("NATS %s refused a subject to %s: %s", self.settings.url, who, exc)
+            return
         # Failed tries during the first connect or a reconnect are expected noise: the
         # attempt / disconnect itself is already logged.
         reconnecting = self._nc is not None and self._nc.is_reconnecting
         level = logging.WARNING if self._live() and not reconnecting else logging.DEBUG
         log.log(level, "NATS %s: %r", self.settings.url, exc)
+
+
+def _refusal(exc: Exception, settings: BusSettings) -> str | None:
+    """What to tell the user when `exc` says the server will not take us as we are
+    (credentials or TLS); None for any other error."""
+    text = str(exc).lower()
+    where = f"NATS at {settings.url}"
+    if isinstance(exc, nats.errors.AuthorizationError) or any(m in text for m in _AUTH_ERRORS):
+        if settings.auth.identity == NO_CREDENTIALS:
+            return f"{where} wants credentials and none are set ({exc})"
+        return f"{where} refused the credentials of {settings.auth.identity} ({exc})"
+    if isinstance(exc, ssl.SSLError):
+        return f"TLS with {where} failed: {exc}"
+    if isinstance(exc, nats.errors.SecureConnRequiredError):
+        return f"{where} requires TLS; set $RADIXSERVE_NATS_TLS_CA (or use a tls:// URL)"
+    return None
 
 
 def _as_bytes(data: bytes) -> bytes:
@@ -386,21 +427,26 @@ def _translate(exc: nats.errors.Error, action: str) -> Exception:
     return BusError(f"{action} failed: {exc!r}")
 
 
-async def _bounded(coro: Coroutine[Any, Any, None], timeout_s: float) -> None:
-    """`coro` within `timeout_s`, else TimeoutError once it has ended. Unlike
-    `asyncio.wait_for`, the cancellation is repeated until the task ends: nats-py's first
-    connect loops over its servers forever (sleeping between tries), and one
-    cancellation can be lost inside it (Python 3.11's `wait_for` swallows a cancellation
-    that races with its inner future finishing), which had a connect attempt hang."""
+async def _bounded(
+    coro: Coroutine[Any, Any, None], timeout_s: float, give_up: asyncio.Event | None = None
+) -> None:
+    """`coro` within `timeout_s` (or until `give_up` is set), else TimeoutError once it
+    has ended. Unlike `asyncio.wait_for`, the cancellation is repeated until the task
+    ends: nats-py's first connect loops over its servers forever (sleeping between
+    tries), and one cancellation can be lost inside it (Python 3.11's `wait_for` swallows
+    a cancellation that races with its inner future finishing), which had a connect
+    attempt hang."""
     task = asyncio.ensure_future(coro)
+    stop = asyncio.ensure_future((give_up or asyncio.Event()).wait())
     try:
-        done, _ = await asyncio.wait({task}, timeout=timeout_s)
-        if done:
+        await asyncio.wait({task, stop}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
             return task.result()
         while not task.done():
             task.cancel()
             await asyncio.wait({task}, timeout=0.05)
     finally:
+        stop.cancel()
         task.cancel()  # this attempt was itself cancelled: the connect goes too (no-op if done)
     error = None if task.cancelled() else task.exception()
     if error is not None:

@@ -11,6 +11,10 @@ class BusConnectError(BusError):
     """No connection after the configured number of attempts."""
 
 
+class BusAuthError(BusConnectError):
+    """The server refused the credentials (or TLS): trying again cannot help."""
+
+
 class BusClosed(BusError):
     """The bus was drained or closed; it cannot publish or subscribe any more."""
 

@@ -75,6 +75,11 @@ class EngineConfig:
     random_seed: int = 0
     # Batches with more waiting requests than this skip the lpm sort (it costs a tree walk each).
     lpm_max_waiting: int = 128
+    # Request priorities (higher admitted first; schedule_policy orders within a level): a
+    # request waiting longer than this is admitted as if of the highest priority, so a
+    # steady stream of high-priority requests cannot hold a low one back for ever.
+    # 0: no bound (strict priorities).
+    priority_starvation_s: float = 10.0
     # Once started, the engine freezes the objects alive then out of the cyclic
     # collector's reach and raises its young-generation threshold (engine/heap.py): a
     # full collection would walk them all, pausing the host (and the GPU) ~0.3 s on an
@@ -119,6 +124,10 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if not self.priority_starvation_s >= 0:  # NaN too
+            raise ValueError(
+                f"priority_starvation_s must be >= 0 (0: no bound), got {self.priority_starvation_s}"
+            )
         if not self.dist_timeout_s > 0:
             raise ValueError(f"dist_timeout_s must be > 0, got {self.dist_timeout_s}")
         if self.piecewise_cuda_graph_max_tokens < 0:

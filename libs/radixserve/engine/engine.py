@@ -134,15 +134,17 @@ class Engine:
         sampling_params: dict[str, Any] | SamplingParams | None = None,
         rid: str | None = None,
         grammar: xgr.CompiledGrammar | None = None,
+        priority: int = 0,
     ) -> str:
         """Queue one prompt (token ids); returns its rid. Raises ValueError for bad input.
 
         `grammar`: the request's grammar compiled already (the worker loads the grammar
         service's); without it a regex/json_schema/ebnf/structural_tag in the parameters
-        is compiled here, blocking the caller."""
+        is compiled here, blocking the caller. `priority`: a higher one is admitted
+        first (sched/policy.py; a running request is never preempted)."""
         (params,) = self._normalize_params(sampling_params, 1)
         ids = checked_token_ids(input_ids, self.runner.vocab_size)
-        return self._submit(ids, params, rid, grammar).rid
+        return self._submit(ids, params, rid, grammar, priority).rid
 
     def step(self) -> list[ChoiceOutput]:
         """One iteration of continuous batching: the choices that produced tokens or finished."""
@@ -238,15 +240,17 @@ class Engine:
         prompt: str | list[str] | None = None,
         sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None,
         input_ids: list[int] | list[list[int]] | None = None,
+        priority: int = 0,
     ) -> dict[str, Any] | list[dict[str, Any]]:
-        """Blocking generation; a list of prompts (or of input_ids lists) gives a list back."""
+        """Blocking generation; a list of prompts (or of input_ids lists) gives a list back.
+        `priority` (every prompt's): as `submit`'s."""
         self._check_open()
         prompts, batched = self._normalize_prompts(prompt, input_ids)
         params_list = self._normalize_params(sampling_params, len(prompts))
         groups: list[RequestGroup] = []
         try:
             for ids, params in zip(prompts, params_list, strict=True):
-                groups.append(self._submit(ids, params))
+                groups.append(self._submit(ids, params, priority=priority))
             while True:
                 # Checked under the lock: another thread's step may finish these groups.
                 with self._lock:
@@ -274,8 +278,10 @@ class Engine:
         prompt: str | None = None,
         sampling_params: dict[str, Any] | None = None,
         input_ids: list[int] | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[dict[str, Any]]:
-        """Yields deltas {text, output_ids, finished, meta_info} until the request finishes."""
+        """Yields deltas {text, output_ids, finished, meta_info} until the request finishes.
+        `priority`: as `submit`'s."""
         self._check_open()
         prompts, batched = self._normalize_prompts(prompt, input_ids)
         if batched:
@@ -283,7 +289,7 @@ class Engine:
         params = self._normalize_params(sampling_params, 1)[0]
         if params.n != 1:
             raise ValueError("generate_stream supports n == 1 only")
-        group = self._submit(prompts[0], params)
+        group = self._submit(prompts[0], params, priority=priority)
         tracked = Tracked(group.choices[0], started=group.started)
         try:
             while True:
@@ -304,21 +310,22 @@ class Engine:
         messages: list[dict[str, Any]],
         sampling_params: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        priority: int = 0,
     ) -> dict[str, Any]:
         """One answer to `messages` (OpenAI's chat messages), rendered with the model's
         chat template. With `tools` (OpenAI's function tools, which the model may call
         as it likes) the answer's calls are read back as the gateway reads them:
         `tool_calls` (OpenAI's entries) and `content` (the text beside them) join `text`
-        (engine/chat.py)."""
+        (engine/chat.py). `priority`: as `submit`'s."""
         if not tools:
             ids = apply_chat_template(self.tokenizer, messages)
-            out = self.generate(input_ids=ids, sampling_params=sampling_params)
+            out = self.generate(input_ids=ids, sampling_params=sampling_params, priority=priority)
             assert isinstance(out, dict)
             return out
         from radixserve.engine.chat import add_tool_calls, chat_prompt  # prep and api
 
         ids, params = chat_prompt(self.tokenizer, messages, tools, sampling_params)
-        out = self.generate(input_ids=ids, sampling_params=params)
+        out = self.generate(input_ids=ids, sampling_params=params, priority=priority)
         assert isinstance(out, dict)
         add_tool_calls(out, tools)
         return out
@@ -449,6 +456,7 @@ class Engine:
         ids: list[int],
         params: SamplingParams,
         seed: int,
+        priority: int,
         grammar: xgr.CompiledGrammar | None = None,
     ) -> Req:
         # ids come through checked_token_ids: non-empty, integers in the vocabulary.
@@ -469,6 +477,7 @@ class Engine:
             params=params,
             seed=seed,
             stop_token_ids=frozenset(stop_ids),
+            priority=priority,
         )
         if grammar is not None:  # each choice its own matcher over the shared grammar
             req.grammar = self.grammars.new_state(grammar, req.stop_token_ids, params)
@@ -480,8 +489,10 @@ class Engine:
         params: SamplingParams,
         rid: str | None = None,
         grammar: xgr.CompiledGrammar | None = None,
+        priority: int = 0,
     ) -> RequestGroup:
         """Queue one prompt; n > 1 runs the prompt's prefill once, then n samples share it."""
+        self._check_priority(priority)
         if grammar is None:
             grammar = self.grammars.compile_request(params)  # outside the lock: steps go on
         with self._lock:
@@ -491,17 +502,21 @@ class Engine:
                 raise ValueError(f"request id {rid!r} is already in use")
             seed = resolve_seed(params)
             if params.n == 1:
-                group = RequestGroup(rid, [self._make_req(rid, ids, params, seed, grammar)])
+                group = RequestGroup(
+                    rid, [self._make_req(rid, ids, params, seed, priority, grammar)]
+                )
             else:
                 # Every choice is built (and so validated) before anything is queued.
                 choices = [
-                    self._make_req(f"{rid}-{i}", ids, params, seed + i, grammar)
+                    self._make_req(f"{rid}-{i}", ids, params, seed + i, priority, grammar)
                     for i in range(params.n)
                 ]
                 group = RequestGroup(rid, choices)
                 if self.scheduler.kv.cache.reuses_prefixes:
                     prefill_params = SamplingParams.from_dict({"max_new_tokens": 0})
-                    group.prefill = self._make_req(f"{rid}-prefill", ids, prefill_params, seed)
+                    group.prefill = self._make_req(
+                        f"{rid}-prefill", ids, prefill_params, seed, priority
+                    )
             self._groups[rid] = group
             if group.prefill is not None:
                 self._owner[group.prefill.rid] = (group, -1)
@@ -526,8 +541,13 @@ class Engine:
             return outputs
         for choice in group.choices:
             if not choice.finished:
+                choice.arrival_time = prefill.arrival_time  # waiting since the prompt came
                 self.scheduler.add_request(choice)
         return []
+
+    def _check_priority(self, priority: int) -> None:
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
 
     @staticmethod
     def _finish_unscheduled(req: Req, reason: FinishReason) -> None:

@@ -97,7 +97,10 @@ def engine_kwargs(
             )
             raw = env.get(env_name, "").strip()
             if raw:
-                value = _converter(field)(raw)
+                try:
+                    value = _converter(field)(raw)
+                except ValueError as exc:  # name the variable: the value alone says little
+                    raise ValueError(f"{env_name}={raw!r}: {exc}") from exc
         if value is not None:
             out[field.name] = value
     return out

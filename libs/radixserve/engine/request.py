@@ -76,6 +76,10 @@ class Req:
     # Stop strings: the output text, checked after every new token (only if params.stop).
     stop_text_tail: str = ""
     num_retractions: int = 0
+    # Admission: a higher priority is admitted first (sched/policy.py). arrival_time is
+    # the scheduler's clock when first queued (None until then); arrival_order its rank.
+    priority: int = 0
+    arrival_time: float | None = None
     arrival_order: int = 0
     # Structured outputs: this request's own grammar matcher (engine/constrained); None
     # when unconstrained. Never shared, not even between the n choices of one prompt.

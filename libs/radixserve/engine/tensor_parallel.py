@@ -132,6 +132,9 @@ class ReqSpec:
     seed: int
     stop_token_ids: frozenset[int]
     constrained: bool
+    # Admission order (sched/policy.py): the arrival on rank 0's clock, as each step's now.
+    priority: int
+    arrival_time: float | None
 
     @classmethod
     def of(cls, req: Req) -> ReqSpec:
@@ -142,10 +145,13 @@ class ReqSpec:
             req.seed,
             req.stop_token_ids,
             req.grammar is not None,
+            req.priority,
+            req.arrival_time,
         )
 
 
-Command = tuple[Any, ...]  # ("add", ReqSpec) | ("abort", rid) | ("flush",) | ("step",) | ("stop",)
+# ("add", ReqSpec) | ("abort", rid) | ("flush",) | ("step", now) | ("stop",)
+Command = tuple[Any, ...]
 
 
 class ReplicatedScheduler(Scheduler):
@@ -158,8 +164,8 @@ class ReplicatedScheduler(Scheduler):
         self._log: list[Command] = []
 
     def add_request(self, req: Req) -> None:
+        super().add_request(req)  # stamps its arrival, which the ranks then take
         self._log.append(("add", ReqSpec.of(req)))
-        super().add_request(req)
 
     def abort(self, rid: str) -> bool:
         self._log.append(("abort", rid))
@@ -170,10 +176,11 @@ class ReplicatedScheduler(Scheduler):
         return super().flush_cache()
 
     def step(self) -> list[StepOutput]:
-        commands, self._log = [*self._log, ("step",)], []
+        now = self.clock()  # one reading for every rank: they admit alike
+        commands, self._log = [*self._log, ("step", now)], []
         self.others.send(commands)
         try:
-            outputs = super().step()
+            outputs = super().step_at(now)
         except Exception as exc:  # a collective the watch aborted, say
             self.others.watch.check(exc)
             raise
@@ -366,7 +373,7 @@ def _apply(commands: list[Command], scheduler: Scheduler, grammars: GrammarBacke
         elif kind == "flush":
             scheduler.flush_cache()
         elif kind == "step":
-            scheduler.step()
+            scheduler.step_at(command[1])
         elif kind == "stop":
             return False
         else:
@@ -381,6 +388,8 @@ def _req_of(spec: ReqSpec, grammars: GrammarBackend) -> Req:
         params=spec.params,
         seed=spec.seed,
         stop_token_ids=spec.stop_token_ids,
+        priority=spec.priority,
+        arrival_time=spec.arrival_time,
     )
     if spec.constrained:
         compiled = grammars.compile_request(spec.params)

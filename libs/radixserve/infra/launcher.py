@@ -7,10 +7,11 @@ In code (tests, ``radixserve up``):
         infra.nats_pid, infra.redis_pid      # None for a server started elsewhere
 
 As a process (``python -m radixserve.infra`` / ``radixserve infra``), ``run_infra``
-prints one line per server and then ``ready``, and blocks until SIGINT/SIGTERM:
+prints one line per server and then ``ready``, and blocks until SIGINT/SIGTERM; with
+credentials (the default) each URL carries the admin's / the ACL user's:
 
-    nats-server pid=4242 url=nats://127.0.0.1:40001
-    redis-server pid=4243 url=redis://127.0.0.1:40002/0
+    nats-server pid=4242 url=nats://admin:PASSWORD@127.0.0.1:40001
+    redis-server pid=4243 url=redis://radixserve:PASSWORD@127.0.0.1:40002/0
     ready
 """
 
@@ -19,16 +20,15 @@ from __future__ import annotations
 import signal
 import sys
 import threading
-from pathlib import Path
 from types import FrameType, TracebackType
-from typing import TextIO, TypeVar
+from typing import Any, TextIO
 
 from radixserve.infra.binaries import find_nats_server, find_redis_server
+from radixserve.infra.nats_auth import ADMIN, NatsUsers
 from radixserve.infra.process import InfraError
+from radixserve.infra.redis_acl import RedisAcl
 from radixserve.infra.servers import LocalServer, NatsServer, RedisServer
 from radixserve.infra.settings import InfraSettings
-
-_S = TypeVar("_S", bound=LocalServer)
 
 _WATCH_PERIOD_S = 0.2
 
@@ -41,6 +41,16 @@ class Infra:
         self.nats: NatsServer | None = None
         self.redis: RedisServer | None = None
         self._started = False
+
+    @property
+    def nats_users(self) -> NatsUsers | None:
+        """The role users of the NATS started here (None: started elsewhere, or no auth)."""
+        return None if self.nats is None else self.nats.users
+
+    @property
+    def redis_acl(self) -> RedisAcl | None:
+        """The ACL user of the Redis started here (None: started elsewhere, or no auth)."""
+        return None if self.redis is None else self.redis.acl
 
     @property
     def nats_url(self) -> str:
@@ -75,30 +85,34 @@ class Infra:
         s = self.settings
         try:
             if s.nats_url is None:
-                self.nats = self._start_local(
-                    NatsServer, find_nats_server(s.nats_server_path), s.nats_port
+                self.nats = NatsServer(
+                    find_nats_server(s.nats_server_path),
+                    users=NatsUsers.generate() if s.auth else None,
+                    subject_prefix=s.subject_prefix,
+                    **self._server_options(s.nats_port),
                 )
+                self.nats.start()
             if s.redis_url is None:
-                self.redis = self._start_local(
-                    RedisServer, find_redis_server(s.redis_server_path), s.redis_port
+                self.redis = RedisServer(
+                    find_redis_server(s.redis_server_path),
+                    acl=RedisAcl.generate() if s.auth else None,
+                    **self._server_options(s.redis_port),
                 )
+                self.redis.start()
         except BaseException:
             self.stop()
             raise
         self._started = True
         return self
 
-    def _start_local(self, kind: type[_S], binary: Path, port: int | None) -> _S:
+    def _server_options(self, port: int | None) -> dict[str, Any]:
         s = self.settings
-        server = kind(
-            binary,
-            host=s.host,
-            port=port,
-            startup_timeout_s=s.startup_timeout_s,
-            stop_timeout_s=s.stop_timeout_s,
-        )
-        server.start()
-        return server
+        return {
+            "host": s.host,
+            "port": port,
+            "startup_timeout_s": s.startup_timeout_s,
+            "stop_timeout_s": s.stop_timeout_s,
+        }
 
     def stop(self) -> None:
         """Stop the servers this object started. Idempotent."""
@@ -160,10 +174,15 @@ def run_infra(
 
 
 def _announce(infra: Infra, out: TextIO) -> None:
-    # Machine-readable lines: tests and scripts parse `pid=` and `url=`.
+    # Machine-readable lines: tests and scripts parse `pid=` and `url=`. The URL of a
+    # server started with credentials carries the admin's (NATS) or the ACL user's (Redis):
+    # this is how the one who started it learns them, as Jupyter prints its token.
+    users, acl = infra.nats_users, infra.redis_acl
+    nats_url = infra.nats_url if users is None else users.url_for(ADMIN, infra.nats_url)
+    redis_url = infra.redis_url if acl is None else acl.url_for(infra.redis_url)
     for name, pid, url in (
-        ("nats-server", infra.nats_pid, infra.nats_url),
-        ("redis-server", infra.redis_pid, infra.redis_url),
+        ("nats-server", infra.nats_pid, nats_url),
+        ("redis-server", infra.redis_pid, redis_url),
     ):
         if pid is None:
             print(f"{name} external url={url}", file=out)

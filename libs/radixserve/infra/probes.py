@@ -19,11 +19,12 @@ def nats_answers(host: str, port: int, timeout_s: float = 0.5) -> bool:
 
 
 def redis_answers(host: str, port: int, timeout_s: float = 0.5) -> bool:
-    """True when a Redis server on host:port answers an inline ``PING``."""
+    """True when a Redis server on host:port answers an inline ``PING`` (with ``PONG``,
+    or, when it wants credentials, ``NOAUTH``: a Redis all the same)."""
     try:
         with socket.create_connection((host, port), timeout=timeout_s) as sock:
             sock.sendall(b"PING\r\n")
-            return _read_line(sock).startswith(b"+PONG")
+            return _read_line(sock).startswith((b"+PONG", b"-NOAUTH"))
     except OSError:
         return False
 

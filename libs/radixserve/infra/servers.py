@@ -16,6 +16,7 @@ work dir (the JetStream store), so a later try comes back with it.
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import socket
@@ -23,10 +24,14 @@ import tempfile
 from abc import ABC, abstractmethod
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from radixserve.infra.binaries import find_nats_server, find_redis_server
+from radixserve.infra.nats_auth import NatsUsers, render_authorization
 from radixserve.infra.probes import nats_answers, redis_answers
 from radixserve.infra.process import InfraError, ManagedProcess
+from radixserve.infra.redis_acl import RedisAcl
+from radixserve.protocol.subjects import DEFAULT_PREFIX, Subjects
 
 _FREE_PORT_TRIES = 3
 _LOWEST_FREE_PORT = 20000
@@ -192,7 +197,11 @@ class LocalServer(ABC):
     ) -> None:
         self.stop()
 
+    def _write_config(self, workdir: Path) -> None:  # noqa: B027  # most servers have none
+        """Write the config file `_argv` names, if the server has one (each launch)."""
+
     def _launch(self, port: int, workdir: Path) -> None:
+        self._write_config(workdir)
         proc = ManagedProcess(self.name, self._argv(port, workdir), workdir / f"{self.name}.log")
         self._proc = proc
         proc.start()
@@ -205,16 +214,36 @@ class LocalServer(ABC):
 
 
 class NatsServer(LocalServer):
-    """nats-server with JetStream (``-js``), its store in a temporary folder."""
+    """nats-server with JetStream (``-js``), its store in a temporary folder. With
+    ``users``, only they may connect, each role with its subjects under
+    ``subject_prefix`` (infra.nats_auth); the config (0600) is in the work dir."""
 
     name = "nats-server"
+
+    def __init__(
+        self,
+        binary: Path | None = None,
+        *,
+        users: NatsUsers | None = None,
+        subject_prefix: str = DEFAULT_PREFIX,
+        **options: Any,
+    ) -> None:
+        super().__init__(binary, **options)
+        self.users = users
+        self.subjects = Subjects(subject_prefix)
 
     def _find_binary(self) -> Path:
         return find_nats_server()
 
+    def _write_config(self, workdir: Path) -> None:
+        if self.users is not None:
+            write_private(workdir / "nats.conf", render_authorization(self.subjects, self.users))
+
     def _argv(self, port: int, workdir: Path) -> list[str]:
         store = workdir / "jetstream"
-        return [str(self.binary), "-a", self.host, "-p", str(port), "-js", "-sd", str(store)]
+        config = [] if self.users is None else ["-c", str(workdir / "nats.conf")]
+        argv = [str(self.binary), *config, "-a", self.host, "-p", str(port)]
+        return [*argv, "-js", "-sd", str(store)]
 
     def _answers(self, port: int) -> bool:
         return nats_answers(self.host, port)
@@ -224,16 +253,30 @@ class NatsServer(LocalServer):
 
 
 class RedisServer(LocalServer):
-    """redis-server without persistence (``--save "" --appendonly no``)."""
+    """redis-server without persistence (``--save "" --appendonly no``). With ``acl``,
+    only its user may connect (the config, 0600, is in the work dir)."""
 
     name = "redis-server"
+
+    def __init__(
+        self, binary: Path | None = None, *, acl: RedisAcl | None = None, **options: Any
+    ) -> None:
+        super().__init__(binary, **options)
+        self.acl = acl
 
     def _find_binary(self) -> Path:
         return find_redis_server()
 
+    def _write_config(self, workdir: Path) -> None:
+        if self.acl is not None:
+            write_private(workdir / "redis.conf", "\n".join(self.acl.config_lines()) + "\n")
+
     def _argv(self, port: int, workdir: Path) -> list[str]:
+        # The config file, when there is one, must come first on redis-server's line.
+        config = [] if self.acl is None else [str(workdir / "redis.conf")]
         return [
             str(self.binary),
+            *config,
             "--bind", self.host,
             "--port", str(port),
             "--save", "",
@@ -246,3 +289,11 @@ class RedisServer(LocalServer):
 
     def _scheme_url(self, port: int) -> str:
         return f"redis://{self.host}:{port}/0"
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write `text` to a file only its owner may read (it holds passwords)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as file:
+        file.write(text)
+    os.chmod(path, 0o600)  # an older file keeps its mode through O_CREAT

@@ -133,7 +133,11 @@ async def _registry(
     if settings.redis_cache:
         store = StoreSettings.from_env()
         remote = RedisGrammarCache(
-            StoreSettings(url=settings.service.redis_url, key_prefix=store.key_prefix),
+            StoreSettings(
+                url=settings.service.redis_url,
+                key_prefix=store.key_prefix,
+                auth=settings.service.redis_auth,
+            ),
             ttl_s=settings.cache_ttl_s,
         )
     registry = await asyncio.to_thread(

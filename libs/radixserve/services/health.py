@@ -8,6 +8,7 @@ every second, and each worker a `Heartbeat` with its status. `radixserve health`
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -56,11 +57,14 @@ class HealthReport:
         return "\n".join(lines)
 
 
-async def probe(nats_url: str, prefix: str, wait_s: float = 2.5) -> HealthReport:
-    """Heartbeats heard within `wait_s` (a bit over two heartbeat periods by default)."""
+async def probe(settings: BusSettings, prefix: str, wait_s: float = 2.5) -> HealthReport:
+    """Heartbeats heard within `wait_s` (a bit over two heartbeat periods by default),
+    connected as `settings` say (its URL, credentials and TLS)."""
     report = HealthReport()
     subjects = protocol.Subjects(prefix)
-    bus = await Bus.connect(BusSettings(url=nats_url, name="radixserve-health", connect_attempts=2))
+    bus = await Bus.connect(
+        dataclasses.replace(settings, name="radixserve-health", connect_attempts=2)
+    )
     try:
 
         async def on_alive(msg: BusMsg) -> None:

@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from radixserve.bus import Bus, BusSettings
+from radixserve.bus import Bus, BusSettings, NatsAuth
 from radixserve.bus.settings import DEFAULT_NATS_URL, ENV_NATS_URL
 from radixserve.protocol import ServiceHeartbeat, Subjects, encode
 from radixserve.protocol.subjects import DEFAULT_PREFIX, check_token
@@ -38,7 +38,7 @@ from radixserve.services.event_loop import (
     check_event_loop,
     loop_factory,
 )
-from radixserve.store.settings import DEFAULT_REDIS_URL, ENV_REDIS_URL
+from radixserve.store.settings import DEFAULT_REDIS_URL, ENV_REDIS_URL, RedisAuth
 from radixserve.telemetry.common import ServiceMetrics
 from radixserve.telemetry.exposition import MetricsServer
 from radixserve.telemetry.tracing import ENV_OTLP_ENDPOINT, TracingSettings, setup_tracing
@@ -92,9 +92,18 @@ class ServiceSettings:
     otlp_endpoint: str = ""
     # auto (uvloop where installed), uvloop or asyncio (services/event_loop.py).
     event_loop: str = "auto"
+    # Credentials and TLS (`user:password@` in a URL moves here, out of the logged URL).
+    nats_auth: NatsAuth = field(default_factory=NatsAuth)
+    redis_auth: RedisAuth = field(default_factory=RedisAuth)
 
     def __post_init__(self) -> None:
         check_event_loop(self.event_loop)
+        nats_url, nats_auth = self.nats_auth.with_url(self.nats_url)
+        redis_url, redis_auth = self.redis_auth.with_url(self.redis_url)
+        object.__setattr__(self, "nats_url", nats_url)
+        object.__setattr__(self, "nats_auth", nats_auth)
+        object.__setattr__(self, "redis_url", redis_url)
+        object.__setattr__(self, "redis_auth", redis_auth)
         if not self.instance_id:
             object.__setattr__(self, "instance_id", default_instance_id(self.service))
         check_token(self.instance_id, "instance id")
@@ -107,8 +116,14 @@ class ServiceSettings:
     def from_env(
         cls, service: str, environ: Mapping[str, str] | None = None, **overrides: Any
     ) -> ServiceSettings:
+        """From the `RADIXSERVE_*` variables; non-None `overrides` win: the fields, and the
+        credential flags' names (`nats_user`, `nats_tls_ca`, `redis_user`, ...)."""
         env = os.environ if environ is None else environ
+        nats_auth = NatsAuth.from_env(env, **_pop_prefixed(overrides, "nats_", _NATS_AUTH))
+        redis_auth = RedisAuth.from_env(env, **_pop_prefixed(overrides, "redis_", _REDIS_AUTH))
         values: dict[str, Any] = {
+            "nats_auth": nats_auth,
+            "redis_auth": redis_auth,
             "service": service,
             "instance_id": env.get(ENV_INSTANCE_ID, ""),
             "nats_url": env.get(ENV_NATS_URL, "").strip() or DEFAULT_NATS_URL,
@@ -135,7 +150,27 @@ class ServiceSettings:
             name=self.instance_id,
             connect_attempts=self.connect_attempts,
             connect_backoff_max_s=2.0,
+            auth=self.nats_auth,
         )
+
+
+# The credential settings that have flags (`--nats-user` ...): passwords have none, so that
+# they never show in `ps`; they come from $RADIXSERVE_*_PASSWORD or its _FILE.
+_NATS_AUTH = ("user", "creds_file", "nkey_seed_file", "tls_ca", "tls_cert", "tls_key")
+_REDIS_AUTH = ("user", "tls_ca", "tls_cert", "tls_key")
+
+
+def _pop_prefixed(overrides: dict[str, Any], prefix: str, names: tuple[str, ...]) -> dict[str, Any]:
+    return {name: overrides.pop(prefix + name, None) for name in names}
+
+
+def _add_auth_arguments(
+    parser: argparse.ArgumentParser, system: str, names: tuple[str, ...]
+) -> None:
+    for name in names:
+        flag = f"{system}-{name.replace('_', '-')}"
+        variable = f"RADIXSERVE_{flag.replace('-', '_').upper()}"
+        parser.add_argument(f"--{flag}", default=None, help=f"default ${variable}")
 
 
 def add_common_arguments(parser: argparse.ArgumentParser) -> None:
@@ -174,6 +209,10 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"the asyncio event loop (default ${ENV_EVENT_LOOP} or auto: uvloop where installed)",
     )
+    # NATS: --nats-user (password: $RADIXSERVE_NATS_PASSWORD[_FILE]), --nats-creds-file,
+    # --nats-nkey-seed-file, --nats-tls-ca/-cert/-key; Redis: --redis-user, --redis-tls-*.
+    _add_auth_arguments(parser, "nats", _NATS_AUTH)
+    _add_auth_arguments(parser, "redis", _REDIS_AUTH)
 
 
 def settings_from_args(service: str, ns: argparse.Namespace) -> ServiceSettings:
@@ -187,6 +226,8 @@ def settings_from_args(service: str, ns: argparse.Namespace) -> ServiceSettings:
         metrics_host=getattr(ns, "metrics_host", None),
         otlp_endpoint=getattr(ns, "otlp_endpoint", None),
         event_loop=getattr(ns, "event_loop", None),
+        **{f"nats_{name}": getattr(ns, f"nats_{name}", None) for name in _NATS_AUTH},
+        **{f"redis_{name}": getattr(ns, f"redis_{name}", None) for name in _REDIS_AUTH},
     )
 
 
@@ -282,10 +323,11 @@ async def _heartbeat_loop(ctx: ServiceContext) -> None:
 async def serve_async(settings: ServiceSettings, start: Start) -> int:
     """Connect, run `start`, heartbeat, wait for a signal, drain. Returns the exit code."""
     log.info(
-        "starting %s (instance %s), NATS %s",
+        "starting %s (instance %s), NATS %s as %s",
         settings.service,
         settings.instance_id,
         settings.nats_url,
+        settings.nats_auth.identity,
     )
     bus = await Bus.connect(settings.bus_settings())
     ctx = ServiceContext(settings=settings, bus=bus)

@@ -8,14 +8,23 @@ See ``radixserve.store.client`` for the full usage.
 
 from __future__ import annotations
 
-from radixserve.store.client import FieldValue, Store, StoreConnectError, StoreHealth
-from radixserve.store.ratelimit import RateLimitDecision
-from radixserve.store.settings import StoreSettings
+from radixserve.store.client import (
+    FieldValue,
+    Store,
+    StoreAuthError,
+    StoreConnectError,
+    StoreHealth,
+)
+from radixserve.store.ratelimit import Bucket, RateLimitDecision
+from radixserve.store.settings import RedisAuth, StoreSettings
 
 __all__ = [
+    "Bucket",
     "FieldValue",
     "RateLimitDecision",
+    "RedisAuth",
     "Store",
+    "StoreAuthError",
     "StoreConnectError",
     "StoreHealth",
     "StoreSettings",

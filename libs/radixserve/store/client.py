@@ -20,20 +20,27 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import cast
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import (
+    AuthenticationError,
+    AuthenticationWrongNumberOfArgsError,
+    NoPermissionError,
+    RedisError,
+)
 
 from radixserve.retry import RetriesExhausted, retry_with_backoff
 from radixserve.store.ratelimit import (
-    TOKEN_BUCKET_LUA,
+    TOKEN_BUCKETS_LUA,
+    Bucket,
     RateLimitDecision,
-    parse_decision,
-    validate_bucket,
+    bucket_args,
+    check_allowable,
+    parse_decisions,
 )
 from radixserve.store.settings import StoreSettings
 
@@ -60,6 +67,10 @@ class StoreConnectError(RuntimeError):
     """Redis did not answer PING within the configured attempts."""
 
 
+class StoreAuthError(StoreConnectError):
+    """Redis refused the credentials: trying again cannot help."""
+
+
 @dataclass(frozen=True)
 class StoreHealth:
     """Result of ``Store.health()``: ``ok`` when PING answered."""
@@ -75,12 +86,9 @@ class Store:
     def __init__(self, settings: StoreSettings) -> None:
         self.settings = settings
         self._redis: aioredis.Redis = aioredis.Redis.from_url(
-            settings.url,
-            decode_responses=True,
-            socket_connect_timeout=settings.connect_timeout_s,
-            socket_timeout=settings.socket_timeout_s,
+            settings.url, decode_responses=True, **settings.client_options()
         )
-        self._bucket = self._redis.register_script(TOKEN_BUCKET_LUA)
+        self._buckets = self._redis.register_script(TOKEN_BUCKETS_LUA)
         self._update = self._redis.register_script(_UPDATE_IF_EXISTS_LUA)
 
     # -- lifecycle -------------------------------------------------------------
@@ -102,9 +110,23 @@ class Store:
 
     async def _ping_with_retry(self) -> None:
         s = self.settings
+
+        async def attempt() -> None:
+            try:
+                await asyncio.wait_for(self._redis.ping(), s.connect_timeout_s)
+            except (AuthenticationError, AuthenticationWrongNumberOfArgsError) as exc:
+                # Retrying cannot change Redis's mind about the credentials.
+                who = s.auth.identity
+                refused = "wants credentials" if s.auth.password is None else f"refused {who}"
+                raise StoreAuthError(f"Redis at {s.url} {refused} ({exc})") from None
+            except NoPermissionError as exc:
+                raise StoreAuthError(
+                    f"Redis at {s.url} does not let {s.auth.identity} PING ({exc})"
+                ) from None
+
         try:
             await retry_with_backoff(
-                lambda: asyncio.wait_for(self._redis.ping(), s.connect_timeout_s),
+                attempt,
                 attempts=s.connect_attempts,
                 first_delay_s=s.connect_backoff_s,
                 max_delay_s=s.connect_backoff_max_s,
@@ -206,11 +228,29 @@ class Store:
     ) -> RateLimitDecision:
         """Take ``cost`` tokens from the bucket ``key`` (refilling at ``rate_per_s``
         up to ``burst``) if it has them; one atomic step in Redis."""
-        if not key:
-            raise ValueError("rate limit key must not be empty")
-        validate_bucket(rate_per_s, burst, cost)
-        reply = await self._bucket(keys=[self.key("rl", key)], args=[rate_per_s, burst, cost])
-        return parse_decision(list(reply))
+        (decision,) = await self.allow_all([Bucket(key, rate_per_s, burst, cost)])
+        return decision
+
+    async def allow_all(self, buckets: Sequence[Bucket]) -> list[RateLimitDecision]:
+        """Take each bucket's cost if every one has it, else nothing; one atomic step.
+        One decision per bucket, in order (each with the shared `allowed`)."""
+        if not buckets:
+            raise ValueError("no buckets to decide on")
+        for bucket in buckets:
+            check_allowable(bucket)
+        return await self._run_buckets(buckets, force=False)
+
+    async def charge(self, key: str, rate_per_s: float, burst: int, cost: int) -> RateLimitDecision:
+        """Take ``cost`` tokens from the bucket ``key`` whatever it holds (it may go
+        below zero, and then refuses until it has refilled)."""
+        (decision,) = await self._run_buckets([Bucket(key, rate_per_s, burst, cost)], force=True)
+        return decision
+
+    async def _run_buckets(self, buckets: Sequence[Bucket], force: bool) -> list[RateLimitDecision]:
+        reply = await self._buckets(
+            keys=[self.key("rl", b.key) for b in buckets], args=bucket_args(buckets, force)
+        )
+        return parse_decisions(list(reply))
 
 
 def _encode_fields(fields: Mapping[str, FieldValue]) -> dict[str, str]:

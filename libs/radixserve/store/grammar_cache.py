@@ -44,10 +44,7 @@ class RedisGrammarCache:
         self._last_warning = 0.0
         self._skip_until = 0.0  # after a failure: calls return at once until then
         self._redis: aioredis.Redis = aioredis.Redis.from_url(
-            settings.url,
-            decode_responses=False,
-            socket_connect_timeout=settings.connect_timeout_s,
-            socket_timeout=settings.socket_timeout_s,
+            settings.url, decode_responses=False, **settings.client_options()
         )
 
     def key(self, grammar_key: str) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -12,10 +13,25 @@ from radixserve.engine.outputs import detok_params
 from radixserve.engine.request import Req, TokenLogprob
 from radixserve.engine.sampling.params import SamplingParams
 
+if TYPE_CHECKING:
+    from radixserve.engine.engine import Engine
+
 
 def engine_params(wire: protocol.SamplingParams) -> SamplingParams:
     """The engine's validated form of the wire parameters (same field names)."""
     return SamplingParams.from_dict(msgspec.structs.asdict(wire))
+
+
+def submit_request(
+    engine: Engine, request: protocol.TokenizedRequest, grammar: Any = None
+) -> SamplingParams:
+    """Queue a routed request on the engine: its prompt, parameters and priority (and
+    its compiled grammar, if constrained). Returns the engine's form of the parameters;
+    raises ValueError for bad input."""
+    params = engine_params(request.sampling)
+    ids = protocol.unpack_tokens_array(request.input_ids)  # checked by the engine
+    engine.submit(ids, params, rid=request.rid, grammar=grammar, priority=request.priority)
+    return params
 
 
 @dataclass

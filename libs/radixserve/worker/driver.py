@@ -27,7 +27,7 @@ from typing import Any
 
 from radixserve import protocol
 from radixserve.engine.engine import Engine, EngineLoad
-from radixserve.worker.convert import OutputBuilder, engine_params
+from radixserve.worker.convert import OutputBuilder, submit_request
 from radixserve.worker.metrics import WorkerTelemetry
 
 log = logging.getLogger(__name__)
@@ -194,9 +194,7 @@ class EngineDriver:
     def _submit(self, routed: protocol.RoutedRequest, grammar: Any = None) -> None:
         request = routed.request
         try:
-            params = engine_params(request.sampling)
-            ids = protocol.unpack_tokens_array(request.input_ids)  # checked by the engine
-            self.engine.submit(ids, params, rid=request.rid, grammar=grammar)
+            params = submit_request(self.engine, request, grammar)
         except ValueError as exc:
             match = _PARAM_RE.search(str(exc))
             error = protocol.RequestError(

@@ -2,11 +2,12 @@
 
 Each step: make room for every running request's next token (retracting if the
 pool is short), admit waiting requests through the prefill adder (the request
-mid-chunk first), launch one forward over decode and prefill requests together
-(mixed batch) and the sampling of the requests whose prompt is fully in KV, then
-read the sampled tokens and finish or continue each request. With overlap
-scheduling (sched/overlap.py) the tokens read are the previous step's, while the
-device runs this one.
+mid-chunk first, then in the order of sched/policy.py: priority, then the schedule
+policy; admission only, nothing running is preempted), launch one forward over
+decode and prefill requests together (mixed batch) and the sampling of the requests
+whose prompt is fully in KV, then read the sampled tokens and finish or continue
+each request. With overlap scheduling (sched/overlap.py) the tokens read are the
+previous step's, while the device runs this one.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -76,8 +78,11 @@ class Scheduler:
         cache: PrefixCache,
         context_len: int,
         detokenize: Detokenize | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
+        # The starvation bound's clock (seconds): stamps arrivals and each step's `now`.
+        self.clock = clock
         self.runner = runner
         self.kv = KVManager(kv_pool, req_pool, cache)
         self.context_len = context_len
@@ -112,6 +117,10 @@ class Scheduler:
 
     # -- requests ---------------------------------------------------------------
     def add_request(self, req: Req) -> None:
+        """Queue a request. One that carries an `arrival_time` already keeps it (the n
+        choices of one prompt, queued after their shared prefill, wait since the prompt)."""
+        if req.arrival_time is None:
+            req.arrival_time = self.clock()
         req.arrival_order = next(self._arrivals)
         req.status = ReqStatus.WAITING
         self.waiting.append(req)
@@ -158,18 +167,23 @@ class Scheduler:
 
     # -- the step ---------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        outputs = self._step()
+        return self.step_at(self.clock())
+
+    def step_at(self, now: float) -> list[StepOutput]:
+        """A step whose admission compares waits against `now` (a reading of the clock):
+        a replica (a tensor-parallel rank) is given rank 0's, so that it admits alike."""
+        outputs = self._step(now)
         if self.config.debug_check_invariants:
             self.check_invariants()
         return outputs
 
-    def _step(self) -> list[StepOutput]:
+    def _step(self, now: float) -> list[StepOutput]:
         outputs, self._pending = self._pending, []
         if self._inflight is not None and any(needs_exact_state(r) for r in self.running):
             self.total_exact_state_waits += 1
             outputs.extend(self._drain())
         decode_reqs = self._plan_decode(outputs)
-        prefill_reqs = self._plan_prefill(decode_reqs)
+        prefill_reqs = self._plan_prefill(decode_reqs, now)
         if prefill_reqs and not self.config.enable_mixed_chunk and decode_reqs:
             # Prefill-first without mixing: the decoders give their slot back and wait a step.
             for req in decode_reqs:
@@ -181,8 +195,10 @@ class Scheduler:
                 outputs.extend(self._drain())
                 return outputs
             if self.waiting and not self.running and self.chunked is None:
-                # Nothing runs, so nothing will free memory: the head request can never fit.
-                req = self.waiting.popleft()
+                # Nothing runs, so nothing will free memory: the first request in admission
+                # order (the one the adder refused alone) can never fit.
+                req = self._ordered_waiting(now)[0]
+                self.waiting.remove(req)
                 outputs.append(
                     self._finish(
                         req, FinishReason("abort", message="KV cache too small for this request")
@@ -250,7 +266,7 @@ class Scheduler:
         self.kv.unassign_new_slots(req, 1)
         req.extend_len = 0
 
-    def _plan_prefill(self, decode_reqs: list[Req]) -> list[Req]:
+    def _plan_prefill(self, decode_reqs: list[Req], now: float) -> list[Req]:
         if not self.waiting and self.chunked is None:
             return []
         if self.chunked is None and not has_free_row(
@@ -271,11 +287,8 @@ class Scheduler:
         )
         if self.chunked is not None:
             adder.add_chunked(self.chunked)
-        ordered = order_waiting(
-            self.config.schedule_policy, list(self.waiting), self.kv, self.config.lpm_max_waiting
-        )
         deferred = 0
-        for req in ordered:
+        for req in self._ordered_waiting(now):
             result = adder.add_one(req)
             if result is AddResult.DEFERRED and deferred < MAX_DEFERRED_PER_STEP:
                 deferred += 1  # waits for a prefix admitted this step to be cached
@@ -285,6 +298,17 @@ class Scheduler:
             self.waiting.remove(req)
         self.chunked = adder.chunked
         return adder.admitted
+
+    def _ordered_waiting(self, now: float) -> list[Req]:
+        config = self.config
+        return order_waiting(
+            config.schedule_policy,
+            list(self.waiting),
+            self.kv,
+            config.lpm_max_waiting,
+            now,
+            config.priority_starvation_s,
+        )
 
     def _launch(self, reqs: list[Req]) -> Launched:
         """Queue the forward and the sampling of the ready requests; nothing waits for the

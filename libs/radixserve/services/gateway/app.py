@@ -31,12 +31,9 @@ from radixserve.api import ApiError, Endpoint
 from radixserve.api.errors import INVALID_REQUEST, SERVER_ERROR, error_body, param_from_loc
 from radixserve.bus import BusError, BusNoResponders, BusTimeout
 from radixserve.protocol import FlushCacheReply, FlushCacheRequest, ProtocolError, decode, encode
-from radixserve.services.gateway.generation import (
-    REQUEST_ID_HEADER,
-    error_response,
-    handle_generation,
-    json_response,
-)
+from radixserve.services.gateway.auth import AuthGate, api_key_of, forbidden
+from radixserve.services.gateway.generation import handle_generation
+from radixserve.services.gateway.responses import REQUEST_ID_HEADER, error_response, json_response
 from radixserve.services.gateway.state import GatewayState
 from radixserve.telemetry.metrics import CONTENT_TYPE
 
@@ -216,7 +213,7 @@ def create_app(state: GatewayState) -> ASGIApp:
         )
 
     @app.get("/v1/requests/{rid}")
-    async def get_request_record(rid: str) -> Response:
+    async def get_request_record(rid: str, request: Request) -> Response:
         if not _REQUEST_ID.fullmatch(rid):
             # Checked before it is echoed in a header or used in a Redis key: a NUL or a
             # newline there would break the response, not answer it.
@@ -236,9 +233,15 @@ def create_app(state: GatewayState) -> ASGIApp:
                 ApiError(404, f"no record of request {rid!r}", INVALID_REQUEST, "id", "not_found"),
                 rid,
             )
+        caller = api_key_of(request.scope)
+        if caller is not None and record.get("api_key") != caller.name and not caller.has("admin"):
+            return error_response(forbidden(caller, "admin"), rid)
         return json_response(record, headers={REQUEST_ID_HEADER: rid})
 
-    return GenerationRoutes(state, app)
+    routes = GenerationRoutes(state, app)
+    if state.guard is None:
+        return routes
+    return AuthGate(routes, state.guard, frozenset(GENERATION_PATHS), state.metrics)
 
 
 def _add_error_handlers(app: FastAPI) -> None:

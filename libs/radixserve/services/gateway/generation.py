@@ -17,7 +17,6 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import msgspec
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -42,23 +41,14 @@ from radixserve.api import (
     plan_completion,
     plan_generate,
     sse,
+    with_priority,
 )
+from radixserve.auth import ApiKey
 from radixserve.bus.tracing import extract_trace
+from radixserve.services.gateway.auth import api_key_of
 from radixserve.services.gateway.inflight import ClientDisconnected, Inflight
+from radixserve.services.gateway.responses import REQUEST_ID_HEADER, error_response, json_response
 from radixserve.services.gateway.state import GatewayState
-
-REQUEST_ID_HEADER = "X-Request-Id"
-
-
-def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    # msgspec: fast, and it writes a float that is not finite as null rather than failing.
-    return Response(
-        msgspec.json.encode(body), status, headers=headers, media_type="application/json"
-    )
-
-
-def error_response(exc: ApiError, request_id: str) -> Response:
-    return json_response(exc.body(), exc.status, {**exc.headers(), REQUEST_ID_HEADER: request_id})
 
 
 class SSEResponse(StreamingResponse):
@@ -125,12 +115,14 @@ async def handle_generation(state: GatewayState, request: Request, endpoint: End
     try:
         state.check_accepting()
         plan = _plan(state, endpoint, response_id, await _bounded_body(state, request))
+        api_key = api_key_of(request.scope)
+        plan = with_priority(plan, priority_of(plan.requested_priority, api_key))
     except ApiError as exc:
         state.metrics.observe_request(status=exc.status, error_type=exc.type, error_code=exc.code)
         return error_response(exc, response_id)
 
     # A client's `traceparent` makes the request's spans part of the client's trace.
-    run = Inflight(state, plan, trace_parent=extract_trace(request.headers))
+    run = Inflight(state, plan, trace_parent=extract_trace(request.headers), api_key=api_key)
     streaming = False
     try:
         run.watch_disconnect(request.receive)
@@ -159,12 +151,22 @@ async def handle_generation(state: GatewayState, request: Request, endpoint: End
             run.close(client_gone=True)  # cancelled: the server is stopping or the client left
 
 
+def priority_of(requested: int | None, api_key: ApiKey | None) -> int:
+    """What the body asked (0 if nothing), capped by the key's class: a key may lower its
+    requests' priority, never raise it past its class (which it gets when it asks none)."""
+    if api_key is None:
+        return requested or 0
+    cap = api_key.priority_value
+    return cap if requested is None else min(requested, cap)
+
+
 def _plan(state: GatewayState, endpoint: Endpoint, response_id: str, raw: bytes) -> GenerationPlan:
     common: dict[str, Any] = {
         "response_id": response_id,
         "gateway_id": state.gateway_id,
         "served_model": state.settings.served_model_name,
         "arrival_time": time.time(),
+        "limits": state.settings.limits,
     }
     if endpoint == "chat":
         reasoning = state.settings.reasoning_parser

@@ -22,6 +22,7 @@ from typing import Any
 from opentelemetry.context import Context
 
 from radixserve.api import ApiError, Assembly, ChoiceUpdate, GenerationPlan
+from radixserve.auth import ApiKey
 from radixserve.bus import BusError, BusNoResponders, BusPayloadTooLarge, BusTimeout
 from radixserve.protocol import RequestError, TextDelta, encode, num_tokens
 from radixserve.services.gateway.hub import (
@@ -48,10 +49,15 @@ class ClientDisconnected(Exception):
 
 class Inflight:
     def __init__(
-        self, state: GatewayState, plan: GenerationPlan, trace_parent: Context | None = None
+        self,
+        state: GatewayState,
+        plan: GenerationPlan,
+        trace_parent: Context | None = None,
+        api_key: ApiKey | None = None,
     ) -> None:
         self.state = state
         self.plan = plan
+        self.api_key = api_key  # the caller's, with auth on: its tokens are charged to it
         self.assembly = Assembly(plan)
         self.started = time.monotonic()
         self.first_token_at: float | None = None
@@ -91,6 +97,7 @@ class Inflight:
                 "n": plan.n,
                 "num_prompts": len(plan.submits),
                 "received_at": time.time(),
+                **({} if self.api_key is None else {"api_key": self.api_key.name}),
             },
         )
         # Each prompt goes out as a request the tokenizer acknowledges on receipt: with no
@@ -242,6 +249,10 @@ class Inflight:
                 state.aborts.send(rid, reason or "unfinished")
         status = CLIENT_CLOSED_STATUS if client_gone else (error.status if error else 200)
         usage = self.assembly.usage()
+        if self.api_key is not None and state.guard is not None:
+            state.guard.limiter.charge_soon(
+                self.api_key, usage.prompt_tokens + usage.completion_tokens
+            )
         ok = error is None and not client_gone
         e2e_s = self.elapsed()
         finish = [c.finish.kind for c in self.assembly.choices if c.finish is not None]

@@ -16,13 +16,14 @@ from collections.abc import Iterator
 
 import uvicorn
 
+from radixserve.auth import Authenticator, KeyFile, KeyRateLimiter, RedisKeys
 from radixserve.services.gateway.aborts import AbortSender
 from radixserve.services.gateway.app import create_app
 from radixserve.services.gateway.hub import Hub
 from radixserve.services.gateway.lost import check_lost_requests
 from radixserve.services.gateway.records import RecordWriter
 from radixserve.services.gateway.settings import GatewaySettings
-from radixserve.services.gateway.state import GatewayState
+from radixserve.services.gateway.state import GatewayState, Guard
 from radixserve.services.gateway.workers import WorkerTracker
 from radixserve.services.runtime import ServiceContext
 from radixserve.store import Store
@@ -81,6 +82,7 @@ async def start(ctx: ServiceContext, settings: GatewaySettings) -> None:
         ),
         metrics=metrics,
         workers=WorkerTracker(metrics, settings.worker_timeout_s),
+        guard=_guard(ctx, settings, store),
     )
     await bus.subscribe(subjects.gateway_all(settings.gateway_id), state.hub.on_message)
     await bus.subscribe(subjects.heartbeat_all, state.workers.on_heartbeat)
@@ -123,6 +125,34 @@ async def start(ctx: ServiceContext, settings: GatewaySettings) -> None:
 
     ctx.on_drain(stop_http)
     ctx.on_drain(stop_records)
+
+
+def _guard(ctx: ServiceContext, settings: GatewaySettings, store: Store) -> Guard | None:
+    """The API-key checks when auth is on; their background work supervised."""
+    auth = settings.auth
+    if not auth.enabled:
+        log.warning(
+            "no API keys: anyone who reaches %s can use this gateway (auth is off)", settings.host
+        )
+        return None
+    keyfile = None if auth.keys_file is None else KeyFile(auth.keys_file)
+    authenticator = Authenticator(
+        keyfile,
+        RedisKeys(store),
+        cache_ttl_s=auth.cache_ttl_s,
+        stale_s=auth.stale_s,
+        lookup_timeout_s=auth.lookup_timeout_s,
+    )
+    limiter = KeyRateLimiter(store)
+    ctx.spawn(limiter.run(), "rate-limit-charges")
+    ctx.on_drain(lambda: limiter.drain(timeout_s=1.0))
+    if keyfile is not None:
+        ctx.spawn(keyfile.watch(auth.reload_interval_s), "keys-file-watch")
+    log.info(
+        "API keys required: %s and Redis",
+        "none from a file" if keyfile is None else f"{len(keyfile)} from {auth.keys_file}",
+    )
+    return Guard(authenticator, limiter, keyfile)
 
 
 async def _serve(server: uvicorn.Server, sock: socket.socket) -> None:

@@ -8,6 +8,9 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from radixserve.api.limits import DEFAULT_LIMITS, RequestLimits, add_limit_arguments, limits_from
+from radixserve.auth import settings as auth_settings
+from radixserve.auth.settings import AuthSettings
 from radixserve.chat_format.reasoning import REASONING_FORMATS
 from radixserve.model_files.names import EMBEDDED_MODEL_NAME
 from radixserve.model_files.names import served_model_name as model_name_of
@@ -53,8 +56,12 @@ class GatewaySettings:
     # How the served model writes its reasoning (chat_format/reasoning.py); chat answers then
     # carry it as reasoning_content. None: answers are content only.
     reasoning_parser: str | None = None
+    auth: AuthSettings = field(default_factory=AuthSettings)
+    # What one request may ask for (stop strings, tools, grammar size, ...): 400s past them.
+    limits: RequestLimits = DEFAULT_LIMITS
 
     def __post_init__(self) -> None:
+        self.auth.check_exposure(self.host)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if not self.served_model_name:
@@ -139,6 +146,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"TTL of the Redis request records; default ${ENV_RECORD_TTL_S} or 3600",
     )
+    auth_settings.add_arguments(parser)
+    add_limit_arguments(parser)
 
 
 def settings_from(
@@ -146,7 +155,9 @@ def settings_from(
 ) -> GatewaySettings:
     env = os.environ if environ is None else environ
     service = settings_from_args(SERVICE, ns)
-    store = dataclasses.replace(StoreSettings.from_env(env), url=service.redis_url)
+    store = dataclasses.replace(
+        StoreSettings.from_env(env), url=service.redis_url, auth=service.redis_auth
+    )
 
     def pick(flag: str | float | None, var: str) -> str | None:
         if flag is not None:
@@ -174,4 +185,6 @@ def settings_from(
         ),
         lost_check_s=defaults.lost_check_s if ns.lost_check_s is None else ns.lost_check_s,
         reasoning_parser=None if reasoning in (None, "none") else reasoning,
+        auth=auth_settings.settings_from(ns, env),
+        limits=limits_from(ns, env),
     )

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from radixserve.api import ApiError, Assembly
+from radixserve.auth import Authenticator, KeyFile, KeyRateLimiter
 from radixserve.bus import Bus
 from radixserve.protocol import Subjects
 from radixserve.services.gateway.aborts import AbortSender
@@ -16,6 +17,15 @@ from radixserve.services.gateway.records import RecordWriter
 from radixserve.services.gateway.settings import GatewaySettings
 from radixserve.services.gateway.workers import WorkerTracker
 from radixserve.telemetry import GatewayMetrics
+
+
+@dataclass
+class Guard:
+    """The gateway's API-key checks (auth on): who calls, and their rate limits."""
+
+    authenticator: Authenticator
+    limiter: KeyRateLimiter
+    keyfile: KeyFile | None
 
 
 class Run(Protocol):
@@ -39,6 +49,8 @@ class GatewayState:
     records: RecordWriter
     metrics: GatewayMetrics
     workers: WorkerTracker
+    # None: auth off (a loopback gateway, or --allow-unauthenticated).
+    guard: Guard | None = None
     started_at: int = field(default_factory=lambda: int(time.time()))
     # Set on SIGTERM: new requests get 503 while the ones in flight finish.
     draining: bool = False
