@@ -78,6 +78,8 @@ def test_up_serves_the_api_and_ctrl_c_leaves_nothing(tmp_path: Path) -> None:
                 break
         elapsed = time.monotonic() - started
         assert any("radixserve is up" in line for line in lines), "".join(lines)
+        # On loopback no key is needed, and the banner says so.
+        assert "no API key needed: it listens on 127.0.0.1 only" in next(proc.stdout)
         assert elapsed < 90, f"healthy after {elapsed:.0f}s"
         infra = [line for line in lines if line.startswith(("NATS ", "Redis "))]
         ports = [line.rsplit(":", 1)[1].split("/")[0].strip() for line in infra]
@@ -139,3 +141,18 @@ def test_bad_model_path_is_a_clear_error() -> None:
     assert proc.returncode == 2
     assert "radixserve:" in proc.stderr and "/nonexistent/model" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_up_refuses_another_interface_without_api_keys(tmp_path: Path) -> None:
+    """Nothing starts: the refusal comes before NATS, Redis or any service."""
+    proc = subprocess.run(
+        [*CLI, "up", "--device", "cpu", "--api-host", "0.0.0.0", "--log-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=cli_env(),
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "refusing to serve 0.0.0.0 without API keys" in proc.stderr
+    assert "--allow-unauthenticated" in proc.stderr and "Traceback" not in proc.stderr
+    assert "NATS" not in proc.stdout  # no server was started
