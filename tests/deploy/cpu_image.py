@@ -171,6 +171,7 @@ def build_radixserve_image(
             [
                 "docker",
                 "build",
+                "--force-rm",  # a failed step's container removed too (the classic builder)
                 "--network",
                 "host",
                 "--build-arg",

@@ -163,6 +163,7 @@ def _docker_build(context: Path, tag: str, name: str) -> None:
         [
             "docker",
             "build",
+            "--force-rm",  # a failed step's container removed too (the classic builder)
             "--network",
             "host",
             "--label",

@@ -4,29 +4,32 @@
 
 Skipped when no Docker engine answers (`docker info`) or Compose v2 is missing. Otherwise
 the base images Docker Hub would give are built where missing (tests/deploy/
-standin_images.py), the CPU image is built from docker/Dockerfile (cpu_image.py; cached layers: seconds
-when nothing changed), and the stack comes up as a user starts it without a GPU:
+standin_images.py), the CPU image is built from docker/Dockerfile (cpu_image.py; cached
+layers: seconds when nothing changed), and the stack comes up as a user starts it without a
+GPU:
 
     RADIXSERVE_GPU_WORKERS=0 docker compose -p radixserve-test --profile cpu up -d \\
         nats redis tokenizer scheduler grammar detokenizer worker-cpu gateway prometheus
 
 (Grafana, the OpenTelemetry collector and Jaeger have no stand-in here: not started;
-secrets-init, which the gateway waits for, is.) Every
-compose command carries `-p radixserve-test --profile cpu`, `down` included: .env's
-COMPOSE_PROFILES=gpu would otherwise leave worker-cpu, the network and a volume behind.
+secrets-init, which the gateway waits for, is.) Every compose command carries
+`-p radixserve-test --profile cpu`, `down` included: .env's COMPOSE_PROFILES=gpu would
+otherwise leave worker-cpu, the network and a volume behind.
 
 Once the gateway's /health/ready answers 200 (open), the admin key secrets-init made is
 read as a user reads it (`docker compose exec gateway cat /secrets/admin-api-key`) and
 every API call carries it; one without a key, or with a wrong one, is refused. NATS and
 Redis want credentials (secrets-init's): `radixserve health` as the NATS admin, run as
 docker-compose.yml says, sees every service, and without credentials it is refused. A
-json_schema request is sent at once (is the whole API ready?), then the API is driven with the `openai` client and httpx,
-Prometheus is asked for its targets, the worker is restarted (a request meanwhile must be
-answered, not left hanging: its scheduler refusal is also what the dashboard's "Scheduler
-refusals" panel shows), and every expression of the overview dashboard must return a
-series. The stack is always taken down (`down -v`, then nothing of the project may be
-left); a failed test prints the containers' last 50 log lines (and keeps them under
-$RADIXSERVE_STANDIN_DIR/compose-logs).
+json_schema request is sent at once (is the whole API ready?), then the API is driven with
+the `openai` client and httpx, Prometheus is asked for its targets, the worker is restarted
+(a request meanwhile must be answered, not left hanging: its scheduler refusal is also what
+the dashboard's "Scheduler refusals" panel shows), and every expression of the overview
+dashboard must return a series. Then Redis must refuse a client without the password, a
+second `up` must keep every secret (the same admin key), and no service may have been
+denied a NATS subject (nats-server's log). The stack is always taken down (`down -v`, then
+nothing of the project may be left); a failed test prints the containers' last 50 log
+lines (and keeps them under $RADIXSERVE_STANDIN_DIR/compose-logs).
 
 RADIXSERVE_COMPOSE_READY_TIMEOUT_S (default 900) bounds the wait for the first ready;
 RADIXSERVE_REBUILD_IMAGE=0 uses an existing radixserve image as it is.
@@ -152,8 +155,8 @@ class Stack:
 def _compose_env() -> dict[str, str]:
     env = dict(os.environ)
     env["RADIXSERVE_GPU_WORKERS"] = "0"
-    # (docker-compose.yml reads it as ${RADIXSERVE_OTLP_ENDPOINT:-http://otel-collector:4318}:
-    # an empty value takes the default too, so the services do try the absent collector.)
+    # Tracing off (no collector here): docker-compose.yml's `${RADIXSERVE_OTLP_ENDPOINT-...}`
+    # keeps the empty value.
     env["RADIXSERVE_OTLP_ENDPOINT"] = ""
     return env
 
@@ -616,3 +619,49 @@ def test_every_dashboard_expression_has_a_series(client: openai.OpenAI, stack: S
     FIGURES["dashboard expressions"] = len(expressions)
     FIGURES["dashboard expressions without a series"] = empty
     assert not empty, f"{len(empty)} of {len(expressions)} have no series:\n" + "\n".join(empty)
+
+
+def test_redis_wants_the_password_secrets_init_made(stack: Stack) -> None:
+    """No `default` user: a client without credentials gets NOAUTH; the radixserve user
+    with secrets-init's password gets PONG."""
+    anonymous = stack.run("exec", "-T", "redis", "redis-cli", "ping", timeout_s=60)
+    assert "NOAUTH" in anonymous, anonymous
+    as_user = 'REDISCLI_AUTH="$(cat /run/secrets/redis/password)" redis-cli --user radixserve ping'
+    assert stack.run("exec", "-T", "redis", "sh", "-c", as_user, timeout_s=60).strip() == "PONG"
+
+
+def test_a_second_up_keeps_the_keys(stack: Stack) -> None:
+    """`up` again runs secrets-init again: it keeps every secret it made (the same admin
+    key, the same hashed keys file and passwords), and the running stack still serves."""
+    files = ["/secrets/api-keys.json", "/run/secrets/nats/password", "/run/secrets/redis/password"]
+    before = stack.run("exec", "-T", "gateway", "sha256sum", *files, timeout_s=60)
+    stack.run("up", "-d", "--no-build", "--pull", "never", *SERVICES, timeout_s=UP_TIMEOUT_S)
+    assert "nothing done" in stack.run("logs", "--no-color", "secrets-init", timeout_s=60)
+    assert stack.run("exec", "-T", "gateway", "cat", ADMIN_KEY_FILE).strip() == stack.api_key
+    assert stack.run("exec", "-T", "gateway", "sha256sum", *files, timeout_s=60) == before
+    wait_ready(READY_TIMEOUT_S)
+    models = httpx.get(f"{GATEWAY}/v1/models", headers=stack.auth, timeout=30)
+    assert models.status_code == 200, models.text
+
+
+def test_no_service_stepped_outside_its_nats_permissions(stack: Stack) -> None:
+    """Last, after all the traffic: nats-server logs every publish or subscription a user's
+    permissions deny, and none is a service's. The reference: `radixserve health` as the
+    tokenizer role (not allowed the heartbeats it listens to) is logged so."""
+    probe = ["run", "--rm", "-e", "RADIXSERVE_NATS_USER=tokenizer", "-e",
+             "RADIXSERVE_NATS_PASSWORD_FILE=/nats-users/tokenizer/password",
+             "--entrypoint", "radixserve", "secrets-init", "health"]  # fmt: skip
+    subprocess.run(
+        [*stack.compose, "-p", PROJECT, "--profile", "cpu", *probe],
+        cwd=REPO, env=stack.env, capture_output=True, timeout=COMMAND_TIMEOUT_S, check=False,
+    )  # fmt: skip
+    denied = [
+        line
+        for line in stack.run("logs", "--no-color", "nats", timeout_s=60).splitlines()
+        if "Publish Violation" in line or "Subscription Violation" in line
+    ]
+    probed = [line for line in denied if "radixserve-health" in line and "tokenizer" in line]
+    assert probed, f"the probe's denied subscriptions are not in the log: {denied[-5:]}"
+    services = [line for line in denied if line not in probed]
+    FIGURES["NATS permission violations by a service"] = len(services)
+    assert not services, "\n".join(services[-20:])

@@ -179,3 +179,12 @@ def dockerignore_admits(patterns: list[str], path: str) -> bool:
 
 def dockerignore_patterns(text: str) -> list[str]:
     return [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")]
+
+
+def radixserve_imports(text: str) -> list[tuple[str, str]]:
+    """(module, name) of each `from radixserve... import name` a RUN line's Python runs: a
+    moved function breaks only the image build otherwise."""
+    found = []
+    for module, names in re.findall(r"from (radixserve[\w.]*) import ([\w, ]+)", text):
+        found += [(module, name.strip()) for name in names.split(",") if name.strip()]
+    return found

@@ -4,6 +4,7 @@ dependency lock, the build context, and the health check script the images run."
 from __future__ import annotations
 
 import http.server
+import importlib
 import importlib.metadata as metadata
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from tests.packaging.docker_checks import (
     dockerignore_patterns,
     hadolint_findings,
     pip_unpinned,
+    radixserve_imports,
 )
 
 HEALTHCHECK = DOCKER_DIR / "healthcheck.py"
@@ -146,6 +148,25 @@ def test_build_context_admits_everything_the_dockerfiles_copy() -> None:
             assert (ROOT / source).exists(), f"{dockerfile.name} copies {source}, which is missing"
     for heavy in (".venv/bin/python", ".git/HEAD", "tests/conftest.py"):
         assert not dockerignore_admits(patterns, heavy), f"{heavy} is in the build context"
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_the_python_a_dockerfile_runs_imports_what_exists(dockerfile: Path) -> None:
+    imports = radixserve_imports(dockerfile.read_text())
+    assert imports, "the model bake's import is no longer found: update radixserve_imports"
+    for module, name in imports:
+        assert hasattr(importlib.import_module(module), name), f"no {module}.{name}"
+
+
+def test_a_moved_import_is_caught() -> None:
+    text = 'python -c "from radixserve.model_files.paths import resolve_model_path, gone"'
+    imports = radixserve_imports(text)
+    assert imports == [
+        ("radixserve.model_files.paths", "resolve_model_path"),
+        ("radixserve.model_files.paths", "gone"),
+    ]
+    module = importlib.import_module(imports[0][0])
+    assert hasattr(module, "resolve_model_path") and not hasattr(module, "gone")
 
 
 class _Metrics(http.server.BaseHTTPRequestHandler):
