@@ -257,6 +257,7 @@ COMPOSE_TO_VALUES = {
     "RADIXSERVE_WORKER_TIMEOUT_S": "scheduler.workerTimeoutS",
     "RADIXSERVE_RETRY_AFTER_S": "scheduler.retryAfterS",
     "RADIXSERVE_ROUTING": "scheduler.routing",
+    "RADIXSERVE_MAX_MIGRATIONS": "scheduler.maxMigrations",
     "RADIXSERVE_GRAMMAR_REPLICAS": "grammar.replicas",
     "RADIXSERVE_COMPILE_TIMEOUT_S": "grammar.compileTimeoutS",
     "RADIXSERVE_COMPILE_LIMIT_S": "grammar.compileLimitS",

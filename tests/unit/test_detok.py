@@ -25,6 +25,7 @@ from radixserve.protocol import (
     StepOutputBatch,
     TextDelta,
     TopLogprobs,
+    num_tokens,
     pack_tokens,
 )
 from tests.helpers.tiny_models import embedded_model_dir
@@ -408,3 +409,27 @@ def test_a_choice_first_delta_names_its_worker(tokenizer: Any) -> None:
     later = step_output(ids[1:], LENGTH, sent_before=1)
     (delta,) = detok.process(StepOutputBatch(worker_id="w7", step=2, outputs=[later]))["gw0"]
     assert delta.worker_id == ""
+
+
+def test_a_rerouted_request_repeating_tokens_continues_without_them(tokenizer: Any) -> None:
+    # The request's first worker died after 3 tokens; the scheduler had seen 2, so the
+    # new worker resumes at 2 and repeats token 3 (greedy: the same one): it is cut off,
+    # and the text is the uninterrupted one. Repeating a different token fails it.
+    detok = IncrementalDetokenizer(tokenizer)
+    ids = tokenizer.encode("one two three four five")
+
+    def step(worker: str, n: int, *outputs: StepOutput) -> list[TextDelta]:
+        batch = StepOutputBatch(worker_id=worker, step=n, outputs=list(outputs))
+        return detok.process(batch).get("gw0", [])
+
+    text = [d.text for d in step("w0", 0, step_output(ids[:3]))]
+    resumed = step("w1", 0, step_output(ids[2:4], sent_before=2))
+    assert [num_tokens(d.token_ids) for d in resumed] == [1]
+    text += [d.text for d in resumed]
+    text += [d.text for d in step("w1", 1, step_output(ids[4:], LENGTH, sent_before=4))]
+    assert "".join(text) == tokenizer.decode(ids)
+    assert detok.take_lost() == []
+    other = [*ids[:1], ids[1] + 1]
+    step("w0", 2, step_output(ids[:2], rid="r1"))
+    assert step("w1", 0, step_output(other, rid="r1", sent_before=0)) == []
+    assert [x.rid for x in detok.take_lost()] == ["r1"]

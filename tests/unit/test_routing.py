@@ -24,6 +24,7 @@ from radixserve.routing import (
     NO_WORKER,
     QUEUE_FULL,
     WORKER_LOST,
+    ChoiceProgress,
     Dispatcher,
     Dropped,
     InflightEntry,
@@ -33,8 +34,8 @@ from radixserve.routing import (
     Rejected,
     Routed,
     WorkerLoad,
-    finished_choices,
     merge_flush_replies,
+    step_progress,
 )
 
 CAPACITY = WorkerCapacity(max_running_requests=8, max_total_num_tokens=4096, max_context_len=512)
@@ -64,7 +65,7 @@ def _request(rid: str, n: int = 1, gateway_id: str = "gw-1") -> TokenizedRequest
     )
 
 
-def _dispatcher(max_pending: int = 100, *workers: str) -> Dispatcher:
+def _dispatcher(max_pending: int = 100, *workers: str, max_migrations: int = 2) -> Dispatcher:
     # Least-load decisions: the requests here repeat one prompt, which cache-aware routing
     # (tests/unit/test_routing_cache_aware.py) would keep on one worker.
     dispatcher = Dispatcher(
@@ -72,6 +73,7 @@ def _dispatcher(max_pending: int = 100, *workers: str) -> Dispatcher:
         worker_timeout_s=TIMEOUT_S,
         retry_after_s=2.0,
         routing="least_load",
+        max_migrations=max_migrations,
     )
     for worker_id in workers:
         dispatcher.on_heartbeat(_beat(worker_id), now=0.0)
@@ -150,7 +152,7 @@ def test_no_ready_worker_is_a_503_with_retry_after() -> None:
 
 
 def test_a_silent_worker_expires_and_its_requests_are_lost() -> None:
-    d = _dispatcher(100, "w0", "w1")
+    d = _dispatcher(100, "w0", "w1", max_migrations=0)  # no re-routes: 503s
     d.on_stats(_stats("w1", running=5), now=0.0)
     assert _routed_to(d.admit(_request("r1", gateway_id="gw-a"), 0.0, 0.0)) == "w0"
     assert _routed_to(d.admit(_request("r2", gateway_id="gw-b"), 0.0, 0.0)) == "w0"
@@ -273,7 +275,7 @@ def test_a_duplicate_rid_is_not_routed_twice() -> None:
     assert len(d.inflight) == 1
 
 
-def test_finished_choices_reads_an_encoded_step_batch() -> None:
+def test_step_progress_reads_an_encoded_step_batch() -> None:
     batch = StepOutputBatch(
         worker_id="w0",
         step=7,
@@ -290,8 +292,13 @@ def test_finished_choices_reads_an_encoded_step_batch() -> None:
             StepOutput(rid="c", gateway_id="g", finish_reason=FinishReason(kind="abort")),
         ],
     )
-    finished = finished_choices(encode(batch))
-    assert [(f.rid, f.index, f.kind) for f in finished] == [("b", 1, "stop"), ("c", 0, "abort")]
+    progress = step_progress(encode(batch))
+    assert [(p.rid, p.index, p.finish) for p in progress] == [
+        ("a", 0, None),
+        ("b", 1, "stop"),
+        ("c", 0, "abort"),
+    ]
+    assert [p.new_token_ids for p in progress] == [pack_tokens([5, 6]), pack_tokens([9]), b""]
 
 
 def test_flush_is_ok_only_when_every_worker_said_ok() -> None:
@@ -343,3 +350,88 @@ def test_the_inflight_table_remembers_when_its_last_requests_ended() -> None:
     assert table.ended_ago("a") is None  # only the last two are remembered
     assert (table.ended_ago("b"), table.ended_ago("c")) == (0.0, 0.0)
     assert table.ended_ago("never") is None
+
+
+# -- a dead worker's requests go on elsewhere -------------------------------------------
+
+
+def _progress(rid: str, ids: list[int], total: int, finish: str | None = None) -> ChoiceProgress:
+    return ChoiceProgress(rid, 0, pack_tokens(ids), total, finish)  # type: ignore[arg-type]
+
+
+def test_a_lost_workers_request_is_rerouted_with_what_it_generated() -> None:
+    d = _dispatcher(100, "w0", "w1")
+    d.on_stats(_stats("w1", running=5), 0.0)  # w0 takes the first request
+    assert _routed_to(d.admit(_request("r1"), 0.0, 0.0)) == "w0"
+    d.on_progress(_progress("r1", [7, 8], 2))
+    d.on_progress(_progress("r1", [9], 3))
+    d.on_heartbeat(_beat("w1"), now=TIMEOUT_S)  # w1 stays alive, w0 goes silent
+    (moved,) = d.expire(TIMEOUT_S + 0.1)
+    assert isinstance(moved, Routed) and moved.migrated == "worker_lost"
+    routed = moved.routed
+    assert (routed.worker_id, routed.attempt) == ("w1", 1)
+    assert routed.output_prefix == pack_tokens([7, 8, 9])
+    assert routed.request.input_ids == pack_tokens([1, 2, 3])  # the prompt as it was
+    assert d.inflight.count_on("w1") == 1 and d.abort("r1", 0.0) == "w1"
+    # Its outputs from the new worker continue the count; the finish ends it.
+    d.on_progress(_progress("r1", [10], 4))
+    assert d.on_progress(_progress("r1", [11], 5, "length"))
+    assert "r1" not in d.inflight
+
+
+def test_a_restarted_workers_requests_go_to_another_worker() -> None:
+    d = _dispatcher(100, "w0", "w1")
+    d.on_stats(_stats("w1", running=5), 0.0)
+    assert _routed_to(d.admit(_request("r1"), 0.0, 0.0)) == "w0"
+    (moved,) = d.on_heartbeat(_beat("w0", epoch=2), now=1.0)
+    assert isinstance(moved, Routed) and moved.migrated == "worker_restarted"
+    assert moved.routed.worker_id == "w1" and moved.routed.output_prefix is None
+
+
+def test_what_cannot_be_rerouted_gets_worker_lost() -> None:
+    d = _dispatcher(100, "w0", "w1")
+    d.on_stats(_stats("w1", running=50), 0.0)
+    for rid, n in (("many", 2), ("hole", 1), ("ok", 1)):
+        assert _routed_to(d.admit(_request(rid, n=n), 0.0, 0.0)) == "w0"
+    d.on_progress(_progress("hole", [7], 1))
+    d.on_progress(_progress("hole", [9], 3))  # token 2 never seen: cannot resume exactly
+    d.on_heartbeat(_beat("w1"), now=TIMEOUT_S)
+    decisions = {
+        (m.routed.rid if isinstance(m, Routed) else m.error.rid): m
+        for m in d.expire(TIMEOUT_S + 0.1)
+    }
+    assert isinstance(decisions["ok"], Routed)
+    for rid in ("many", "hole"):
+        lost = decisions[rid]
+        assert isinstance(lost, Rejected) and lost.error.code == WORKER_LOST
+        assert rid not in d.inflight
+
+
+def test_reroutes_are_bounded_and_need_another_worker() -> None:
+    d = Dispatcher(
+        max_pending_requests=10, worker_timeout_s=TIMEOUT_S, retry_after_s=1.0,
+        routing="least_load", max_migrations=1,
+    )  # fmt: skip
+    for worker in ("w0", "w1"):
+        d.on_heartbeat(_beat(worker), now=0.0)
+    d.on_stats(_stats("w1", running=5), 0.0)
+    assert _routed_to(d.admit(_request("r1"), 0.0, 0.0)) == "w0"
+    (first,) = d.on_heartbeat(_beat("w0", epoch=2), now=1.0)
+    assert isinstance(first, Routed) and first.routed.worker_id == "w1"
+    (second,) = d.on_heartbeat(_beat("w1", epoch=2), now=1.0)  # a second loss: past the bound
+    assert isinstance(second, Rejected) and second.error.code == WORKER_LOST
+    # One worker only: nowhere to go.
+    alone = _dispatcher(100, "w0")
+    assert _routed_to(alone.admit(_request("r2"), 0.0, 0.0)) == "w0"
+    (lost,) = alone.on_heartbeat(_beat("w0", epoch=2), now=1.0)
+    assert isinstance(lost, Rejected)
+
+
+def test_a_run_not_taken_goes_to_another_worker() -> None:
+    d = _dispatcher(100, "w0", "w1")
+    d.on_stats(_stats("w1", running=5), 0.0)
+    assert _routed_to(d.admit(_request("r1"), 0.0, 0.0)) == "w0"
+    moved = d.not_taken("r1", "w0", "w0 does not listen")
+    assert isinstance(moved, Routed) and moved.migrated == "not_acknowledged"
+    assert moved.routed.worker_id == "w1"
+    assert d.not_taken("r1", "w0", "late") is None  # not w0's any more

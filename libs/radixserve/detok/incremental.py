@@ -21,6 +21,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import msgspec
+
 from radixserve.detok.stop import FinishLike, stop_prefix_len, trim_stop_string, trims_stop_token
 from radixserve.protocol import (
     DetokParams,
@@ -33,6 +35,7 @@ from radixserve.protocol import (
     TopLogprobEntry,
     TopLogprobs,
     num_tokens,
+    unpack_tokens,
 )
 
 if TYPE_CHECKING:
@@ -291,7 +294,7 @@ class IncrementalDetokenizer:
         )
         deltas: dict[str, list[TextDelta]] = {}
         for round_outputs in _rounds(batch.outputs):
-            outputs = [out for out in round_outputs if self._continues(out)]
+            outputs = [c for out in round_outputs if (c := self._continuing(out)) is not None]
             # A later choice of the same request may have failed it after an earlier one
             # passed: none of its choices goes on.
             outputs = [out for out in outputs if out.rid not in self._failed]
@@ -306,15 +309,23 @@ class IncrementalDetokenizer:
         return lost
 
     # -- internals --------------------------------------------------------------
-    def _continues(self, out: StepOutput) -> bool:
-        """Whether `out` follows what its stream has received; if not, fail its request."""
+    def _continuing(self, out: StepOutput) -> StepOutput | None:
+        """`out` as it follows what its stream has received, or None. A request re-routed
+        to another worker (its first died) may repeat tokens this stream has: the same
+        ones (greedy and seeded requests repeat them) are cut off. One that skips ahead,
+        or repeats others, fails its request."""
         if out.rid in self._failed:
-            return False
+            return None
         status = self._streams.get((out.rid, out.index))
         received = 0 if status is None else status.tokens
-        sent_before = out.completion_tokens - num_tokens(out.new_token_ids)
+        new = num_tokens(out.new_token_ids)
+        sent_before = out.completion_tokens - new
         if sent_before == received:
-            return True
+            return out
+        if status is not None and sent_before < received <= out.completion_tokens:
+            repeated = unpack_tokens(out.new_token_ids)[: received - sent_before]
+            if len(status.ids) == received and status.ids[sent_before:] == repeated:
+                return _without_first(out, len(repeated))
         log.warning(
             "choice %d lost tokens: %d received, the worker had sent %d; failing the request",
             out.index,
@@ -328,7 +339,7 @@ class IncrementalDetokenizer:
         if len(self._failed) > self.max_requests:
             self._failed.popitem(last=False)
         self._lost.append(LostStream(out.rid, out.gateway_id))
-        return False
+        return None
 
     def _decode(self, outputs: list[StepOutput]) -> list[str]:
         """Advance each stream (unique within `outputs`) with one batch_decode per option set."""
@@ -480,3 +491,13 @@ def _rounds(outputs: list[StepOutput]) -> Iterator[list[StepOutput]]:
         seen.add(key)
     if current:
         yield current
+
+
+def _without_first(out: StepOutput, count: int) -> StepOutput:
+    """`out` without its first `count` new tokens (and their logprobs)."""
+    return msgspec.structs.replace(
+        out,
+        new_token_ids=out.new_token_ids[4 * count :],
+        token_logprobs=None if out.token_logprobs is None else out.token_logprobs[count:],
+        top_logprobs=None if out.top_logprobs is None else out.top_logprobs[count:],
+    )

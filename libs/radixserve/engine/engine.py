@@ -42,6 +42,7 @@ from radixserve.engine.outputs import Tracked, final_output, stream_delta
 from radixserve.engine.request import FinishReason, Req, ReqStatus
 from radixserve.engine.runner import ModelRunner, resolve_device
 from radixserve.engine.sampling.params import SamplingParams, resolve_seed
+from radixserve.engine.sched.finish import limit_reached
 from radixserve.engine.sched.kv_manager import KVUsage
 from radixserve.engine.tensor_parallel import (
     OtherRanks,
@@ -135,16 +136,21 @@ class Engine:
         rid: str | None = None,
         grammar: xgr.CompiledGrammar | None = None,
         priority: int = 0,
+        resume_ids: Sequence[int] | np.ndarray | None = None,
     ) -> str:
         """Queue one prompt (token ids); returns its rid. Raises ValueError for bad input.
 
         `grammar`: the request's grammar compiled already (the worker loads the grammar
         service's); without it a regex/json_schema/ebnf/structural_tag in the parameters
         is compiled here, blocking the caller. `priority`: a higher one is admitted
-        first (sched/policy.py; a running request is never preempted)."""
+        first (sched/policy.py; a running request is never preempted). `resume_ids`:
+        the output tokens another worker generated (n == 1 only): the request continues
+        after them as if it had generated them (`Req.resume`); at its length limit it
+        finishes at once, with no new tokens."""
         (params,) = self._normalize_params(sampling_params, 1)
         ids = checked_token_ids(input_ids, self.runner.vocab_size)
-        return self._submit(ids, params, rid, grammar, priority).rid
+        resume = self._checked_resume_ids(resume_ids, params)
+        return self._submit(ids, params, rid, grammar, priority, resume).rid
 
     def step(self) -> list[ChoiceOutput]:
         """One iteration of continuous batching: the choices that produced tokens or finished."""
@@ -450,6 +456,19 @@ class Engine:
             out.append(params)
         return out
 
+    def _checked_resume_ids(
+        self, resume_ids: Sequence[int] | np.ndarray | None, params: SamplingParams
+    ) -> list[int]:
+        """The resumed output tokens as a list (empty: a plain request)."""
+        if resume_ids is None or len(resume_ids) == 0:
+            return []
+        if params.n != 1:
+            raise ValueError(f"resume_ids is for n == 1 requests only, got n = {params.n}")
+        try:
+            return checked_token_ids(resume_ids, self.runner.vocab_size)
+        except ValueError as exc:  # its wording names the prompt's parameter
+            raise ValueError(f"resume_ids are not output token ids: {exc}") from None
+
     def _make_req(
         self,
         rid: str,
@@ -458,16 +477,22 @@ class Engine:
         seed: int,
         priority: int,
         grammar: xgr.CompiledGrammar | None = None,
+        resume: list[int] | None = None,
     ) -> Req:
         # ids come through checked_token_ids: non-empty, integers in the vocabulary.
         if len(ids) >= self.context_len:
             raise ValueError(
                 f"the prompt has {len(ids)} tokens; the context length is {self.context_len}"
             )
-        if len(ids) >= self.runner.kv_pool.size:
+        total = len(ids) + len(resume or ())
+        if total > self.context_len:  # equal: the uninterrupted run ended there ("length")
             raise ValueError(
-                f"the prompt has {len(ids)} tokens; the KV pool holds {self.runner.kv_pool.size}"
+                f"the prompt and resume_ids have {total} tokens; "
+                f"the context length is {self.context_len}"
             )
+        if total >= self.runner.kv_pool.size:
+            what = "the prompt and resume_ids have" if resume else "the prompt has"
+            raise ValueError(f"{what} {total} tokens; the KV pool holds {self.runner.kv_pool.size}")
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_token_ids
@@ -481,6 +506,8 @@ class Engine:
         )
         if grammar is not None:  # each choice its own matcher over the shared grammar
             req.grammar = self.grammars.new_state(grammar, req.stop_token_ids, params)
+        if resume:
+            req.resume(resume)
         return req
 
     def _submit(
@@ -490,8 +517,10 @@ class Engine:
         rid: str | None = None,
         grammar: xgr.CompiledGrammar | None = None,
         priority: int = 0,
+        resume: list[int] | None = None,
     ) -> RequestGroup:
-        """Queue one prompt; n > 1 runs the prompt's prefill once, then n samples share it."""
+        """Queue one prompt; n > 1 runs the prompt's prefill once, then n samples share it.
+        `resume` (n == 1): the output tokens it continues after."""
         self._check_priority(priority)
         if grammar is None:
             grammar = self.grammars.compile_request(params)  # outside the lock: steps go on
@@ -503,7 +532,7 @@ class Engine:
             seed = resolve_seed(params)
             if params.n == 1:
                 group = RequestGroup(
-                    rid, [self._make_req(rid, ids, params, seed, priority, grammar)]
+                    rid, [self._make_req(rid, ids, params, seed, priority, grammar, resume)]
                 )
             else:
                 # Every choice is built (and so validated) before anything is queued.
@@ -523,7 +552,11 @@ class Engine:
                 self.scheduler.add_request(group.prefill)
             for index, choice in enumerate(group.choices):
                 self._owner[choice.rid] = (group, index)
-                if group.prefill is None:
+                reason = limit_reached(choice, self.context_len) if choice.resumed else None
+                if reason is not None:  # resumed at its limit: nothing is left to generate
+                    self._finish_unscheduled(choice, reason)
+                    self._pending.append(ChoiceOutput(rid, index, choice))
+                elif group.prefill is None:
                     self.scheduler.add_request(choice)
             return group
 

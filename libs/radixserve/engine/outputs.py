@@ -59,7 +59,7 @@ def meta_info(t: Tracked) -> dict[str, Any]:
         meta["output_token_logprobs"] = [(lp.logprob, lp.token_id) for lp in req.logprobs]
         if req.params.top_logprobs_num > 0:
             meta["output_top_logprobs"] = [lp.top for lp in req.logprobs]
-        if req.params.logprob_start_len >= 0:
+        if req.params.logprob_start_len >= 0 and not req.resumed:  # sent before it resumed
             meta.update(input_logprobs_meta(req))
     return meta
 

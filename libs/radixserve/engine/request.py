@@ -84,6 +84,8 @@ class Req:
     # Structured outputs: this request's own grammar matcher (engine/constrained); None
     # when unconstrained. Never shared, not even between the n choices of one prompt.
     grammar: GrammarState | None = None
+    # Resumed (re-routed after its worker died): how many of output_ids came from there.
+    resumed: int = 0
 
     def __post_init__(self) -> None:
         start = self.params.logprob_start_len
@@ -92,12 +94,29 @@ class Req:
             first = max(start, 1)
             self.input_logprob_next = first if first < len(self.origin_input_ids) else -1
 
+    def resume(self, ids: list[int]) -> None:
+        """Start with `ids` (token ids in the vocabulary) as the first output tokens, the
+        ones another worker generated: they count as output for the limits, penalties,
+        the sampler's position and the grammar, whose matcher is replayed through them
+        (call after `grammar` is set). The prompt's logprobs went out with the first
+        worker's outputs: none are scored again. ValueError for more tokens than
+        max_new_tokens or ones the grammar refuses."""
+        if len(ids) > self.params.max_new_tokens:
+            raise ValueError(
+                f"resume_ids has {len(ids)} tokens; max_new_tokens is {self.params.max_new_tokens}"
+            )
+        if self.grammar is not None:
+            self.grammar.replay(ids)
+        self.output_ids = list(ids)
+        self.resumed = len(ids)
+        self.input_logprob_next = -1
+
     @property
     def input_logprob_head(self) -> int | None:
         """The prompt's first token when its logprobs start at 0: reported, without a
-        logprob (nothing comes before it); else None."""
+        logprob (nothing comes before it); else None (and for a resumed request)."""
         head = self.params.logprob_start_len == 0 and bool(self.origin_input_ids)
-        return self.origin_input_ids[0] if head else None
+        return self.origin_input_ids[0] if head and not self.resumed else None
 
     @property
     def fill_ids(self) -> list[int]:

@@ -135,6 +135,7 @@ class ReqSpec:
     # Admission order (sched/policy.py): the arrival on rank 0's clock, as each step's now.
     priority: int
     arrival_time: float | None
+    resume_ids: list[int]  # a resumed request's output tokens from another worker
 
     @classmethod
     def of(cls, req: Req) -> ReqSpec:
@@ -147,6 +148,7 @@ class ReqSpec:
             req.grammar is not None,
             req.priority,
             req.arrival_time,
+            req.output_ids[: req.resumed],
         )
 
 
@@ -395,6 +397,8 @@ def _req_of(spec: ReqSpec, grammars: GrammarBackend) -> Req:
         compiled = grammars.compile_request(spec.params)
         assert compiled is not None, "a constrained request without a grammar"
         req.grammar = grammars.new_state(compiled, req.stop_token_ids, req.params)
+    if spec.resume_ids:
+        req.resume(spec.resume_ids)  # accepted on rank 0 already, so here too
     return req
 
 

@@ -154,6 +154,8 @@ class RoutedRequest(Message, frozen=True):
     worker's radix tree matched; the worker reports the real `cached_tokens` in
     its outputs, so the two can be compared (a mirror that drifts shows up there).
     `attempt` counts re-routes after a worker died (0 on the first route).
+    `output_prefix`: on a re-route, the tokens the request had generated (packed int32):
+    the new worker continues after them, so its outputs count them too.
     """
 
     request: TokenizedRequest
@@ -161,6 +163,11 @@ class RoutedRequest(Message, frozen=True):
     expected_cached_tokens: int = 0
     routed_at: float = 0.0
     attempt: int = 0
+    output_prefix: bytes | None = None
+
+    def __post_init__(self) -> None:
+        if self.output_prefix is not None:
+            num_tokens(self.output_prefix)  # checks the packed length
 
     @property
     def rid(self) -> str:

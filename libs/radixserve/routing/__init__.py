@@ -27,10 +27,10 @@ from radixserve.routing.dispatcher import (
     Rejected,
     Routed,
 )
-from radixserve.routing.finish import FinishedChoice, finished_choices
 from radixserve.routing.flush import merge_flush_replies
 from radixserve.routing.inflight import InflightEntry, InflightTable
 from radixserve.routing.kv_mirror import KvMirrors, PromptHashes, WorkerMirror
+from radixserve.routing.progress import ChoiceProgress, step_progress
 from radixserve.routing.registry import WorkerRegistry, WorkerState
 from radixserve.routing.router import (
     CacheAwareRouter,
@@ -46,10 +46,10 @@ __all__ = [
     "ROUTING_POLICIES",
     "WORKER_LOST",
     "CacheAwareRouter",
+    "ChoiceProgress",
     "Decision",
     "Dispatcher",
     "Dropped",
-    "FinishedChoice",
     "InflightEntry",
     "InflightTable",
     "KvMirrors",
@@ -65,6 +65,6 @@ __all__ = [
     "WorkerMirror",
     "WorkerRegistry",
     "WorkerState",
-    "finished_choices",
     "merge_flush_replies",
+    "step_progress",
 ]

@@ -10,13 +10,24 @@ the service only decodes, calls and publishes, and the tests drive it directly.
     decision = dispatcher.admit(tokenized, now, time.time())   # Routed | Rejected | Dropped
     worker = dispatcher.abort(rid, now)          # forward to it, or None
     dispatcher.on_finished(rid, index, kind)     # from the workers' step outputs
-    lost = dispatcher.expire(now)                # dead workers -> 503 worker_lost
+    moved = dispatcher.expire(now)               # dead workers: their requests re-routed
+                                                 # (Routed) or failed 503 worker_lost
+
+A request of one choice whose worker dies (its heartbeats stop, it restarts, it does
+not take the request) is re-routed to another ready worker with the tokens it had
+generated (`on_progress` keeps them from the workers' step outputs): the new worker
+prefills prompt + those tokens and goes on, and its outputs continue the count, so the
+client's stream goes on. At most `max_migrations` times; then, or with no other worker
+ready, or for n > 1, 503 `worker_lost` as before.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
+
+import msgspec
 
 from radixserve.protocol import (
     FinishKind,
@@ -26,12 +37,15 @@ from radixserve.protocol import (
     RoutedRequest,
     TokenizedRequest,
     WorkerStats,
+    pack_tokens,
     retry_later_error,
     too_large_error,
+    unpack_tokens,
 )
 from radixserve.routing.aborts import RecentAborts
 from radixserve.routing.inflight import InflightEntry, InflightTable
 from radixserve.routing.kv_mirror import KvMirrors
+from radixserve.routing.progress import ChoiceProgress
 from radixserve.routing.registry import WorkerRegistry
 from radixserve.routing.router import CacheAwareRouter, LeastLoadRouter, Router, WorkerLoad
 
@@ -46,9 +60,11 @@ ROUTING_POLICIES = ("cache_aware", "least_load")
 
 @dataclass(frozen=True)
 class Routed:
-    """Send `routed` to its worker's run subject."""
+    """Send `routed` to its worker's run subject. `migrated`: why it was re-routed ("" on
+    its first route)."""
 
     routed: RoutedRequest
+    migrated: str = ""
 
 
 @dataclass(frozen=True)
@@ -83,6 +99,7 @@ class Dispatcher:
         routing: str = "cache_aware",
         router: Router | None = None,
         abort_memory_s: float = 60.0,
+        max_migrations: int = 2,
     ) -> None:
         if max_pending_requests < 1:
             raise ValueError(f"max_pending_requests must be >= 1, got {max_pending_requests}")
@@ -92,7 +109,10 @@ class Dispatcher:
             raise ValueError(
                 f"routing must be one of {', '.join(ROUTING_POLICIES)}, got {routing!r}"
             )
+        if max_migrations < 0:
+            raise ValueError(f"max_migrations must be >= 0, got {max_migrations}")
         self.max_pending_requests = max_pending_requests
+        self.max_migrations = max_migrations
         self.retry_after_s = retry_after_s
         self.kv_mirrors: KvMirrors | None = None
         if router is None and routing == "cache_aware":
@@ -106,14 +126,14 @@ class Dispatcher:
 
     # -- what workers report --------------------------------------------------------
 
-    def on_heartbeat(self, beat: Heartbeat, now: float) -> list[Rejected]:
-        """Keep the worker alive; if it restarted, what it held is lost (503s to send)."""
+    def on_heartbeat(self, beat: Heartbeat, now: float) -> list[Routed | Rejected]:
+        """Keep the worker alive; if it restarted, what it held is re-routed or lost."""
         if self.kv_mirrors is not None:
             self.kv_mirrors.on_heartbeat(beat)
         if not self.workers.on_heartbeat(beat, now):
             return []
         log.warning("worker %s restarted (epoch %d)", beat.worker_id, beat.epoch)
-        return self._lose(beat.worker_id, f"worker {beat.worker_id} restarted")
+        return self._lose(beat.worker_id, f"worker {beat.worker_id} restarted", "worker_restarted")
 
     def on_stats(self, stats: WorkerStats, now: float) -> None:
         self.workers.on_stats(stats, now)
@@ -129,6 +149,16 @@ class Dispatcher:
         """Workers to send a `KvSnapshotRequest` now (their mirror is stale)."""
         return [] if self.kv_mirrors is None else self.kv_mirrors.snapshots_due(now)
 
+    def on_progress(self, progress: ChoiceProgress) -> bool:
+        """One choice's step output: its tokens kept (for a re-route), and True when it
+        finished the whole request."""
+        entry = self.inflight.get(progress.rid)
+        if entry is not None and progress.index == 0:
+            entry.on_progress(progress.new_token_ids, progress.completion_tokens)
+        if progress.finish is None:
+            return False
+        return self.on_finished(progress.rid, progress.index, progress.finish)
+
     def on_finished(self, rid: str, index: int, kind: FinishKind) -> bool:
         """A choice finished; True when that finished the whole request."""
         return self.inflight.finish_choice(rid, index, whole=kind == "abort") is not None
@@ -139,10 +169,11 @@ class Dispatcher:
         entry = self.inflight.remove(rid)
         return None if entry is None else entry.worker_id
 
-    def expire(self, now: float) -> list[Rejected]:
-        """Drop workers silent for `worker_timeout_s`; 503 `worker_lost` for what they held."""
+    def expire(self, now: float) -> list[Routed | Rejected]:
+        """Drop workers silent for `worker_timeout_s`; what they held is re-routed or
+        gets 503 `worker_lost`."""
         self.early_aborts.prune(now)
-        lost: list[Rejected] = []
+        lost: list[Routed | Rejected] = []
         for worker_id in self.workers.expire(now):
             log.warning("worker %s missed its heartbeats; dropped", worker_id)
             if self.kv_mirrors is not None:
@@ -151,6 +182,7 @@ class Dispatcher:
                 worker_id,
                 f"worker {worker_id} stopped answering (no heartbeat for "
                 f"{self.workers.timeout_s:g}s)",
+                "worker_lost",
             )
         return lost
 
@@ -188,6 +220,7 @@ class Dispatcher:
                 gateway_id=request.gateway_id,
                 choices=max(request.sampling.n, 1),
                 routed_at=wall_time,
+                request=request if request.sampling.n <= 1 else None,
             )
         )
         routed = RoutedRequest(
@@ -209,6 +242,18 @@ class Dispatcher:
             return Rejected(entry.gateway_id, too_large_error(rid, SERVICE, "to a worker"))
         return Rejected(entry.gateway_id, self._error(entry, why))
 
+    def not_taken(self, rid: str, worker_id: str, why: str) -> Routed | Rejected | None:
+        """`worker_id` did not take `rid` (no responder, no acknowledgement): re-routed
+        elsewhere, or out of flight with a 503; None when it is no longer `worker_id`'s."""
+        entry = self.inflight.get(rid)
+        if entry is None or entry.worker_id != worker_id:
+            return None
+        routed = self._migrate(entry, "not_acknowledged")
+        if routed is not None:
+            return routed
+        self.inflight.remove(rid)
+        return Rejected(entry.gateway_id, self._error(entry, why))
+
     def abort(self, rid: str, now: float) -> str | None:
         """The worker to forward the abort to; None when the request is not in flight
         (then it is remembered a while, in case the request itself is still coming)."""
@@ -223,11 +268,54 @@ class Dispatcher:
 
     # -- internals ---------------------------------------------------------------------
 
-    def _lose(self, worker_id: str, why: str) -> list[Rejected]:
-        return [
-            Rejected(entry.gateway_id, self._error(entry, why))
-            for entry in self.inflight.take_worker(worker_id)
+    def _lose(self, worker_id: str, why: str, reason: str) -> list[Routed | Rejected]:
+        decisions: list[Routed | Rejected] = []
+        for entry in self.inflight.held_by(worker_id):
+            routed = self._migrate(entry, reason)
+            if routed is not None:
+                decisions.append(routed)
+                continue
+            self.inflight.remove(entry.rid)
+            decisions.append(Rejected(entry.gateway_id, self._error(entry, why)))
+        return decisions
+
+    def _migrate(self, entry: InflightEntry, reason: str) -> Routed | None:
+        """Re-route `entry` to another ready worker with what it generated, if it can go."""
+        request = entry.request
+        if request is None or entry.attempt >= self.max_migrations:
+            return None
+        ready = [
+            WorkerLoad(state.worker_id, state.load, self.inflight.count_on(state.worker_id))
+            for state in self.workers.ready()
+            if state.worker_id != entry.worker_id
         ]
+        generated = bytes(entry.generated)
+        # Routed by prompt + generated tokens: what the new worker's cache may hold.
+        whole = pack_tokens([*unpack_tokens(request.input_ids), *unpack_tokens(generated)])
+        route = self.router.pick(msgspec.structs.replace(request, input_ids=whole), ready)
+        if route is None:
+            return None
+        log.warning(
+            "re-routing from %s to %s after %d tokens (%s, attempt %d)",
+            entry.worker_id,
+            route.worker_id,
+            len(generated) // 4,
+            reason,
+            entry.attempt + 1,
+            extra={"rid": entry.rid},
+        )
+        self.inflight.move(entry.rid, route.worker_id)
+        self.workers.note_routed(route.worker_id)
+        entry.attempt += 1
+        routed = RoutedRequest(
+            request=request,
+            worker_id=route.worker_id,
+            expected_cached_tokens=route.expected_cached_tokens,
+            routed_at=time.time(),
+            attempt=entry.attempt,
+            output_prefix=generated or None,
+        )
+        return Routed(routed, migrated=reason)
 
     def _error(self, entry: InflightEntry, why: str) -> RequestError:
         message = f"{why}; the request was lost, retry it"

@@ -13,6 +13,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from radixserve.protocol import TokenizedRequest
+
 # At 1000 requests a second, the last ~2 minutes of ends.
 MAX_ENDED = 131072
 
@@ -25,6 +27,23 @@ class InflightEntry:
     choices: int  # sampling.n
     routed_at: float  # wall clock
     finished_choices: set[int] = field(default_factory=set)
+    # To re-route it if its worker dies: the request as tokenized, the ids its one choice
+    # generated so far (packed int32, as the worker sent them), and re-routes so far.
+    # `request` None (n > 1, or a hole in what was seen): it cannot be re-routed.
+    request: TokenizedRequest | None = None
+    generated: bytearray = field(default_factory=bytearray)
+    attempt: int = 0
+
+    def on_progress(self, new_token_ids: bytes, completion_tokens: int) -> None:
+        """Keep choice 0's new ids; a step that does not continue what was kept (one
+        missed) makes the request one that cannot be re-routed."""
+        if self.request is None:
+            return
+        if completion_tokens - len(new_token_ids) // 4 != len(self.generated) // 4:
+            self.request = None
+            self.generated = bytearray()
+            return
+        self.generated += new_token_ids
 
 
 class InflightTable:
@@ -73,12 +92,24 @@ class InflightTable:
         ended = self._ended.get(rid)
         return None if ended is None else self._clock() - ended
 
+    def move(self, rid: str, worker_id: str) -> None:
+        """`rid` is held by `worker_id` now (re-routed)."""
+        entry = self._entries[rid]
+        self._per_worker[entry.worker_id] -= 1
+        if not self._per_worker[entry.worker_id]:
+            del self._per_worker[entry.worker_id]
+        entry.worker_id = worker_id
+        self._per_worker[worker_id] = self._per_worker.get(worker_id, 0) + 1
+
     def take_worker(self, worker_id: str) -> list[InflightEntry]:
         """Remove and return every request held by `worker_id` (it died or restarted)."""
-        taken = [entry for entry in self._entries.values() if entry.worker_id == worker_id]
+        taken = self.held_by(worker_id)
         for entry in taken:
             self.remove(entry.rid)
         return taken
+
+    def held_by(self, worker_id: str) -> list[InflightEntry]:
+        return [entry for entry in self._entries.values() if entry.worker_id == worker_id]
 
     def get(self, rid: str) -> InflightEntry | None:
         return self._entries.get(rid)

@@ -1,9 +1,10 @@
-"""Which choices a `StepOutputBatch` finished, read without decoding the rest.
+"""What a `StepOutputBatch` says about each choice, read without decoding the rest.
 
-The scheduler sees every engine step of every worker; it needs only each output's
-rid, index and finish kind. Decoding into these narrow structs skips the token ids
-and logprobs (msgspec ignores fields a struct does not declare), so that cost stays
-with the detokenizer.
+The scheduler sees every engine step of every worker; it needs each output's rid,
+index, finish kind, and (to re-route a request whose worker dies with the tokens it
+had generated) its new token ids as packed bytes and its token count. Decoding into
+these narrow structs skips the logprobs and detokenizer fields (msgspec ignores
+fields a struct does not declare), and leaves the ids packed.
 """
 
 from __future__ import annotations
@@ -19,28 +20,40 @@ class _FinishOnly(msgspec.Struct):
     kind: FinishKind
 
 
-class _OutputFinish(msgspec.Struct):
+class _OutputProgress(msgspec.Struct):
     rid: str
     index: int = 0
+    new_token_ids: bytes = b""
+    completion_tokens: int = 0
     finish_reason: _FinishOnly | None = None
 
 
-class _StepFinishes(msgspec.Struct):
-    outputs: list[_OutputFinish] = msgspec.field(default_factory=list)
+class _StepProgress(msgspec.Struct):
+    outputs: list[_OutputProgress] = msgspec.field(default_factory=list)
 
 
 @dataclass(frozen=True)
-class FinishedChoice:
+class ChoiceProgress:
+    """One choice's step: its new ids (packed int32), the worker's total so far, and
+    its finish kind once it finished."""
+
     rid: str
     index: int
-    kind: FinishKind
+    new_token_ids: bytes
+    completion_tokens: int
+    finish: FinishKind | None
 
 
-def finished_choices(data: bytes) -> list[FinishedChoice]:
-    """The finished choices of an encoded `StepOutputBatch`; ProtocolError if malformed."""
-    batch = decode(data, _StepFinishes)
+def step_progress(data: bytes) -> list[ChoiceProgress]:
+    """Each output of an encoded `StepOutputBatch`; ProtocolError if malformed."""
+    batch = decode(data, _StepProgress)
     return [
-        FinishedChoice(out.rid, out.index, out.finish_reason.kind)
+        ChoiceProgress(
+            out.rid,
+            out.index,
+            out.new_token_ids,
+            out.completion_tokens,
+            None if out.finish_reason is None else out.finish_reason.kind,
+        )
         for out in batch.outputs
-        if out.finish_reason is not None
     ]

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -53,8 +54,8 @@ from radixserve.routing import (
     PendingAcks,
     Rejected,
     Routed,
-    finished_choices,
     merge_flush_replies,
+    step_progress,
 )
 from radixserve.services.messages import decode_or_drop
 from radixserve.services.runtime import ServiceContext, ServiceSettings, settings_from_args
@@ -65,6 +66,7 @@ from radixserve.telemetry.tracing import get_tracer
 log = logging.getLogger(__name__)
 
 SERVICE = "scheduler"
+ENV_MAX_MIGRATIONS = "RADIXSERVE_MAX_MIGRATIONS"
 _tracer = get_tracer(SERVICE)
 # The status NATS puts on a reply when nobody listens on the subject (a header).
 NO_RESPONDERS = "503"
@@ -80,6 +82,8 @@ class SchedulerSettings:
     # A run message a worker has not acknowledged within this long was lost: 503.
     worker_ack_timeout_s: float = 10.0
     routing: str = "cache_aware"  # or least_load (routing.ROUTING_POLICIES)
+    # Re-routes of a request whose worker dies (with the tokens it generated); then 503.
+    max_migrations: int = 2
 
     def __post_init__(self) -> None:
         if self.max_pending_requests < 1:
@@ -90,6 +94,8 @@ class SchedulerSettings:
             raise ValueError("--retry-after-s must be >= 0")
         if self.worker_ack_timeout_s <= 0:
             raise ValueError("--worker-ack-timeout-s must be > 0")
+        if self.max_migrations < 0:
+            raise ValueError("--max-migrations must be >= 0")
         if self.routing not in ROUTING_POLICIES:
             raise ValueError(f"--routing must be one of {', '.join(ROUTING_POLICIES)}")
 
@@ -117,6 +123,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a request whose worker has not acknowledged it within this long gets 503",
     )
     parser.add_argument(
+        "--max-migrations",
+        type=int,
+        default=int(os.environ.get(ENV_MAX_MIGRATIONS, "") or 2),
+        help="a request whose worker dies is re-routed, with the tokens it generated, to "
+        "another worker this many times at most, then gets 503 worker_lost (0: never; "
+        f"default ${ENV_MAX_MIGRATIONS} or 2)",
+    )
+    parser.add_argument(
         "--routing",
         choices=ROUTING_POLICIES,
         default="cache_aware",
@@ -133,6 +147,7 @@ def settings_from(ns: argparse.Namespace) -> SchedulerSettings:
         retry_after_s=ns.retry_after_s,
         worker_ack_timeout_s=ns.worker_ack_timeout_s,
         routing=ns.routing,
+        max_migrations=ns.max_migrations,
     )
 
 
@@ -142,6 +157,7 @@ async def start(ctx: ServiceContext, settings: SchedulerSettings) -> None:
         worker_timeout_s=settings.worker_timeout_s,
         retry_after_s=settings.retry_after_s,
         routing=settings.routing,
+        max_migrations=settings.max_migrations,
     )
     bus, subjects = ctx.bus, ctx.subjects
     metrics = SchedulerMetrics(ctx.metrics)
@@ -168,6 +184,40 @@ async def start(ctx: ServiceContext, settings: SchedulerSettings) -> None:
                     extra={"rid": item.error.rid},
                 )
 
+    async def send_routed(decision: Routed) -> None:
+        """Publish a run to its worker, which acknowledges it to `on_ack`. Not sent (too
+        large, NATS unreachable past its reconnect buffer): no worker holds it, so it
+        must not hold a place in flight, and its gateway hears why."""
+        routed, rid = decision.routed, decision.routed.rid
+        metrics.observe_routed(routed.worker_id, routed.expected_cached_tokens)
+        if decision.migrated:
+            metrics.observe_migrated(decision.migrated)
+        token = acks.sent(rid, routed.worker_id, time.monotonic())
+        try:
+            await bus.publish(
+                subjects.worker_run(routed.worker_id),
+                encode(routed),
+                reply=subjects.scheduler_ack(scheduler_id, token),
+            )
+        except BusError as exc:
+            acks.acked(token)
+            log.error("not sent to %s: %r", routed.worker_id, exc, extra={"rid": rid})
+            lost = dispatcher.unroute(
+                rid,
+                f"the request could not be sent to worker {routed.worker_id}",
+                too_large=isinstance(exc, BusPayloadTooLarge),
+            )
+            if lost is not None:
+                await send_errors([lost])
+
+    async def settle(decisions: list[Routed | Rejected]) -> None:
+        """What a lost worker's requests became: re-routed, or 503s to their gateways."""
+        for decision in decisions:
+            if isinstance(decision, Routed):
+                await send_routed(decision)
+            else:
+                await send_errors([decision])
+
     async def on_schedule(msg: BusMsg) -> None:
         await bus.acknowledge(msg)  # received: the tokenizer stops waiting for it
         request = decode_or_drop(msg, TokenizedRequest, log, level=logging.ERROR)
@@ -179,31 +229,9 @@ async def start(ctx: ServiceContext, settings: SchedulerSettings) -> None:
         ) as span:
             decision = dispatcher.admit(request, time.monotonic(), time.time())
             if isinstance(decision, Routed):
-                routed = decision.routed
-                log.debug("routed to %s", routed.worker_id, extra={"rid": request.rid})
-                metrics.observe_routed(routed.worker_id, routed.expected_cached_tokens)
-                span.set_attribute(genai.WORKER_ID, routed.worker_id)
-                token = acks.sent(request.rid, routed.worker_id, time.monotonic())
-                try:
-                    await bus.publish(
-                        subjects.worker_run(routed.worker_id),
-                        encode(routed),
-                        reply=subjects.scheduler_ack(scheduler_id, token),
-                    )
-                except BusError as exc:
-                    acks.acked(token)
-                    # Not sent (too large, NATS unreachable past its reconnect buffer):
-                    # no worker holds it, so it must not hold a place in flight.
-                    log.error(
-                        "not sent to %s: %r", routed.worker_id, exc, extra={"rid": request.rid}
-                    )
-                    lost = dispatcher.unroute(
-                        request.rid,
-                        f"the request could not be sent to worker {routed.worker_id}",
-                        too_large=isinstance(exc, BusPayloadTooLarge),
-                    )
-                    if lost is not None:
-                        await send_errors([lost])
+                log.debug("routed to %s", decision.routed.worker_id, extra={"rid": request.rid})
+                span.set_attribute(genai.WORKER_ID, decision.routed.worker_id)
+                await send_routed(decision)
             elif isinstance(decision, Rejected):
                 log.info("rejected: %s", decision.error.code, extra={"rid": request.rid})
                 span.set_attribute(genai.ERROR_CODE, decision.error.code)
@@ -265,7 +293,7 @@ async def start(ctx: ServiceContext, settings: SchedulerSettings) -> None:
         beat = decode_or_drop(msg, Heartbeat, log)
         if beat is None:
             return
-        await send_errors(dispatcher.on_heartbeat(beat, time.monotonic()))
+        await settle(dispatcher.on_heartbeat(beat, time.monotonic()))
 
     async def on_stats(msg: BusMsg) -> None:
         stats = decode_or_drop(msg, WorkerStats, log)
@@ -291,12 +319,12 @@ async def start(ctx: ServiceContext, settings: SchedulerSettings) -> None:
 
     async def on_step_outputs(msg: BusMsg) -> None:
         try:
-            finished = finished_choices(msg.data)
+            progress = step_progress(msg.data)
         except ProtocolError as exc:
             log.warning("malformed StepOutputBatch: %s", exc)
             return
-        for choice in finished:
-            dispatcher.on_finished(choice.rid, choice.index, choice.kind)
+        for choice in progress:
+            dispatcher.on_progress(choice)
 
     async def on_request_error(msg: BusMsg) -> None:
         # A request that failed after routing never finishes on `detok`; its error to the
@@ -317,13 +345,13 @@ async def start(ctx: ServiceContext, settings: SchedulerSettings) -> None:
             log.error("abort after %s not sent: %r", error.code, exc, extra={"rid": error.rid})
 
     async def lose(rid: str, worker_id: str, why: str) -> None:
-        """A run that never reached its worker: out of flight, 503 to its gateway, and an
-        abort to the worker in case it arrives late."""
-        lost = dispatcher.unroute(rid, why)
-        if lost is None:
-            return  # finished or aborted meanwhile
+        """A run that never reached its worker: re-routed to another, or out of flight
+        with a 503 to its gateway; and an abort to that worker in case it arrives late."""
+        decision = dispatcher.not_taken(rid, worker_id, why)
+        if decision is None:
+            return  # finished, aborted or re-routed meanwhile
         log.error("%s", why, extra={"rid": rid})
-        await send_errors([lost])
+        await settle([decision])
         try:
             abort = AbortRequest(rid=rid, reason="not_acknowledged")
             await bus.publish(subjects.worker_abort(worker_id), encode(abort))
@@ -342,7 +370,7 @@ async def start(ctx: ServiceContext, settings: SchedulerSettings) -> None:
         while True:
             await asyncio.sleep(interval_s)
             now = time.monotonic()
-            await send_errors(dispatcher.expire(now))
+            await settle(dispatcher.expire(now))
             await ask_snapshots(now)
             for rid, worker_id in acks.expired(now):
                 timeout_s = settings.worker_ack_timeout_s

@@ -78,6 +78,14 @@ class SchedulerMetrics:
             ["worker"],
             registry=r,
         )
+        self.migrated = Counter(
+            PREFIX + "requests_migrated",
+            "Requests re-routed, with the tokens they had generated, to another worker, by "
+            "reason (worker_lost: its heartbeats stopped; worker_restarted; not_acknowledged: "
+            "it did not take the request)",
+            ["reason"],
+            registry=r,
+        )
         self.kv_snapshots = Counter(
             PREFIX + "scheduler_kv_snapshot_requests",
             "Snapshots asked of a worker whose cache mirror missed a KV event batch",
@@ -88,6 +96,9 @@ class SchedulerMetrics:
     def observe_routed(self, worker: str, expected_cached_tokens: int = 0) -> None:
         self.routed.labels(worker=worker).inc()
         self.expected_cached.labels(worker=worker).inc(expected_cached_tokens)
+
+    def observe_migrated(self, reason: str) -> None:
+        self.migrated.labels(reason=reason).inc()
 
     def observe_kv_snapshot(self, worker: str) -> None:
         self.kv_snapshots.labels(worker=worker).inc()

@@ -23,14 +23,27 @@ def engine_params(wire: protocol.SamplingParams) -> SamplingParams:
 
 
 def submit_request(
-    engine: Engine, request: protocol.TokenizedRequest, grammar: Any = None
+    engine: Engine,
+    request: protocol.TokenizedRequest,
+    grammar: Any = None,
+    output_prefix: bytes | None = None,
 ) -> SamplingParams:
     """Queue a routed request on the engine: its prompt, parameters and priority (and
-    its compiled grammar, if constrained). Returns the engine's form of the parameters;
-    raises ValueError for bad input."""
+    its compiled grammar, if constrained). `output_prefix` (a re-routed request's
+    `RoutedRequest.output_prefix`, packed): the tokens it already generated, which it
+    continues after. Returns the engine's form of the parameters; raises ValueError for
+    bad input."""
     params = engine_params(request.sampling)
     ids = protocol.unpack_tokens_array(request.input_ids)  # checked by the engine
-    engine.submit(ids, params, rid=request.rid, grammar=grammar, priority=request.priority)
+    resume = None if output_prefix is None else protocol.unpack_tokens_array(output_prefix)
+    engine.submit(
+        ids,
+        params,
+        rid=request.rid,
+        grammar=grammar,
+        priority=request.priority,
+        resume_ids=resume,
+    )
     return params
 
 
@@ -99,9 +112,10 @@ class OutputBuilder:
 
 def prompt_logprobs(req: Req) -> protocol.PromptLogprobs | None:
     """The prompt's scored tokens, for a request that asked and whose prefill scored them
-    all (not one aborted before)."""
+    all (not one aborted before, nor one resumed: its first worker sent them)."""
     params = req.params
-    if not params.return_logprob or params.logprob_start_len < 0 or req.input_logprob_next != -1:
+    scored = params.return_logprob and params.logprob_start_len >= 0
+    if not scored or req.input_logprob_next != -1 or req.resumed:
         return None
     entries = req.input_logprobs
     head = req.input_logprob_head

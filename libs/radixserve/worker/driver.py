@@ -194,7 +194,7 @@ class EngineDriver:
     def _submit(self, routed: protocol.RoutedRequest, grammar: Any = None) -> None:
         request = routed.request
         try:
-            params = submit_request(self.engine, request, grammar)
+            params = submit_request(self.engine, request, grammar, routed.output_prefix)
         except ValueError as exc:
             match = _PARAM_RE.search(str(exc))
             error = protocol.RequestError(
@@ -210,6 +210,16 @@ class EngineDriver:
             self.on_reject(error, request.gateway_id)
             return
         self.builder.track(request.rid, request.gateway_id, params.n)
+        resumed = resumed_tokens(routed)
+        if resumed:
+            log.info(
+                "resumed after %d generated tokens (attempt %d)",
+                resumed,
+                routed.attempt,
+                extra={"rid": request.rid},
+            )
+            if self.telemetry is not None:
+                self.telemetry.resumed()
 
     def _step(self) -> None:
         outputs = []
@@ -258,7 +268,15 @@ class EngineDriver:
                 index=index,
                 finish_reason=protocol.FinishReason(kind="abort", message="aborted"),
                 prompt_tokens=request.prompt_tokens,
+                # A resumed request's stream goes on from the tokens it had (n == 1).
+                completion_tokens=resumed_tokens(routed),
                 detok=detok,
             )
             for index in range(request.sampling.n)
         ]
+
+
+def resumed_tokens(routed: protocol.RoutedRequest) -> int:
+    """How many output tokens a re-routed request already has (0 for a new one)."""
+    prefix = routed.output_prefix
+    return 0 if prefix is None else protocol.num_tokens(prefix)

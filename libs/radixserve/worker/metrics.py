@@ -3,6 +3,7 @@
     telemetry = WorkerTelemetry(WorkerMetrics(ctx.metrics, worker_id), get_tracer("worker"))
     telemetry.received(routed)                  # event loop, in the NATS handler's context
     telemetry.observe_step(started, seconds, batch_size, outputs)   # engine thread
+    telemetry.resumed()                         # engine thread: a re-routed request taken
     headers = telemetry.batch_headers(outputs)  # event loop, before publishing the batch
     telemetry.observe_load(load)                # every stats tick: gauges + hit rate
 
@@ -88,6 +89,12 @@ class WorkerMetrics:
             "worker_rejected_requests",
             "Requests the worker refused, by code",
             ["worker", "code"],
+        )
+        self.resumed_requests = _counter(
+            r,
+            "worker_resumed_requests",
+            "Requests taken over after another worker died, continuing from its tokens",
+            w,
         )
         self.forward_passes = _counter(
             r,
@@ -290,6 +297,10 @@ class WorkerTelemetry:
             track.span.set_attribute(genai.ERROR_CODE, code)
             track.span.set_status(Status(StatusCode.ERROR, message))
             track.span.end()
+
+    def resumed(self) -> None:
+        """A re-routed request the engine took, continuing from another worker's tokens."""
+        self.metrics.resumed_requests.labels(**self.metrics.label()).inc()
 
     def observe_step(
         self,

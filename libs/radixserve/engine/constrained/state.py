@@ -3,7 +3,8 @@
 Each request (each of the `n` choices) has its own matcher over a shared, immutable
 compiled grammar, so requests that share a prompt (the radix cache) or a grammar
 never share matcher state. The matcher has accepted exactly the request's output
-tokens; a retracted request keeps it and goes on where it stopped.
+tokens; a retracted request keeps it and goes on where it stopped, a resumed one
+replays the tokens another worker generated.
 """
 
 from __future__ import annotations
@@ -45,6 +46,16 @@ class GrammarState:
     def accept(self, token: int) -> bool:
         """Advance on `token`; False (state unchanged) when the grammar does not admit it."""
         return bool(self.matcher.accept_token(token))
+
+    def replay(self, tokens: list[int]) -> None:
+        """Advance through output tokens generated elsewhere (a resumed request);
+        ValueError naming the first one the grammar does not admit."""
+        for position, token in enumerate(tokens):
+            if not self.accept(token):
+                raise ValueError(
+                    f"resume_ids[{position}] (token {token}) is not accepted by the "
+                    "request's grammar"
+                )
 
     def forced_tokens(self) -> list[int]:
         """Tokens of the continuation the grammar admits alone (xgrammar's jump-forward

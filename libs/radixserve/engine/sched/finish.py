@@ -22,11 +22,19 @@ def check_finished(
         matched = _match_stop_string(req, detokenize)
         if matched is not None:
             return FinishReason("stop", matched=matched)
+    return limit_reached(req, context_len)
+
+
+def limit_reached(req: Req, context_len: int) -> FinishReason | None:
+    """What ends a request whatever its last token: a complete grammar, max_new_tokens,
+    the context. Alone for a resumed request's output so far: a stop token there
+    (min_new_tokens may have kept it going) does not end it."""
+    num_out = len(req.output_ids)
     if req.grammar is not None and req.grammar.terminated:
         # Structured outputs: the grammar is complete and admits nothing more (a request
         # without stop tokens ends here; with them, the stop token above ended it).
         return FinishReason("stop")
-    if num_out >= params.max_new_tokens:
+    if num_out >= req.params.max_new_tokens:
         return FinishReason("length")
     if len(req.origin_input_ids) + num_out >= context_len:  # the tokens read, not pending
         return FinishReason("length", message="reached the model's context length")

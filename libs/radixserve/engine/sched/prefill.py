@@ -112,8 +112,9 @@ class PrefillAdder:
             self.kv.release(req)
             return AddResult.NO_TOKENS
         req.status = ReqStatus.RUNNING
-        if req.num_retractions == 0 and not req.output_ids:
-            req.cached_tokens = prefix_len
+        if req.num_retractions == 0 and len(req.output_ids) == req.resumed:
+            # Prompt tokens the cache served (a resumed request's outputs are not prompt).
+            req.cached_tokens = min(prefix_len, len(req.origin_input_ids))
         self._take(req, extend_len)
         return AddResult.ADDED
 
