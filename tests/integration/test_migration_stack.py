@@ -97,7 +97,9 @@ def requests() -> list[dict[str, object]]:
 
 
 async def stream_all(
-    running: RunningStack, first_tokens: asyncio.Event | None = None
+    running: RunningStack,
+    first_tokens: asyncio.Event | None = None,
+    max_tokens: int = MAX_TOKENS,
 ) -> list[tuple[str, int, int]]:
     """Every request streamed at once: (text, completion tokens, chunks with text).
     `first_tokens` is set once every stream has had a token."""
@@ -115,7 +117,7 @@ async def stream_all(
             extra = {"ignore_eos": True, **fields.pop("extra", {})}  # type: ignore[dict-item]
             stream = await client.completions.create(
                 model=running.model,
-                max_tokens=MAX_TOKENS,
+                max_tokens=max_tokens,
                 stream=True,
                 stream_options={"include_usage": True},
                 extra_body=extra,
@@ -161,9 +163,54 @@ def test_a_killed_workers_streams_finish_on_the_other_worker(two_workers: Runnin
         assert usage == usage_then, f"request {i}: usage counts {usage} tokens, not {usage_then}"
         assert i == json_index or usage == MAX_TOKENS
     jsonschema.validate(json.loads(faulted[json_index][0]), COLORS)
-    metrics = httpx.get(f"http://127.0.0.1:{SCHEDULER_METRICS_PORT}/metrics", timeout=10).text
-    (line,) = [
-        x for x in metrics.splitlines()
-        if x.startswith('radixserve:requests_migrated_total{reason="worker_lost"}')
-    ]  # fmt: skip
-    assert float(line.split()[-1]) >= 1  # worker-0 held some of them
+    assert migrated(SCHEDULER_METRICS_PORT, "worker_lost") >= 1  # worker-0 held some
+
+
+def migrated(port: int, reason: str) -> float:
+    metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    prefix = f'radixserve:requests_migrated_total{{reason="{reason}"}}'
+    (line,) = [x for x in metrics.splitlines() if x.startswith(prefix)]
+    return float(line.split()[-1])
+
+
+DRAIN_METRICS_PORT = free_port()
+DRAIN_MAX_TOKENS = 600
+
+
+@pytest.fixture(scope="module")
+def draining_pair(
+    nats_url: str, redis_url: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningStack]:
+    with running_stack(
+        nats_url,
+        redis_url,
+        tiny_model_dir,
+        tmp_path_factory.mktemp("drain_logs"),
+        [*WORKER_ARGS, "--drain-timeout-s", "1.0"],
+        extra_args={"scheduler": ["--metrics-port", str(DRAIN_METRICS_PORT)]},
+        context_length=1024,
+        workers=2,
+    ) as running:
+        yield running
+
+
+def test_a_draining_worker_hands_its_streams_to_the_other(draining_pair: RunningStack) -> None:
+    """SIGTERM (a rolling restart's first half): what the worker cannot finish within 60%
+    of its drain timeout goes on on the other worker, the same text."""
+    reference = asyncio.run(stream_all(draining_pair, max_tokens=DRAIN_MAX_TOKENS))
+
+    async def with_a_drain() -> list[tuple[str, int, int]]:
+        first_tokens = asyncio.Event()
+        run = asyncio.create_task(stream_all(draining_pair, first_tokens, DRAIN_MAX_TOKENS))
+        await asyncio.wait_for(first_tokens.wait(), 60)
+        stopping = worker(draining_pair, 0).process  # type: ignore[attr-defined]
+        await asyncio.to_thread(stopping.stop, 15.0)
+        return await asyncio.wait_for(run, 120)
+
+    drained = asyncio.run(with_a_drain())
+    for i, ((text, usage, _), (expected, usage_then, _)) in enumerate(
+        zip(drained, reference, strict=True)
+    ):
+        assert text == expected, f"request {i} differs from its undisturbed run"
+        assert usage == usage_then
+    assert migrated(DRAIN_METRICS_PORT, "worker_drained") >= 1

@@ -37,6 +37,7 @@ from radixserve.protocol import (
     RoutedRequest,
     TokenizedRequest,
     WorkerStats,
+    WorkerStatus,
     pack_tokens,
     retry_later_error,
     too_large_error,
@@ -131,6 +132,11 @@ class Dispatcher:
         if self.kv_mirrors is not None:
             self.kv_mirrors.on_heartbeat(beat)
         if not self.workers.on_heartbeat(beat, now):
+            if beat.status == WorkerStatus.STOPPING:
+                # Drained: what it still holds (handed off, not finished) goes on elsewhere.
+                return self._lose(
+                    beat.worker_id, f"worker {beat.worker_id} stopped", "worker_drained"
+                )
             return []
         log.warning("worker %s restarted (epoch %d)", beat.worker_id, beat.epoch)
         return self._lose(beat.worker_id, f"worker {beat.worker_id} restarted", "worker_restarted")

@@ -49,6 +49,7 @@ ENV_PREFIX = "RADIXSERVE_SUBJECT_PREFIX"
 ENV_INSTANCE_ID = "RADIXSERVE_INSTANCE_ID"
 ENV_LOG_FORMAT = "RADIXSERVE_LOG_FORMAT"  # "text" (default) or "json"
 ENV_LOG_PROMPTS = "RADIXSERVE_LOG_PROMPTS"  # "1": prompt/output text may appear in debug logs
+ENV_DRAIN_TIMEOUT_S = "RADIXSERVE_DRAIN_TIMEOUT_S"  # SIGTERM to exit, at most
 ENV_METRICS_PORT = "RADIXSERVE_METRICS_PORT"  # the /metrics port; 0 (default): none
 ENV_METRICS_HOST = "RADIXSERVE_METRICS_HOST"
 DEFAULT_METRICS_HOST = "127.0.0.1"
@@ -133,6 +134,7 @@ class ServiceSettings:
             "metrics_host": env.get(ENV_METRICS_HOST, "").strip() or DEFAULT_METRICS_HOST,
             "otlp_endpoint": env.get(ENV_OTLP_ENDPOINT, "").strip(),
             "event_loop": env.get(ENV_EVENT_LOOP, "").strip().lower() or "auto",
+            "drain_timeout_s": _seconds_from_env(env, ENV_DRAIN_TIMEOUT_S, 10.0),
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
@@ -204,6 +206,14 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
         "else the OTEL_EXPORTER_OTLP_* variables; off when none is set)",
     )
     parser.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=None,
+        help="on SIGTERM, how long to finish what is in flight before exiting (a worker "
+        f"hands what is left to other workers at 60%% of it); default ${ENV_DRAIN_TIMEOUT_S} "
+        "or 10",
+    )
+    parser.add_argument(
         "--event-loop",
         choices=EVENT_LOOPS,
         default=None,
@@ -226,9 +236,18 @@ def settings_from_args(service: str, ns: argparse.Namespace) -> ServiceSettings:
         metrics_host=getattr(ns, "metrics_host", None),
         otlp_endpoint=getattr(ns, "otlp_endpoint", None),
         event_loop=getattr(ns, "event_loop", None),
+        drain_timeout_s=getattr(ns, "drain_timeout_s", None),
         **{f"nats_{name}": getattr(ns, f"nats_{name}", None) for name in _NATS_AUTH},
         **{f"redis_{name}": getattr(ns, f"redis_{name}", None) for name in _REDIS_AUTH},
     )
+
+
+def _seconds_from_env(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name, "").strip()
+    try:
+        return float(raw) if raw else default
+    except ValueError:
+        raise ValueError(f"${name} must be seconds, got {raw!r}") from None
 
 
 def _port_from_env(env: Mapping[str, str], name: str) -> int:

@@ -10,8 +10,10 @@ grammar comes from `{p}.grammar.fetch` (compiled here without an answer). Bad sa
 parameters are answered with a `RequestError` 400 naming the field. Flags: every
 `EngineConfig` field (or `RADIXSERVE_<FIELD>`), plus `--engine-stall-s`. Scale by
 replicas, one engine each. On SIGTERM: heartbeat "draining" (the scheduler routes
-nothing new), new requests are handed back with a 503, running ones finish (bounded by
-the drain timeout) and the rest are aborted.
+nothing new), new requests are handed back with a 503, running ones finish (within 60%
+of the drain timeout, `--drain-timeout-s`) and the rest are handed to other workers:
+stopped here without a finish, then the "stopping" heartbeat, on which the scheduler
+re-routes them with the tokens they had generated.
 
 A hung engine (one step running past `--engine-stall-s`, 300 s: a stuck device, a
 deadlock) stops the worker with exit code 1, after logging where the engine thread
@@ -424,11 +426,11 @@ class WorkerService:
             waiting.cancel()  # not started yet: answered as aborted
         while self.driver.num_tracked and time.monotonic() < until(0.6):
             await asyncio.sleep(0.05)
-        for rid in list(self.driver.builder.gateways):
-            self.driver.abort(rid)
-        # The aborts' final outputs come from the next step, then leave through the outbox.
-        while self.driver.num_tracked and time.monotonic() < until(0.75):
-            await asyncio.sleep(0.05)
+        # What is left goes on elsewhere: stopped here without a finish, its outputs so far
+        # published first, then the "stopping" heartbeat has the scheduler re-route it.
+        handed = await asyncio.wrap_future(self.driver.hand_off())
+        if handed:
+            log.info("handing %d unfinished requests to other workers", len(handed))
         while not self.outbox.empty() and time.monotonic() < until(0.85):
             await asyncio.sleep(0.01)
         self.status = protocol.WorkerStatus.STOPPING

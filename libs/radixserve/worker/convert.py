@@ -63,6 +63,12 @@ class OutputBuilder:
     def __len__(self) -> int:
         return len(self.gateways)
 
+    def forget(self, rid: str) -> None:
+        """Publish nothing more for `rid` (handed to another worker)."""
+        self.gateways.pop(rid, None)
+        self.unfinished.pop(rid, None)
+        self.announced = {key for key in self.announced if key[0] != rid}
+
     def build(self, out: ChoiceOutput) -> protocol.StepOutput | None:
         gateway_id = self.gateways.get(out.rid)
         if gateway_id is None:

@@ -68,6 +68,13 @@ class _Snapshot:
     """Send the whole cache as KV events (it replaces the events not sent yet)."""
 
 
+@dataclass(frozen=True)
+class _HandOff:
+    """Stop every request, publishing nothing more for them (see `hand_off`)."""
+
+    done: concurrent.futures.Future[list[str]]
+
+
 class EngineDriver:
     def __init__(
         self,
@@ -92,7 +99,7 @@ class EngineDriver:
         self.load: EngineLoad = engine.load()
         self._load_at = time.monotonic()
         self.generated_tokens = 0  # for throughput in stats
-        self._inbox: queue.SimpleQueue[_Submit | _Gone | _Abort | _Flush | _Snapshot] = (
+        self._inbox: queue.SimpleQueue[_Submit | _Gone | _Abort | _Flush | _Snapshot | _HandOff] = (
             queue.SimpleQueue()
         )
         self._stop = threading.Event()
@@ -115,6 +122,14 @@ class EngineDriver:
 
     def abort(self, rid: str) -> None:
         self._inbox.put(_Abort(rid))
+
+    def hand_off(self) -> concurrent.futures.Future[list[str]]:
+        """Stop every request here without a word on the outputs (no abort finish): the
+        scheduler re-routes them with the tokens they had sent. The future: their rids,
+        once stopped (every output before it is published already)."""
+        done: concurrent.futures.Future[list[str]] = concurrent.futures.Future()
+        self._inbox.put(_HandOff(done))
+        return done
 
     def flush_cache(self) -> concurrent.futures.Future[bool]:
         done: concurrent.futures.Future[bool] = concurrent.futures.Future()
@@ -187,6 +202,12 @@ class EngineDriver:
                 self.engine.abort(command.rid)
             elif isinstance(command, _Snapshot):
                 self._send_kv_events(self.engine.kv_snapshot())
+            elif isinstance(command, _HandOff):
+                rids = list(self.builder.gateways)
+                for rid in rids:
+                    self.engine.abort(rid)
+                    self.builder.forget(rid)  # its abort's outputs are not published
+                command.done.set_result(rids)
             elif command.done.set_running_or_notify_cancel():  # not given up on meanwhile
                 command.done.set_result(self.engine.flush_cache())
             deadline = 0.0  # after the first command, only drain what is already there
