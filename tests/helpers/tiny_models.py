@@ -58,6 +58,49 @@ def make_tiny_qwen2(out_dir: str | Path, seed: int = 0, **overrides: Any) -> Pat
     return _build(Qwen2ForCausalLM, config, Path(out_dir), seed)
 
 
+def make_tiny_mixtral(out_dir: Path, seed: int = 0) -> Path:
+    """Mixtral: top-2 of 8 experts on every layer, untied head."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    fields = {"num_local_experts": 8, "num_experts_per_tok": 2, "tie_word_embeddings": False}
+    return _build(MixtralForCausalLM, MixtralConfig(**{**_base_fields(), **fields}), out_dir, seed)
+
+
+def make_tiny_qwen2_moe(out_dir: Path, seed: int = 0) -> Path:
+    """Qwen2-MoE: top-3 of 6 experts unnormalised, a shared expert with its gate, layer 1
+    dense (mlp_only_layers), q/k/v biases, tied head."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    fields = {
+        "num_experts": 6,
+        "num_experts_per_tok": 3,
+        "moe_intermediate_size": 48,
+        "shared_expert_intermediate_size": 96,
+        "norm_topk_prob": False,
+        "mlp_only_layers": [1],
+        "tie_word_embeddings": True,
+    }
+    config = Qwen2MoeConfig(**{**_base_fields(), **fields})
+    return _build(Qwen2MoeForCausalLM, config, out_dir, seed)
+
+
+def make_tiny_qwen3_moe(out_dir: Path, seed: int = 0) -> Path:
+    """Qwen3-MoE: top-4 of 8 experts renormalised (norm_topk_prob), every second layer
+    sparse (decoder_sparse_step 2), q/k norms, untied head."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    fields = {
+        "num_experts": 8,
+        "num_experts_per_tok": 4,
+        "moe_intermediate_size": 32,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 2,
+        "tie_word_embeddings": False,
+    }
+    config = Qwen3MoeConfig(**{**_base_fields(), **fields})
+    return _build(Qwen3MoeForCausalLM, config, out_dir, seed)
+
+
 def _base_fields() -> dict[str, Any]:
     tokenizer = _smollm2_tokenizer()
     return {

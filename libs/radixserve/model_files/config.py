@@ -18,6 +18,10 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    # Mixture-of-experts MLPs on the same attention (engine/model/moe.py reads their fields).
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
 # RoPE types whose frequencies do not depend on the running sequence length, so one
 # cos/sin table serves every position (`dynamic` and `longrope` would not).
@@ -81,7 +85,7 @@ class ModelConfig:
         head_dim = raw.get("head_dim") or hidden // heads
         rope_theta, rope_scaling = _parse_rope(raw)
         attention_bias = bool(raw.get("attention_bias", False))
-        is_qwen2 = architecture == "Qwen2ForCausalLM"
+        is_qwen2 = architecture in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")
         return cls(
             architecture=architecture,
             model_type=str(raw.get("model_type", "")),
@@ -100,7 +104,7 @@ class ModelConfig:
             qkv_bias=is_qwen2 or attention_bias,
             o_bias=attention_bias and not is_qwen2,
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            qk_norm=architecture == "Qwen3ForCausalLM",
+            qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             eos_token_ids=_eos_ids(raw, generation or {}),
             bos_token_id=raw.get("bos_token_id"),
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),

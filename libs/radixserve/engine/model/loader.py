@@ -13,6 +13,8 @@ import torch
 
 from radixserve.engine.distributed import SINGLE, TPGroup
 from radixserve.engine.model.llama import LlamaForCausalLM
+from radixserve.engine.model.moe import MOE_ARCHITECTURES
+from radixserve.engine.model.moe_models import MoEForCausalLM
 from radixserve.model_files.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -79,8 +81,9 @@ def load_model(
         )
     # Built on the meta device and cast there, so weights are allocated once, in their
     # final dtype, on their final device.
+    model_class = MoEForCausalLM if config.architecture in MOE_ARCHITECTURES else LlamaForCausalLM
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, tp)
+        model = model_class(config, tp)
     model = model.to(torch_dtype).to_empty(device=device)
     model.tie_weights()
     if load_format == "dummy":
