@@ -135,6 +135,9 @@ async def test_grammars_are_compiled_and_routed_by_key_or_refused_with_the_reaso
     assert routed.rid == rid
     assert routed.request.grammar_key == grammar_key("regex", "[0-9]", tokenizer_id(model_dir))
     assert routed.request.sampling.regex == "[0-9]"  # the worker can compile it itself
+    # Its worker said "stopping" without finishing it, and no other worker is there.
+    lost = await gateway.error()
+    assert (lost.rid, lost.code) == (rid, "worker_lost")
 
     rid = await gateway.submit(text="Pick:", sampling=SamplingParams(regex="[0-"))
     error = await gateway.error()

@@ -16,6 +16,7 @@ from radixserve.protocol import (
     GrammarFetchReply,
     GrammarFetchRequest,
     Heartbeat,
+    HeldRequest,
     InflightQuery,
     InflightReply,
     KvEventBatch,
@@ -268,7 +269,9 @@ SAMPLES: list[Message] = [
         kv_event_seq=12,
         model="m",
         tokenizer_id="tok",
+        requests=[HeldRequest(rid="r-1", gateway_id="gw-0", choices=2)],
     ),
+    HeldRequest(rid="r-2", gateway_id="gw-1"),
     ServiceHeartbeat(service="tokenizer", instance_id="tokenizer-h-1", time=3.0),
     ServiceHeartbeat(
         service="gateway", instance_id="gw-0", time=3.0, status="draining", pid=42, host="h"

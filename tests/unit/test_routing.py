@@ -9,6 +9,7 @@ from radixserve.protocol import (
     FinishReason,
     FlushCacheReply,
     Heartbeat,
+    HeldRequest,
     RequestError,
     SamplingParams,
     StepOutput,
@@ -435,3 +436,23 @@ def test_a_run_not_taken_goes_to_another_worker() -> None:
     assert isinstance(moved, Routed) and moved.migrated == "not_acknowledged"
     assert moved.routed.worker_id == "w1"
     assert d.not_taken("r1", "w0", "late") is None  # not w0's any more
+
+
+def test_a_restarted_scheduler_adopts_what_the_workers_run() -> None:
+    # A new scheduler hears w0 run r1 (2 choices) and r2: aborts reach them, the bound
+    # counts them, and their finishes end them; what it saw end is not adopted again.
+    d = _dispatcher(100, "w0")
+    held = [HeldRequest(rid="r1", gateway_id="gw-a", choices=2), HeldRequest("r2", "gw-b")]
+    d.on_finished("r2", 0, "stop")  # unknown here: nothing happens
+    beat = Heartbeat(
+        worker_id="w0", time=0.0, status=WorkerStatus.READY, capacity=CAPACITY, epoch=1,
+        requests=held,
+    )  # fmt: skip
+    assert d.on_heartbeat(beat, now=1.0) == []
+    assert d.abort("r1", 1.0) == "w0" and d.abort("r2", 1.0) == "w0"
+    assert len(d.inflight) == 2 and d.inflight.count_on("w0") == 2
+    assert not d.on_finished("r1", 0, "stop")
+    assert d.on_finished("r1", 1, "stop")  # both choices: over
+    assert d.on_finished("r2", 0, "length")
+    d.on_heartbeat(beat, now=2.0)  # a heartbeat sent before those finishes
+    assert len(d.inflight) == 0

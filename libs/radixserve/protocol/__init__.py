@@ -81,6 +81,7 @@ from radixserve.protocol.tokens import (
 )
 from radixserve.protocol.workers import (
     Heartbeat,
+    HeldRequest,
     ServiceHeartbeat,
     WorkerCapacity,
     WorkerStats,
@@ -106,6 +107,7 @@ __all__ = [
     "GrammarFetchRequest",
     "GrammarKind",
     "Heartbeat",
+    "HeldRequest",
     "InflightQuery",
     "InflightReply",
     "KvEvent",

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import enum
 
+import msgspec
+
 from radixserve.protocol.base import Message
 
 
@@ -25,12 +27,22 @@ class WorkerCapacity(Message, frozen=True):
     kv_block_size: int = 1  # block size of its KV events (see `kv_events.block_hashes`)
 
 
+class HeldRequest(Message, frozen=True):
+    """A request a worker is running, as its heartbeat lists it: a scheduler that
+    restarted learns from these what is in flight where."""
+
+    rid: str
+    gateway_id: str
+    choices: int = 1
+
+
 class Heartbeat(Message, frozen=True):
     """worker -> scheduler, every few seconds: alive, what it serves, how big it is.
 
     A worker missing several heartbeats is dead: the scheduler re-routes its requests.
     `epoch` and `kv_event_seq` (the last KV event batch published) let the scheduler
-    check its mirror of this worker's radix tree is current.
+    check its mirror of this worker's radix tree is current. `requests`: what it runs
+    (a restarted scheduler rebuilds its in-flight table from them).
     """
 
     worker_id: str
@@ -41,6 +53,7 @@ class Heartbeat(Message, frozen=True):
     kv_event_seq: int = -1  # -1: none published yet
     model: str = ""
     tokenizer_id: str = ""
+    requests: list[HeldRequest] = msgspec.field(default_factory=list)
 
 
 class WorkerStats(Message, frozen=True):

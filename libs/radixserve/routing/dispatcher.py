@@ -132,6 +132,7 @@ class Dispatcher:
         if self.kv_mirrors is not None:
             self.kv_mirrors.on_heartbeat(beat)
         if not self.workers.on_heartbeat(beat, now):
+            self._adopt(beat)
             if beat.status == WorkerStatus.STOPPING:
                 # Drained: what it still holds (handed off, not finished) goes on elsewhere.
                 return self._lose(
@@ -273,6 +274,24 @@ class Dispatcher:
         return sorted(state.worker_id for state in self.workers.ready())
 
     # -- internals ---------------------------------------------------------------------
+
+    def _adopt(self, beat: Heartbeat) -> None:
+        """Requests a worker runs that this scheduler does not know (it restarted since
+        they were routed) enter the in-flight table, so aborts reach them and the bound
+        counts them. Without their prompt they cannot be re-routed."""
+        for held in beat.requests:
+            if held.rid in self.inflight or self.inflight.ended_ago(held.rid) is not None:
+                continue
+            log.info("adopted from worker %s", beat.worker_id, extra={"rid": held.rid})
+            self.inflight.add(
+                InflightEntry(
+                    rid=held.rid,
+                    worker_id=beat.worker_id,
+                    gateway_id=held.gateway_id,
+                    choices=max(held.choices, 1),
+                    routed_at=beat.time,
+                )
+            )
 
     def _lose(self, worker_id: str, why: str, reason: str) -> list[Routed | Rejected]:
         decisions: list[Routed | Rejected] = []

@@ -377,6 +377,7 @@ class WorkerService:
             epoch=self.epoch,
             kv_event_seq=self.kv_event_seq,
             model=self.model_name,
+            requests=[] if self.driver is None else self.driver.held_requests(),
         )
         if self.ctx.bus.is_connected:
             await self.ctx.bus.publish(

@@ -145,6 +145,14 @@ class EngineDriver:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    def held_requests(self) -> list[protocol.HeldRequest]:
+        """What the engine runs for the gateways (read off the engine thread: a copy)."""
+        gateways, unfinished = dict(self.builder.gateways), dict(self.builder.unfinished)
+        return [
+            protocol.HeldRequest(rid=rid, gateway_id=gateway, choices=unfinished.get(rid, 1))
+            for rid, gateway in gateways.items()
+        ]
+
     @property
     def num_tracked(self) -> int:
         return len(self.builder)
