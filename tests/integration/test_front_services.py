@@ -77,6 +77,13 @@ async def test_prompts_are_tokenized_and_routed_to_the_least_loaded_worker(
     chat = got[rids["messages"]].request
     assert chat.sampling == SamplingParams(max_new_tokens=7, n=2, stop=["\n"])
     assert tokenizer.decode(chat.input_ids_list).endswith("<|im_start|>assistant\n")
+    # None failed on the way; their worker then said "stopping" with all three unfinished
+    # and no other worker there: each gets worker_lost (and nothing else comes).
+    lost = [await gateway.error() for _ in rids]
+    assert sorted((e.rid, e.code) for e in lost) == sorted(
+        (r, "worker_lost") for r in rids.values()
+    )
+    await asyncio.sleep(0.3)
     assert gateway.errors.messages.empty()
 
 
