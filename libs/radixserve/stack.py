@@ -4,8 +4,8 @@ Each service is `python -m radixserve.cli serve NAME ...` in its own process gro
 (infra.process.ManagedProcess: it dies with us, even on SIGKILL). A service that
 exits is restarted with a doubling backoff (1 s .. 30 s, reset after a minute of
 uptime), and the restart is announced. The NATS and Redis servers that `up` started
-(`adopt`) are restarted the same way, on their port and with their work dir (the
-JetStream store); the services reconnect to them. `stop()` stops the services front
+(`adopt`) are restarted the same way, on their port (neither keeps anything on disk);
+the services reconnect to them. `stop()` stops the services front
 to back: the gateway first (it stops taking requests), the detokenizer last (it
 delivers the last tokens); the servers' owner (infra.Infra) stops them after.
 """

@@ -6,11 +6,12 @@ Shared by the CPU (Triton interpreter) and the CUDA attention tests.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from radixserve.engine.attention.base import AttentionBackend
+from radixserve.engine.attention.base import AttentionBackend, LayerAttention
 from radixserve.engine.attention.torch_backend import TorchAttentionBackend
 from radixserve.engine.forward_batch import ForwardBatch, ForwardMode, SharedPrefix
 from radixserve.engine.kvcache.pool import KVPool, ReqToTokenPool
@@ -100,14 +101,22 @@ def make_pass(
     )
 
 
-def compare_with_torch(p: Pass, backend: AttentionBackend, layers: tuple[int, ...] = (1,)) -> float:
+def compare_with_torch(
+    p: Pass,
+    backend: AttentionBackend,
+    layers: tuple[int, ...] = (1,),
+    attention: Sequence[LayerAttention] = (),
+) -> float:
     """`backend` and the torch reference on the same pass; asserts equal pool writes and
     returns the worst output error relative to the reference's largest value. The new
     tokens' slots are re-noised before `backend` runs, so it must write them itself,
     and every other slot must come out untouched. One init_forward_metadata is shared
-    by the layers, as in the model."""
+    by the layers, as in the model. `attention`: each layer's window and soft-cap, set
+    on both backends."""
     pool = p.batch.kv_pool
     reference = TorchAttentionBackend()
+    reference.set_layers(attention)
+    backend.set_layers(attention)
     reference.init_forward_metadata(p.batch)
     refs = [reference.forward(p.q, p.k, p.v, layer, p.batch, p.scale) for layer in layers]
     expected = [(k.clone(), v.clone()) for k, v in zip(pool.k_buffers, pool.v_buffers, strict=True)]

@@ -143,3 +143,61 @@ def _smollm2_tokenizer() -> Any:
         source = os.environ.get("RADIXSERVE_TEST_TOKENIZER_DIR")
         _TOKENIZER = load_tokenizer(Path(source) if source else embedded_model_dir())
     return _TOKENIZER
+
+
+# Sliding windows shorter than the test prompts (~40 tokens), so the window decides
+# which keys a query sees on most positions.
+TINY_WINDOW = 8
+
+
+def make_tiny_mistral(out_dir: Path, seed: int = 0, **overrides: Any) -> Path:
+    """Mistral v0.1: a sliding window on every layer, untied head. `overrides` (here and
+    below) go to the config, e.g. head_dim for FlashInfer's kernels."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    fields = {"sliding_window": TINY_WINDOW, "tie_word_embeddings": False, **overrides}
+    return _build(MistralForCausalLM, MistralConfig(**{**_base_fields(), **fields}), out_dir, seed)
+
+
+def make_tiny_qwen2_window(out_dir: Path, seed: int = 0, **overrides: Any) -> Path:
+    """Qwen2 with use_sliding_window: layers from max_window_layers (1) on are windowed."""
+    fields = {"use_sliding_window": True, "sliding_window": TINY_WINDOW, "max_window_layers": 1}
+    return make_tiny_qwen2(out_dir, seed, **{**fields, **overrides})
+
+
+def make_tiny_gemma2(out_dir: Path, seed: int = 0, **overrides: Any) -> Path:
+    """Gemma 2: windowed layers 0 and 2, full layer 1; attention and final soft-caps small
+    enough that they bend the random model's scores; query_pre_attn_scalar apart from
+    head_dim; tied head."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    fields = {
+        "sliding_window": TINY_WINDOW,
+        "attn_logit_softcapping": 2.0,
+        "final_logit_softcapping": 6.0,
+        "query_pre_attn_scalar": 24,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "tie_word_embeddings": True,
+        **overrides,
+    }
+    return _build(Gemma2ForCausalLM, Gemma2Config(**{**_base_fields(), **fields}), out_dir, seed)
+
+
+def make_tiny_gemma3(out_dir: Path, seed: int = 0, **overrides: Any) -> Path:
+    """Gemma 3 text: windowed layers 0 and 2 (their rope base 10k), full layer 1 (1M),
+    q/k norms, no soft-caps; tied head."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    fields = {
+        "sliding_window": TINY_WINDOW,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+        },
+        "query_pre_attn_scalar": 16,
+        "tie_word_embeddings": True,
+        **overrides,
+    }
+    config = Gemma3TextConfig(**{**_base_fields(), **fields})
+    return _build(Gemma3ForCausalLM, config, out_dir, seed)

@@ -1,5 +1,5 @@
 """radixserve.bus against a real nats-server: pub/sub, queue groups, request/reply,
-timeouts, trace context in headers, JetStream, and surviving a server restart."""
+timeouts, trace context in headers, and surviving a server restart."""
 
 from __future__ import annotations
 
@@ -172,23 +172,6 @@ async def test_no_traceparent_without_an_active_span(bus: Bus) -> None:
     await bus.publish(subject, b"x")
     msg = await asyncio.wait_for(received.get(), WAIT_S)
     assert TRACEPARENT not in msg.headers
-
-
-async def test_jetstream_stream_roundtrip(bus: Bus) -> None:
-    name = f"T{uuid.uuid4().hex[:8]}"
-    subject = f"js.{name}.events"
-    js = bus.jetstream
-    await js.add_stream(name=name, subjects=[f"js.{name}.>"])
-    try:
-        for i in range(3):
-            await js.publish(subject, f"e{i}".encode())
-        consumer = await js.pull_subscribe(subject, durable="reader", stream=name)
-        msgs = await consumer.fetch(3, timeout=WAIT_S)
-        assert [m.data for m in msgs] == [b"e0", b"e1", b"e2"]
-        for m in msgs:
-            await m.ack()
-    finally:
-        await js.delete_stream(name)
 
 
 async def test_health_and_close(nats_url: str) -> None:

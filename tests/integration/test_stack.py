@@ -253,12 +253,16 @@ def test_sixteen_concurrent_greedy_requests_equal_the_engine(
 
 
 async def _streamed(http: httpx.AsyncClient, url: str, body: dict[str, Any]) -> list[Any]:
-    """A streamed answer's events as a client reads them: the JSON payloads, then [DONE]."""
+    """A streamed answer's events as a client reads them: the JSON payloads, then [DONE]
+    (each event's `id:`, for a resume, is checked to name the request)."""
     events: list[Any] = []
     async with http.stream("POST", url, json={**body, "stream": True}) as reply:
         assert reply.status_code == 200
+        rid = reply.headers["x-request-id"]
         async for line in reply.aiter_lines():
-            if line:
+            if line.startswith("id: "):
+                assert line.startswith(f"id: {rid}/"), line
+            elif line:
                 assert line.startswith("data: "), line
                 events.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
     return events
@@ -452,8 +456,13 @@ def test_client_disconnect_frees_kv_within_a_second(stack: RunningStack) -> None
             "ignore_eos": True,
             "stream": True,
         }
+        # Not resumable: a client gone aborts its request at once (a resumable one runs on
+        # for the resume grace).
+        headers = {"X-Resumable": "false"}
         async with httpx.AsyncClient(timeout=30) as http:
-            async with http.stream("POST", f"{stack.url}/v1/completions", json=body) as response:
+            async with http.stream(
+                "POST", f"{stack.url}/v1/completions", json=body, headers=headers
+            ) as response:
                 assert response.status_code == 200
                 rid = response.headers["x-request-id"]
                 events = 0

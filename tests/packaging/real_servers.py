@@ -27,7 +27,7 @@ STOP_TIMEOUT_S = 5.0
 def nats_server(
     args: Sequence[str], workdir: Path, env: Mapping[str, str] | None = None
 ) -> Iterator[str]:
-    """nats-server `args` (a config, JetStream...) on a free port; yields its URL."""
+    """nats-server `args` (a config, a monitoring port...) on a free port; yields its URL."""
     port = free_port(HOST)
     argv = [str(find_nats_server()), *args, "-a", HOST, "-p", str(port)]
     proc = ManagedProcess("nats-server", argv, workdir / "nats-server.log", env=env)

@@ -13,6 +13,7 @@ import json
 import posixpath
 import shutil
 import subprocess
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from radixserve.engine.config import EngineConfig
 from radixserve.engine.flags import engine_kwargs
 from radixserve.infra.nats_auth import ADMIN, ROLES, password_variable, render_authorization
 from radixserve.infra.redis_acl import DEFAULT_USER, RedisAcl
+from radixserve.infra.servers import free_port
 from radixserve.protocol.subjects import Subjects
 from radixserve.services import worker as worker_service
 from radixserve.store import RedisAuth, Store, StoreAuthError, StoreSettings
@@ -130,10 +132,13 @@ def test_every_container_is_hardened_and_probed(
 def test_default_values_deploy_the_whole_stack(rendered: dict[str, list[Manifest]]) -> None:
     manifests = rendered["default"]
     deployments = {component_of(d): d for d in by_kind(manifests, "Deployment").values()}
-    assert set(deployments) == {*SERVICES, "redis"}
-    assert [component_of(s) for s in by_kind(manifests, "StatefulSet").values()] == ["nats"]
-    # The scheduler and the detokenizer are singletons, never rolled two at a time.
-    for singleton in ("scheduler", "detokenizer"):
+    assert set(deployments) == {*SERVICES, "nats", "redis"}
+    # NATS keeps nothing on disk (no JetStream): no StatefulSet, no volume claim.
+    assert not by_kind(manifests, "StatefulSet")
+    assert not by_kind(manifests, "PersistentVolumeClaim")
+    # The scheduler and the detokenizer are singletons, never rolled two at a time; nor
+    # is NATS (two unclustered servers would split the services between them).
+    for singleton in ("scheduler", "detokenizer", "nats"):
         assert deployments[singleton]["spec"]["replicas"] == 1
         assert deployments[singleton]["spec"]["strategy"]["type"] == "Recreate"
     scheduler_args = deployments["scheduler"]["spec"]["template"]["spec"]["containers"][0]["args"]
@@ -250,6 +255,7 @@ COMPOSE_TO_VALUES = {
     "RADIXSERVE_EVENT_LOOP": "config.eventLoop",
     "RADIXSERVE_REQUEST_TIMEOUT_S": "gateway.requestTimeoutS",
     "RADIXSERVE_RECORD_TTL_S": "gateway.recordTtlS",
+    "RADIXSERVE_RESUME_GRACE_S": "gateway.resumeGraceS",
     "RADIXSERVE_REASONING_PARSER": "gateway.reasoningParser",
     "RADIXSERVE_TOKENIZER_REPLICAS": "tokenizer.replicas",
     "RADIXSERVE_GRAMMAR_TIMEOUT_S": "tokenizer.grammarTimeoutS",
@@ -265,6 +271,7 @@ COMPOSE_TO_VALUES = {
     "RADIXSERVE_COMPILE_WORKERS": "grammar.compileWorkers",
     "RADIXSERVE_GRAMMAR_CACHE_TTL_S": "grammar.cacheTtlS",
     "RADIXSERVE_DETOK_MAX_REQUESTS": "detokenizer.maxRequests",
+    "RADIXSERVE_OUTPUT_LOG_TTL_S": "detokenizer.outputLogTtlS",
     "RADIXSERVE_GPU_WORKERS": "worker.replicas",
     "RADIXSERVE_CPU_WORKERS": "worker.replicas",
     "RADIXSERVE_GPU_COUNT": "worker.gpu.count",
@@ -325,6 +332,21 @@ def test_values_keys_follow_the_compose_variables() -> None:
         if variable not in DIFFERENT_DEFAULTS and path != "modelDir":
             shown = "" if value is None else str(value).lower()
             assert shown == str(default).lower(), f"{variable}={default} but {path}={value}"
+
+
+def test_resumable_streams_settings_reach_their_services() -> None:
+    """The output log's TTL and the resume grace, in the services' config, defaults and
+    overrides; a negative one is refused by the schema."""
+    config = by_kind(render_chart(CHART_DIR), "ConfigMap")["rs-radixserve-config"]["data"]
+    assert config["RADIXSERVE_OUTPUT_LOG_TTL_S"] == "120"
+    assert config["RADIXSERVE_RESUME_GRACE_S"] == "30"
+    values = {"detokenizer": {"outputLogTtlS": 0}, "gateway": {"resumeGraceS": 7.5}}
+    config = by_kind(render_chart(CHART_DIR, values), "ConfigMap")["rs-radixserve-config"]
+    assert config["data"]["RADIXSERVE_OUTPUT_LOG_TTL_S"] == "0"
+    assert config["data"]["RADIXSERVE_RESUME_GRACE_S"] == "7.5"
+    for negative in ({"detokenizer": {"outputLogTtlS": -1}}, {"gateway": {"resumeGraceS": -1}}):
+        with pytest.raises(HelmError, match="schema"):
+            render_chart(CHART_DIR, negative)
 
 
 def _engine_fields() -> list[str]:
@@ -667,7 +689,8 @@ def test_ingress_check_fails_on_a_catch_all_path(tmp_path: Path) -> None:
 
 NATS_SECRET = "rs-radixserve-nats-auth"
 REDIS_SECRET = "rs-radixserve-redis-auth"
-REDIS_CLIENTS = ("gateway", "grammar")  # the services that use Redis
+# The services that use Redis (records, grammars, resumable streams' output log).
+REDIS_CLIENTS = ("gateway", "grammar", "detokenizer")
 # files/nats-authorization.conf: `radixserve infra nats-auth-config` for this prefix,
 # which the template replaces with config.subjectPrefix.
 STAND_IN_PREFIX = "RADIXSERVE-SUBJECT-PREFIX"
@@ -755,7 +778,9 @@ def test_nats_gets_the_config_and_each_role_password(rendered: dict[str, list[Ma
     manifests = rendered["default"]
     pod, container = _workload(manifests, "nats")
     args = container["args"]
-    assert {"-js", "-m"} <= set(args)  # JetStream and monitoring, as before
+    assert "-m" in args  # monitoring, for the probes
+    assert not {"-js", "--jetstream", "-sd", "--store_dir"} & set(args)  # nothing on disk
+    assert [m["name"] for m in container["volumeMounts"]] == ["config"]
     config = args[args.index("-c") + 1]
     volume = _mounted_volume(pod, container, config)
     assert volume["configMap"]["name"] == "rs-radixserve-nats-config"
@@ -826,8 +851,8 @@ def test_redis_turns_default_off_and_has_the_one_user(rendered: dict[str, list[M
 
 
 async def test_the_rendered_nats_lets_each_role_in_and_nobody_else(tmp_path: Path) -> None:
-    """The chart's NATS config and Secret on a real nats-server, its variables set as the
-    StatefulSet sets them."""
+    """The chart's NATS arguments, config and Secret on a real nats-server, its variables
+    set as the Deployment sets them; its probes' path answers on the monitoring port."""
     manifests = render_chart(CHART_DIR)
     _, container = _workload(manifests, "nats")
     config = tmp_path / "nats.conf"
@@ -836,8 +861,15 @@ async def test_the_rendered_nats_lets_each_role_in_and_nobody_else(tmp_path: Pat
     )
     passwords = _secret_data(manifests, NATS_SECRET)
     env = {e["name"]: passwords[e["valueFrom"]["secretKeyRef"]["key"]] for e in container["env"]}
-    args = ["-c", str(config), "-js", "-sd", str(tmp_path / "jetstream")]
+    args = list(container["args"])
+    args[args.index("-c") + 1] = str(config)
+    monitor = free_port()  # not the pod's 8222: tests run side by side
+    args[args.index("-m") + 1] = str(monitor)
     with nats_server(args, tmp_path, env=env) as url:
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            path = container[probe]["httpGet"]["path"]
+            with urllib.request.urlopen(f"http://127.0.0.1:{monitor}{path}", timeout=5) as r:
+                assert r.status == 200, probe
         for role in ("gateway", ADMIN):
             auth = NatsAuth(user=role, password=passwords[role])
             bus = await Bus.connect(BusSettings(url=url, name=f"test-{role}", auth=auth))

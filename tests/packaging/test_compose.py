@@ -38,6 +38,8 @@ from tests.packaging.compose_checks import (
 TEXT = COMPOSE_FILE.read_text()
 RADIXSERVE_SERVICES = ("gateway", "tokenizer", "scheduler", "grammar", "detokenizer")
 WORKERS = ("worker", "worker-cpu")
+# The services that use Redis (records, grammars, resumable streams' output log).
+REDIS_CLIENTS = ("gateway", "grammar", "detokenizer")
 DEPLOY = ROOT / "deploy"
 
 
@@ -56,8 +58,11 @@ def test_stack_has_every_piece(model: dict[str, Any]) -> None:
         assert name in services, name
     assert {"otel-collector", "jaeger"} <= services.keys()
     nats = services["nats"]
-    assert "-js" in nats["command"] and "-m" in nats["command"]  # JetStream, monitoring
-    assert any(str(v).startswith("nats-data:") for v in nats["volumes"])
+    # Monitoring, and no JetStream: NATS keeps nothing on disk (resumes are Redis's).
+    assert "-m" in nats["command"]
+    assert not {"-js", "--jetstream", "-sd", "--store_dir"} & set(nats["command"])
+    assert [v for v, _ in mounts(nats).values()] == ["nats-config"]
+    assert "js-enabled" not in " ".join(nats["healthcheck"]["test"])
     # The GPU worker in the `gpu` profile, the `cpu` profile's runs without one.
     gpu = services["worker"]
     assert gpu["profiles"] == ["gpu"]
@@ -125,7 +130,7 @@ def test_every_service_waits_for_what_it_needs(model: dict[str, Any]) -> None:
     services = model["services"]
     for name in (*RADIXSERVE_SERVICES, *WORKERS):
         assert services[name]["depends_on"]["nats"]["condition"] == "service_healthy", name
-    for name in ("gateway", "grammar"):
+    for name in REDIS_CLIENTS:
         assert services[name]["depends_on"]["redis"]["condition"] == "service_healthy", name
     assert services["grafana"]["depends_on"]["prometheus"]["condition"] == "service_healthy"
 
@@ -151,6 +156,16 @@ def test_variables_reach_the_services() -> None:
     assert environment(services["worker"])["RADIXSERVE_CHUNKED_PREFILL_SIZE"] == "512"
     assert services["tokenizer"]["deploy"]["replicas"] == 3
     assert "/srv/models:/models:ro" in services["tokenizer"]["volumes"]
+
+
+def test_resumable_streams_settings_reach_their_services() -> None:
+    defaults = load_compose(TEXT)["services"]
+    assert environment(defaults["detokenizer"])["RADIXSERVE_OUTPUT_LOG_TTL_S"] == "120"
+    assert environment(defaults["gateway"])["RADIXSERVE_RESUME_GRACE_S"] == "30"
+    env = {"RADIXSERVE_OUTPUT_LOG_TTL_S": "0", "RADIXSERVE_RESUME_GRACE_S": "5"}
+    services = load_compose(TEXT, env)["services"]
+    assert environment(services["detokenizer"])["RADIXSERVE_OUTPUT_LOG_TTL_S"] == "0"
+    assert environment(services["gateway"])["RADIXSERVE_RESUME_GRACE_S"] == "5"
 
 
 def test_tokenizer_gets_a_context_length_only_when_one_is_set() -> None:
@@ -399,7 +414,7 @@ BROKEN: dict[str, tuple[Callable[[str], str], str]] = {
         ),
         "unknown service",
     ),
-    "undeclared-volume": (lambda t: t.replace("  nats-data: {}\n", ""), "nats-data"),
+    "undeclared-volume": (lambda t: t.replace("  prometheus-data: {}\n", ""), "prometheus-data"),
     "no-default": (
         lambda t: t.replace(
             "${RADIXSERVE_REQUEST_TIMEOUT_S:-600}", "${RADIXSERVE_REQUEST_TIMEOUT_S}"
@@ -465,7 +480,6 @@ NATS_ROLE = {
     "worker": "worker",
     "worker-cpu": "worker",
 }
-REDIS_CLIENTS = ("gateway", "grammar")  # the services that use Redis
 
 
 def _init_volume(model: dict[str, Any], path: str) -> str:

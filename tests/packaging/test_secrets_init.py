@@ -12,6 +12,8 @@ import os
 import stat
 import subprocess
 import sys
+import urllib.parse
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ import pytest
 from radixserve.bus import Bus, BusAuthError, BusSettings, NatsAuth
 from radixserve.infra.nats_auth import ROLES, NatsUsers, render_authorization
 from radixserve.infra.redis_acl import DEFAULT_USER, RedisAcl
+from radixserve.infra.servers import free_port
 from radixserve.protocol.subjects import Subjects
 from radixserve.store import RedisAuth, Store, StoreAuthError, StoreSettings
 from tests.packaging.compose_checks import COMPOSE_FILE, INIT_SECRETS, load_compose, mounts
@@ -147,15 +150,21 @@ def made(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 async def test_the_nats_config_lets_each_role_in_and_nobody_else(
     made: dict[str, Path], tmp_path: Path
 ) -> None:
-    """nats-server started as compose starts it (-c nats.conf -js): the gateway's user with
-    its password may do what the gateway does; no credentials, or another role's password,
-    are refused."""
-    compose = load_compose(COMPOSE_FILE.read_text())["services"]["nats"]["command"]
+    """nats-server started with compose's arguments (-c nats.conf -m PORT): the gateway's
+    user with its password may do what the gateway does; no credentials, or another role's
+    password, are refused; compose's health check URL answers on the monitoring port."""
+    nats = load_compose(COMPOSE_FILE.read_text())["services"]["nats"]
     config = made["--nats-config-dir"] / "nats.conf"
-    assert compose[:2] == ["-c", f"/etc/nats/radixserve/{config.name}"]
-    args = ["-c", str(config), "-js", "-sd", str(tmp_path / "jetstream")]
+    assert nats["command"][:2] == ["-c", f"/etc/nats/radixserve/{config.name}"]
+    args = ["-c", str(config), *nats["command"][2:]]
+    monitor = free_port()  # not the container's 8222: tests run side by side
+    args[args.index("-m") + 1] = str(monitor)
+    health = urllib.parse.urlsplit(nats["healthcheck"]["test"][-1])
     passwords = _nats_passwords(made)
     with nats_server(args, tmp_path) as url:
+        probe = health._replace(netloc=f"127.0.0.1:{monitor}").geturl()
+        with urllib.request.urlopen(probe, timeout=5) as answer:
+            assert answer.status == 200
         gateway = NatsAuth(user="gateway", password=passwords["gateway"])
         bus = await Bus.connect(BusSettings(url=url, name="test-gateway", auth=gateway))
         try:

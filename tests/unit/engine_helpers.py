@@ -33,6 +33,7 @@ def hf_greedy(
     device: str = "cpu",
     repetition_penalty: float = 1.0,
     logit_bias: dict[int, float] | None = None,
+    attn_implementation: str | None = None,
 ) -> list[Reference]:
     """transformers' own generate, one prompt at a time (no padding), float32, with
     min_new_tokens so both sides run the full length without stopping on EOS. The top-2
@@ -40,8 +41,10 @@ def hf_greedy(
     mask)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
-    model.eval()
+    # attn_implementation None: transformers' default (SDPA where the model allows it).
+    extra = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **extra)
+    model = model.to(device).eval()
     refs = []
     with torch.inference_mode():
         for ids in prompts:

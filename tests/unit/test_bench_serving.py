@@ -221,3 +221,78 @@ def test_summary_matches_numpy_and_counts_cache_hits() -> None:
     table = render_table(summary)
     assert "Cache hit rate:" in table and "0.267" in table and "Failed requests:" in table
     assert summarize([], 1.0, {})["cache_hit_rate"] is None
+
+
+def test_goodput_counts_the_requests_meeting_every_objective() -> None:
+    results = [
+        RequestResult(True, 10, 21, ttft=0.030, latency=0.210),  # TPOT 9 ms, e2e 210 ms
+        RequestResult(True, 10, 2, ttft=0.060, latency=0.300),  # TTFT 60, TPOT 240
+        RequestResult(True, 10, 31, ttft=0.020, latency=0.620),  # TPOT 20, e2e 620
+        RequestResult(True, 10, 1, ttft=0.045, latency=0.045),  # one token: TPOT 0
+        RequestResult(False, 10, error="HTTP 500"),  # never good
+    ]
+    by_hand = {  # the good requests, by which objectives are given
+        (("ttft", 50.0), ("tpot", 10.0), ("e2el", 500.0)): 2,  # the first and the fourth
+        (("ttft", 50.0),): 3,
+        (("tpot", 10.0),): 2,
+        (("e2el", 500.0),): 3,
+        (("ttft", 10.0),): 0,
+    }
+    for slos, good in by_hand.items():
+        summary = summarize(results, 2.0, {}, dict(slos))
+        assert summary["good_completed"] == good and summary["request_goodput"] == good / 2.0
+        assert summary["goodput_slos_ms"] == dict(slos)
+    none = summarize(results, 2.0, {})
+    assert none["request_goodput"] is None and "goodput" not in render_table(none)
+    assert "Request goodput (req/s):" in render_table(summarize(results, 2.0, {}, {"ttft": 50}))
+
+
+def test_goodput_flag_takes_vllms_spelling() -> None:
+    ns = build_parser().parse_args(["bench", "serving", "--goodput", "ttft:50", "e2el:1500.5"])
+    assert ns.goodput == [("ttft", 50.0), ("e2el", 1500.5)]
+    assert build_parser().parse_args(["bench", "serving"]).goodput is None
+    for bad in ("itl:5", "ttft", "ttft:-1", "ttft:fast"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["bench", "serving", "--goodput", bad])
+
+
+# SGLang's bench_serving result keys, then vLLM's bench serve's, that the summary carries.
+SGLANG_KEYS = (
+    "duration completed total_input_tokens total_output_tokens request_throughput "
+    "input_throughput output_throughput total_throughput concurrency mean_e2e_latency_ms "
+    "median_e2e_latency_ms std_e2e_latency_ms p99_e2e_latency_ms mean_ttft_ms median_ttft_ms "
+    "std_ttft_ms p99_ttft_ms mean_tpot_ms median_tpot_ms std_tpot_ms p99_tpot_ms mean_itl_ms "
+    "median_itl_ms std_itl_ms p95_itl_ms p99_itl_ms max_itl_ms"
+).split()
+VLLM_KEYS = (
+    "duration completed total_input_tokens total_output_tokens request_throughput "
+    "request_goodput output_throughput total_token_throughput mean_ttft_ms median_ttft_ms "
+    "std_ttft_ms p50_ttft_ms p99_ttft_ms mean_tpot_ms median_tpot_ms std_tpot_ms p50_tpot_ms "
+    "p99_tpot_ms mean_itl_ms median_itl_ms std_itl_ms p50_itl_ms p99_itl_ms mean_e2el_ms "
+    "median_e2el_ms std_e2el_ms p50_e2el_ms p99_e2el_ms"
+).split()
+
+
+def test_summary_carries_sglangs_and_vllms_result_keys() -> None:
+    results = [
+        RequestResult(True, 8, 4, ttft=0.1, latency=0.4, itl=[0.1, 0.1, 0.1]),
+        RequestResult(True, 8, 3, ttft=0.2, latency=0.6, itl=[0.2, 0.2]),
+    ]
+    summary = summarize(results, 1.0, {}, {"ttft": 150.0})
+    assert set(SGLANG_KEYS + VLLM_KEYS) <= set(summary)
+    e2e_ms = np.array([400.0, 600.0])
+    for stat, value in (
+        ("mean", e2e_ms.mean()),
+        ("std", e2e_ms.std()),
+        ("p99", np.percentile(e2e_ms, 99)),
+    ):
+        assert (
+            summary[f"{stat}_e2el_ms"] == summary[f"{stat}_e2e_latency_ms"] == pytest.approx(value)
+        )
+    assert summary["p50_ttft_ms"] == summary["median_ttft_ms"] == pytest.approx(150.0)
+    assert summary["max_itl_ms"] == pytest.approx(200.0) and summary[
+        "concurrency"
+    ] == pytest.approx(1.0)
+    assert summary["total_token_throughput"] == summary["total_throughput"] == 23.0
+    assert summary["request_goodput"] == 1.0  # the first request's TTFT is within 150 ms
+    json.dumps(summary)  # the --output-file line

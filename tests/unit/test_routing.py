@@ -24,6 +24,8 @@ from radixserve.protocol import (
 from radixserve.routing import (
     NO_WORKER,
     QUEUE_FULL,
+    REQUEST_LOST,
+    UNLISTED_AFTER_S,
     WORKER_LOST,
     ChoiceProgress,
     Dispatcher,
@@ -456,3 +458,26 @@ def test_a_restarted_scheduler_adopts_what_the_workers_run() -> None:
     assert d.on_finished("r2", 0, "length")
     d.on_heartbeat(beat, now=2.0)  # a heartbeat sent before those finishes
     assert len(d.inflight) == 0
+
+
+def test_a_request_its_worker_no_longer_lists_gets_request_lost() -> None:
+    # Its worker ended it but the end never came (lost in a NATS outage): failed once two
+    # heartbeats UNLISTED_AFTER_S apart miss it, not left to wait for its deadline.
+    d = _dispatcher(100, "w0")
+    for rid in ("gone", "runs", "back"):
+        assert _routed_to(d.admit(_request(rid), 0.0, 0.0)) == "w0"
+
+    def beat(*rids: str, listed: bool = True) -> Heartbeat:
+        return Heartbeat(
+            worker_id="w0", time=0.0, status=WorkerStatus.READY, capacity=CAPACITY, epoch=1,
+            requests=[HeldRequest(rid, "gw") for rid in rids], requests_listed=listed,
+        )  # fmt: skip
+
+    assert d.on_heartbeat(beat("gone", "runs", "back"), now=1.0) == []
+    assert d.on_heartbeat(beat("runs"), now=2.0) == []  # maybe its end is on its way
+    assert d.on_heartbeat(beat("runs", "back"), now=3.0) == []  # listed again: forgiven
+    assert d.on_heartbeat(beat("runs", listed=False), now=10.0) == []  # not a full list
+    (lost,) = d.on_heartbeat(beat("runs"), now=2.0 + UNLISTED_AFTER_S)
+    assert isinstance(lost, Rejected) and lost.error.rid == "gone"
+    assert lost.error.code == REQUEST_LOST and lost.error.http_status == 503
+    assert "gone" not in d.inflight and "runs" in d.inflight and "back" in d.inflight

@@ -192,9 +192,10 @@ upgrades. Call with (dict "root" $ "name" NAME).
 {{- list "gateway" "tokenizer" "scheduler" "worker" "grammar" "detokenizer" "admin" | toJson }}
 {{- end }}
 
-{{/* The services that use Redis (request records, the grammar cache): only they get its password. */}}
+{{/* The services that use Redis (request records, the grammar cache, the output log of
+resumable streams): only they get its password. */}}
 {{- define "radixserve.redisClients" -}}
-{{- list "gateway" "grammar" | toJson }}
+{{- list "gateway" "grammar" "detokenizer" | toJson }}
 {{- end }}
 
 {{/* The Secret of the NATS passwords (a key per role): natsAuth.existingSecret, else the chart's. */}}

@@ -1,4 +1,5 @@
-"""Benchmark workloads, all synthetic and seeded (nothing is downloaded).
+"""Benchmark workloads, synthetic and seeded (nothing is downloaded); the user's own files
+(ShareGPT JSON, a JSONL of prompts) are read by dataset_files.py.
 
     requests = generated_shared_prefix(rng, num_groups=4, prompts_per_group=8,
                                        system_prompt_len=512, question_len=32, output_len=16)
@@ -26,13 +27,14 @@ DEFAULT_VOCAB_HIGH = 30000  # below every common vocabulary's size (Llama's 3200
 
 @dataclass(frozen=True)
 class BenchRequest:
-    prompt: list[int]
+    prompt: list[int] | str  # token ids (the synthetic sets) or text (dataset_files.py)
     output_len: int
     group: int | None = None  # generated-shared-prefix: the shared prefix's group
+    text_tokens: int = 0  # a text prompt's length by the tokenizer
 
     @property
     def prompt_len(self) -> int:
-        return len(self.prompt)
+        return len(self.prompt) if isinstance(self.prompt, list) else self.text_tokens
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,7 @@ class TokenRange:
         return [rng.randrange(self.low, self.high) for _ in range(n)]
 
 
-def _check_positive(**values: int) -> None:
+def check_positive(**values: int) -> None:
     for name, value in values.items():
         if value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -62,8 +64,8 @@ def random_requests(
     range_ratio: float = 0.0,
     tokens: TokenRange = TokenRange(),
 ) -> list[BenchRequest]:
-    _check_positive(num_prompts=num_prompts, random_input_len=input_len)
-    _check_positive(random_output_len=output_len)
+    check_positive(num_prompts=num_prompts, random_input_len=input_len)
+    check_positive(random_output_len=output_len)
     if not 0.0 <= range_ratio <= 1.0:
         raise ValueError(f"--random-range-ratio must be in [0, 1], got {range_ratio}")
 
@@ -90,7 +92,7 @@ def sharegpt_like_requests(
 ) -> list[BenchRequest]:
     """ShareGPT-shaped lengths; `output_len` fixes every output length (as SGLang's
     `--sharegpt-output-len`). Prompt + output fit in `context_len`, prompts >= 4 tokens."""
-    _check_positive(num_prompts=num_prompts)
+    check_positive(num_prompts=num_prompts)
     if context_len < 8:
         raise ValueError(f"--sharegpt-context-len must be >= 8, got {context_len}")
     requests = []
@@ -113,7 +115,7 @@ def generated_shared_prefix(
     tokens: TokenRange = TokenRange(),
 ) -> list[BenchRequest]:
     """Group by group: each group's prompts are its system prompt + their own question."""
-    _check_positive(
+    check_positive(
         gsp_num_groups=num_groups,
         gsp_prompts_per_group=prompts_per_group,
         gsp_system_prompt_len=system_prompt_len,

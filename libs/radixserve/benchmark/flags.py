@@ -7,7 +7,22 @@ import argparse
 from radixserve.benchmark.datasets import DEFAULT_VOCAB_HIGH, DEFAULT_VOCAB_LOW
 
 BACKENDS = ("openai", "radixserve")
-DATASETS = ("random", "sharegpt", "generated-shared-prefix")
+DATASETS = ("random", "sharegpt", "generated-shared-prefix", "custom")
+SLO_METRICS = ("ttft", "tpot", "e2el")  # vLLM's --goodput names
+
+
+def slo(pair: str) -> tuple[str, float]:
+    """One `--goodput` objective, vLLM's spelling: `ttft:50` (milliseconds)."""
+    name, _, value = pair.partition(":")
+    try:
+        ms = float(value)
+    except ValueError:
+        ms = -1.0
+    if name not in SLO_METRICS or ms < 0:
+        raise argparse.ArgumentTypeError(
+            f"expected NAME:MS with NAME one of {', '.join(SLO_METRICS)} and MS >= 0, got {pair!r}"
+        )
+    return name, ms
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,9 +39,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--tokenizer",
         default=None,
-        help="local HF tokenizer folder: send prompts as text (default: token ids)",
+        help="local HF tokenizer folder: send prompts as text (default: token ids); "
+        "--dataset-path counts tokens with it",
     )
-    add("--dataset-name", choices=DATASETS, default="random")
+    add(
+        "--dataset-name",
+        choices=DATASETS,
+        default=None,
+        help="default: random, or with --dataset-path the file's kind (sharegpt: "
+        "ShareGPT-format JSON; custom: a .jsonl of {prompt, output_len})",
+    )
+    add(
+        "--dataset-path",
+        default=None,
+        help="ShareGPT-format JSON (first human turn, its gpt answer's length) or a JSONL "
+        "of prompts; needs --tokenizer",
+    )
     add(
         "--num-prompts",
         type=int,
@@ -43,7 +71,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="lengths uniform in [len * ratio, len]",
     )
     add("--sharegpt-output-len", type=int, default=None, help="fix every output length")
-    add("--sharegpt-context-len", type=int, default=2048, help="prompt + output at most")
+    add(
+        "--sharegpt-context-len",
+        type=int,
+        default=None,
+        help="prompt + output at most: a file's longer pairs are dropped, as SGLang does "
+        "(synthetic sharegpt: clipped to it, default 2048)",
+    )
     add("--gsp-num-groups", type=int, default=64)
     add("--gsp-prompts-per-group", type=int, default=16)
     add("--gsp-system-prompt-len", type=int, default=2048)
@@ -67,4 +101,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add("--warmup-requests", type=int, default=1, help="sent first, not counted")
     add("--request-timeout-s", type=float, default=600.0)
+    add(
+        "--goodput",
+        nargs="+",
+        type=slo,
+        default=None,
+        metavar="NAME:MS",
+        help="service-level objectives (vLLM's spelling: ttft:50 tpot:6 e2el:2000): "
+        "request_goodput counts the requests meeting all of them, per second",
+    )
     add("--output-file", default=None, help="append the summary as one JSON line")

@@ -1,5 +1,5 @@
 """NATS bus: connect with retry, reconnect forever, pub/sub, queue groups,
-request/reply with timeouts, W3C trace context in headers, JetStream, health.
+request/reply with timeouts, W3C trace context in headers, health.
 
     from radixserve.bus import Bus, BusSettings
     bus = await Bus.connect(BusSettings.from_env(name="gateway"))

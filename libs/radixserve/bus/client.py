@@ -8,7 +8,6 @@
     await bus.subscribe("rs.tokenize", on_request, queue="tokenizer")   # load-shared
     await bus.publish("rs.tokens", payload, headers={"rid": rid})
     reply = await bus.request("rs.tokenize", payload, timeout_s=2.0)    # BusTimeout on silence
-    js = bus.jetstream                                                  # nats-py JetStreamContext
     await bus.drain()                                                   # on shutdown
 
 Payloads are bytes (encoding belongs to radixserve.protocol). Every outgoing message
@@ -39,7 +38,6 @@ import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.js import JetStreamContext
 from opentelemetry import context as otel_context
 
 from radixserve.bus.errors import (
@@ -106,7 +104,6 @@ class Bus:
     def __init__(self, settings: BusSettings) -> None:
         self.settings = settings
         self._nc: NatsClient | None = None
-        self._js: JetStreamContext | None = None
         self._closing = False  # nats-py reports a requested close as a disconnect too
         # During a connect attempt: why the server refused us, set by the error callback.
         self._refusal: str | None = None
@@ -227,14 +224,6 @@ class Bus:
     def nats_client(self) -> NatsClient:
         """The underlying nats-py client, for what this wrapper does not cover."""
         return self._client()
-
-    @property
-    def jetstream(self) -> JetStreamContext:
-        """nats-py JetStream context on this connection (streams, KV, consumers)."""
-        nc = self._client()  # raises BusClosed after close, even with a cached context
-        if self._js is None:
-            self._js = nc.jetstream()
-        return self._js
 
     async def wait_connected(self, timeout_s: float) -> bool:
         """True once connected (e.g. after a reconnect), False after ``timeout_s``."""

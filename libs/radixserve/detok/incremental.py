@@ -273,12 +273,17 @@ class IncrementalDetokenizer:
         self._streams: OrderedDict[StreamKey, DecodeStatus] = OrderedDict()
         self._failed: OrderedDict[str, None] = OrderedDict()  # rids failed for lost tokens
         self._lost: list[LostStream] = []
+        self._resumable: OrderedDict[str, None] = OrderedDict()  # rids whose deltas are logged
 
     def __len__(self) -> int:
         return len(self._streams)
 
     def status(self, rid: str, index: int = 0) -> DecodeStatus | None:
         return self._streams.get((rid, index))
+
+    def resumable(self, rid: str) -> bool:
+        """Whether the request asked for its deltas to be kept (DetokParams.resumable)."""
+        return rid in self._resumable
 
     def process(self, batch: StepOutputBatch) -> dict[str, list[TextDelta]]:
         """One step of every request: the text deltas, grouped by gateway id.
@@ -380,6 +385,10 @@ class IncrementalDetokenizer:
             self._streams.move_to_end(key)
             if out.detok is not None:  # sent again after a re-route
                 status.params = out.detok
+        if out.detok is not None and out.detok.resumable:
+            self._resumable[out.rid] = None
+            if len(self._resumable) > self.max_requests:
+                self._resumable.popitem(last=False)
         status.tokens += num_tokens(out.new_token_ids)
         status.push(self._valid_ids(out))
         return status

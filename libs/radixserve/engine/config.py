@@ -17,6 +17,9 @@ class EngineConfig:
     model_path: str | None = None
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     load_format: str = "auto"  # auto (the checkpoint) | dummy (random weights: benchmarks)
+    # fp8: a 16-bit checkpoint's projections quantized to FP8 on load (per output row;
+    # activations per token). None: as the checkpoint is (an FP8 one is read as FP8).
+    quantization: str | None = None
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     # auto: on CUDA FlashInfer's prefill with Triton's decode for float16/bfloat16 when
     # flashinfer is installed, else triton; torch on the CPU. flashinfer and triton run
@@ -106,6 +109,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be one of {ATTENTION_BACKENDS[:-1]}, got {value!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be fp8 (or unset), got {self.quantization!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(
                 f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"

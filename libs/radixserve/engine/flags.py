@@ -22,6 +22,8 @@ _UNSET_HELP = {
     "max_total_tokens": "KV pool size in tokens (default: from mem_fraction_static on a GPU)",
     "max_running_requests": "default: 512 on a GPU of 70 GiB or more, else 256",
     "cuda_graph_max_bs": "default: as max_running_requests",
+    "quantization": "fp8: quantize a 16-bit checkpoint's projections on load "
+    "(default: as the checkpoint is)",
     "context_length": "default: the model's max_position_embeddings",
     "prefill_attention_backend": "torch, triton or flashinfer (default: as --attention-backend)",
     "decode_attention_backend": "torch, triton or flashinfer (default: as --attention-backend; "

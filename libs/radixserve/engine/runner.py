@@ -10,7 +10,7 @@ import logging
 
 import torch
 
-from radixserve.engine.attention.base import AttentionBackend
+from radixserve.engine.attention.base import AttentionBackend, layer_attention
 from radixserve.engine.attention.sm90_prefill import is_sm90
 from radixserve.engine.blas import heuristics_cache_capacity, prefer_cublaslt, size_heuristics_cache
 from radixserve.engine.config import EngineConfig
@@ -219,6 +219,7 @@ class ModelRunner:
             config=model_config,
             load_format=config.load_format,
             tp=tp,
+            quantization=config.quantization,
         )
         self.vocab_size = self.model_config.vocab_size
         self.local_kv_heads = tp.split(self.model_config.num_key_value_heads, "KV heads")
@@ -243,6 +244,7 @@ class ModelRunner:
             sm90_prefill=config.enable_sm90_prefill,
             head_dim=self.model_config.head_dim,
         )
+        self.attn.set_layers(layer_attention(self.model_config))
         if config.enable_sm90_prefill and not sm90_prefill_applies(self.attn, self.device):
             log.warning(
                 "enable_sm90_prefill has no effect here: it needs prefills on the flashinfer "

@@ -86,7 +86,7 @@ def run_infra_command(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m radixserve.infra",
-        description="Run local NATS (JetStream) and Redis until SIGINT/SIGTERM.",
+        description="Run local NATS and Redis until SIGINT/SIGTERM.",
     )
     add_infra_arguments(parser)
     add_infra_commands(parser)

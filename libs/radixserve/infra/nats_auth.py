@@ -8,9 +8,10 @@ prefix), rendered as nats-server's `authorization { users = [...] }` block.
 
 A responder (the tokenizer acknowledging a submit, the grammar service answering a
 compile) answers on its requester's reply subject through `allow_responses`; a requester
-(`Bus.request`) receives its answer on nats-py's `_INBOX.>`. No service uses JetStream,
-so no role but `admin` may reach `$JS.API.>`. `admin` (`radixserve health`, operators'
-taps) may do anything.
+(`Bus.request`) receives its answer on nats-py's `_INBOX.>`. No service uses JetStream
+(the NATS servers radixserve starts run without it), so on a NATS of yours that has it no
+role but `admin` may reach `$JS.API.>`. `admin` (`radixserve health`, operators' taps) may
+do anything.
 """
 
 from __future__ import annotations

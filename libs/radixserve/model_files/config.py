@@ -22,7 +22,12 @@ SUPPORTED_ARCHITECTURES = (
     "MixtralForCausalLM",
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
+    # Sandwich norms, GeGLU, soft-caps, local/global layers (engine/model/gemma.py).
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
 )
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+_QK_NORM_ARCHITECTURES = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM")
 # RoPE types whose frequencies do not depend on the running sequence length, so one
 # cos/sin table serves every position (`dynamic` and `longrope` would not).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -48,14 +53,21 @@ class ModelConfig:
     qkv_bias: bool  # Qwen2 always; Llama/Qwen3 when attention_bias
     o_bias: bool  # Llama/Qwen3 when attention_bias; never Qwen2
     mlp_bias: bool
-    qk_norm: bool  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    qk_norm: bool  # Qwen3, Gemma 3: RMSNorm over head_dim on q and k before RoPE
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     torch_dtype: str | None  # "bfloat16" etc., as config.json names it
-    # NOTE: sliding-window attention is not implemented; a window shorter than the
-    # context makes long sequences diverge from the reference. Kept for a warning.
-    sliding_window: int | None
+    # Per layer: the sliding window (keys a query sees, its own included) or None for
+    # full attention, as transformers assigns them (layer_types, max_window_layers).
+    layer_windows: tuple[int | None, ...]
+    # Gemma 2's attention logit soft-cap (scores -> cap * tanh(score / cap)), else None.
+    attn_soft_cap: float | None
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The window of the layers that have one (None: every layer attends in full)."""
+        return max((w for w in self.layer_windows if w is not None), default=None)
 
     @property
     def rope_type(self) -> str:
@@ -77,9 +89,13 @@ class ModelConfig:
         cls, raw: dict[str, Any], generation: dict[str, Any] | None = None
     ) -> ModelConfig:
         architecture = _pick_architecture(raw)
-        act = raw.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"hidden_act {act!r} is not supported (only 'silu')")
+        gemma = architecture in GEMMA_ARCHITECTURES
+        # Gemma's activation is hidden_activation (its hidden_act is a legacy copy).
+        act = raw.get("hidden_activation") if gemma else None
+        act = act or raw.get("hidden_act") or ("gelu_pytorch_tanh" if gemma else "silu")
+        supported_act = "gelu_pytorch_tanh" if gemma else "silu"
+        if act != supported_act:
+            raise ValueError(f"hidden_act {act!r} is not supported (only {supported_act!r})")
         hidden = int(_require(raw, "hidden_size"))
         heads = int(_require(raw, "num_attention_heads"))
         head_dim = raw.get("head_dim") or hidden // heads
@@ -100,15 +116,16 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             vocab_size=int(_require(raw, "vocab_size")),
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
             qkv_bias=is_qwen2 or attention_bias,
             o_bias=attention_bias and not is_qwen2,
             mlp_bias=bool(raw.get("mlp_bias", False)),
-            qk_norm=architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            qk_norm=architecture in _QK_NORM_ARCHITECTURES,
             eos_token_ids=_eos_ids(raw, generation or {}),
             bos_token_id=raw.get("bos_token_id"),
             torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
-            sliding_window=_sliding_window(raw),
+            layer_windows=_layer_windows(raw, architecture),
+            attn_soft_cap=_attn_soft_cap(raw, architecture),
             raw=raw,
         )
 
@@ -133,6 +150,8 @@ def _pick_architecture(raw: dict[str, Any]) -> str:
 def _parse_rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     """(theta, scaling dict or None) from either the old or the transformers-5 layout."""
     params = dict(raw.get("rope_parameters") or {})
+    # Gemma 3 gives each layer type its own; the local layers' theta: engine/model/gemma.py.
+    params = dict(params.get("full_attention", params))
     legacy = raw.get("rope_scaling") or {}
     merged: dict[str, Any] = {**legacy, **params}
     theta = merged.pop("rope_theta", raw.get("rope_theta", 10000.0))
@@ -158,9 +177,44 @@ def _eos_ids(raw: dict[str, Any], generation: dict[str, Any]) -> tuple[int, ...]
     return tuple(ids)
 
 
-def _sliding_window(raw: dict[str, Any]) -> int | None:
-    window = raw.get("sliding_window")
-    # Qwen2/3 store a window but only use it with use_sliding_window.
-    if window is None or raw.get("use_sliding_window") is False:
+def _attn_soft_cap(raw: dict[str, Any], architecture: str) -> float | None:
+    """Gemma's attention logit soft-cap (transformers' default: 50 for Gemma 2, none for 3)."""
+    if architecture not in GEMMA_ARCHITECTURES:
         return None
-    return int(window)
+    cap = raw.get("attn_logit_softcapping", 50.0 if architecture == "Gemma2ForCausalLM" else None)
+    return None if cap is None else float(cap)
+
+
+def _layer_windows(raw: dict[str, Any], architecture: str) -> tuple[int | None, ...]:
+    """Each layer's window, as transformers' config classes assign them: Mistral and
+    Mixtral on every layer; Qwen2/Qwen3 only with use_sliding_window, on the layers from
+    max_window_layers on; Gemma 2 on every other layer, Gemma 3 on all but every
+    sliding_window_pattern-th (6); an explicit layer_types list wins for those."""
+    layers = int(_require(raw, "num_hidden_layers"))
+    window = raw.get("sliding_window")
+    if architecture in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        if raw.get("use_sliding_window"):
+            raise ValueError(f"sliding-window attention of {architecture} is not supported")
+        return (None,) * layers
+    if window is None or architecture == "LlamaForCausalLM":
+        return (None,) * layers
+    if architecture in ("MistralForCausalLM", "MixtralForCausalLM"):
+        return (int(window),) * layers
+    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not raw.get(
+        "use_sliding_window"
+    ):
+        return (None,) * layers
+    kinds = raw.get("layer_types")
+    if kinds is None:
+        if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+            first = int(raw.get("max_window_layers", 28))
+            sliding = [i >= first for i in range(layers)]
+        else:
+            pattern = raw.get("sliding_window_pattern") or 6  # Gemma 3's default
+            every = 2 if architecture == "Gemma2ForCausalLM" else int(pattern)
+            sliding = [(i + 1) % every != 0 for i in range(layers)]
+    else:
+        if len(kinds) != layers:
+            raise ValueError(f"layer_types names {len(kinds)} layers; the model has {layers}")
+        sliding = [kind == "sliding_attention" for kind in kinds]
+    return tuple(int(window) if s else None for s in sliding)

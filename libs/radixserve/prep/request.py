@@ -22,6 +22,7 @@ def tokenized_request(
         priority=req.priority,
         arrival_time=req.arrival_time,
         model=req.model,
+        resumable=req.resumable,
     )
 
 

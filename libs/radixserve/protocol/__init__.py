@@ -12,7 +12,14 @@ Token id arrays travel as packed int32 bytes (`pack_tokens` / `unpack_tokens`).
 from __future__ import annotations
 
 from radixserve.protocol.base import Message
-from radixserve.protocol.codec import convert, decode, decoder_for, encode
+from radixserve.protocol.codec import (
+    convert,
+    decode,
+    decode_json,
+    decoder_for,
+    encode,
+    encode_json,
+)
 from radixserve.protocol.control import (
     REQUEST_TOO_LARGE,
     AbortRequest,
@@ -141,8 +148,10 @@ __all__ = [
     "check_token",
     "convert",
     "decode",
+    "decode_json",
     "decoder_for",
     "encode",
+    "encode_json",
     "grammar_key",
     "num_tokens",
     "pack_tokens",

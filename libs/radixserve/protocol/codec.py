@@ -14,6 +14,7 @@ T = TypeVar("T")
 # One encoder serves every type: a msgspec Encoder carries no per-type state.
 # Decoders are per type because the type is what they validate against.
 _ENCODER = msgspec.msgpack.Encoder()
+_JSON_ENCODER = msgspec.json.Encoder()
 _DECODERS: dict[Any, msgspec.msgpack.Decoder[Any]] = {}
 
 
@@ -45,6 +46,23 @@ def decode(data: bytes | bytearray | memoryview, type_: type[T]) -> T:
     """msgpack bytes -> a `type_` message; ProtocolError if malformed or mistyped."""
     try:
         return decoder_for(type_).decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        name = getattr(type_, "__name__", repr(type_))
+        raise ProtocolError(f"cannot decode {name}: {exc}") from exc
+
+
+def encode_json(msg: msgspec.Struct) -> str:
+    """A message -> JSON text (bytes fields as base64), for stores that keep text."""
+    try:
+        return _JSON_ENCODER.encode(msg).decode()
+    except (msgspec.EncodeError, TypeError, OverflowError) as exc:
+        raise ProtocolError(f"cannot encode {type(msg).__name__}: {exc}") from exc
+
+
+def decode_json(data: str | bytes, type_: type[T]) -> T:
+    """JSON text from `encode_json` -> a `type_` message; ProtocolError if malformed."""
+    try:
+        return msgspec.json.decode(data, type=type_)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         name = getattr(type_, "__name__", repr(type_))
         raise ProtocolError(f"cannot decode {name}: {exc}") from exc

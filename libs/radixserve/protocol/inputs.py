@@ -93,6 +93,8 @@ class SubmitRequest(Message, frozen=True):
     # A last assistant message continued (its prefix the start of the answer) instead of
     # a new assistant turn opened after it.
     continue_final_message: bool = False
+    # Its outputs are kept in the store's output log, so a client may resume it elsewhere.
+    resumable: bool = False
 
     def __post_init__(self) -> None:
         # Runs on decode too, where the ValueError surfaces as a ProtocolError.
@@ -134,6 +136,7 @@ class TokenizedRequest(Message, frozen=True):
     priority: int = 0
     arrival_time: float = 0.0
     model: str = ""
+    resumable: bool = False
 
     def __post_init__(self) -> None:
         num_tokens(self.input_ids)

@@ -77,6 +77,7 @@ class DetokParams(Message, frozen=True):
     spaces_between_special_tokens: bool = True
     stop: list[str] = msgspec.field(default_factory=list)
     no_stop_trim: bool = False
+    resumable: bool = False  # keep the text deltas in the store's output log
 
 
 class StepOutput(Message, frozen=True):

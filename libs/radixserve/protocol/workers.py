@@ -42,7 +42,9 @@ class Heartbeat(Message, frozen=True):
     A worker missing several heartbeats is dead: the scheduler re-routes its requests.
     `epoch` and `kv_event_seq` (the last KV event batch published) let the scheduler
     check its mirror of this worker's radix tree is current. `requests`: what it runs
-    (a restarted scheduler rebuilds its in-flight table from them).
+    (a restarted scheduler rebuilds its in-flight table from them), all of it when
+    `requests_listed` (a request the scheduler holds for it and misses there has ended,
+    its end lost on the way).
     """
 
     worker_id: str
@@ -54,6 +56,7 @@ class Heartbeat(Message, frozen=True):
     model: str = ""
     tokenizer_id: str = ""
     requests: list[HeldRequest] = msgspec.field(default_factory=list)
+    requests_listed: bool = False
 
 
 class WorkerStats(Message, frozen=True):

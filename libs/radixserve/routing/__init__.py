@@ -19,7 +19,9 @@ from radixserve.routing.acks import PendingAcks
 from radixserve.routing.dispatcher import (
     NO_WORKER,
     QUEUE_FULL,
+    REQUEST_LOST,
     ROUTING_POLICIES,
+    UNLISTED_AFTER_S,
     WORKER_LOST,
     Decision,
     Dispatcher,
@@ -43,7 +45,9 @@ from radixserve.routing.router import (
 __all__ = [
     "NO_WORKER",
     "QUEUE_FULL",
+    "REQUEST_LOST",
     "ROUTING_POLICIES",
+    "UNLISTED_AFTER_S",
     "WORKER_LOST",
     "CacheAwareRouter",
     "ChoiceProgress",

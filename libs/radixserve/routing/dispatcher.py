@@ -56,6 +56,9 @@ SERVICE = "scheduler"
 QUEUE_FULL = "queue_full"
 NO_WORKER = "no_worker"
 WORKER_LOST = "worker_lost"
+REQUEST_LOST = "request_lost"
+# A request its worker's heartbeats have not listed this long has ended there unseen.
+UNLISTED_AFTER_S = 3.0
 ROUTING_POLICIES = ("cache_aware", "least_load")
 
 
@@ -138,7 +141,7 @@ class Dispatcher:
                 return self._lose(
                     beat.worker_id, f"worker {beat.worker_id} stopped", "worker_drained"
                 )
-            return []
+            return self._unlisted(beat, now)
         log.warning("worker %s restarted (epoch %d)", beat.worker_id, beat.epoch)
         return self._lose(beat.worker_id, f"worker {beat.worker_id} restarted", "worker_restarted")
 
@@ -293,6 +296,29 @@ class Dispatcher:
                 )
             )
 
+    def _unlisted(self, beat: Heartbeat, now: float) -> list[Routed | Rejected]:
+        """Requests held for this worker that its heartbeats have stopped listing for
+        UNLISTED_AFTER_S: it ended them and their ends were lost (a NATS outage): 503
+        `request_lost` now rather than a client waiting for its deadline."""
+        if not beat.requests_listed:
+            return []
+        listed = {held.rid for held in beat.requests}
+        decisions: list[Routed | Rejected] = []
+        for entry in self.inflight.held_by(beat.worker_id):
+            if entry.rid in listed:
+                entry.unlisted_since = None
+            elif entry.unlisted_since is None:
+                entry.unlisted_since = now  # maybe its last output is still on its way
+            elif now - entry.unlisted_since >= UNLISTED_AFTER_S:
+                log.warning(
+                    "worker %s no longer runs it, and its end never came: failing it",
+                    beat.worker_id,
+                    extra={"rid": entry.rid},
+                )
+                self.inflight.remove(entry.rid)
+                decisions.append(Rejected(entry.gateway_id, self._lost_end(entry)))
+        return decisions
+
     def _lose(self, worker_id: str, why: str, reason: str) -> list[Routed | Rejected]:
         decisions: list[Routed | Rejected] = []
         for entry in self.inflight.held_by(worker_id):
@@ -345,6 +371,13 @@ class Dispatcher:
     def _error(self, entry: InflightEntry, why: str) -> RequestError:
         message = f"{why}; the request was lost, retry it"
         return retry_later_error(entry.rid, WORKER_LOST, message, SERVICE, self.retry_after_s)
+
+    def _lost_end(self, entry: InflightEntry) -> RequestError:
+        message = (
+            f"worker {entry.worker_id} finished the request, but its end was lost on the "
+            "way (the message bus restarted?); retry it"
+        )
+        return retry_later_error(entry.rid, REQUEST_LOST, message, SERVICE, self.retry_after_s)
 
     def _reject(
         self, request: TokenizedRequest, status: int, code: str, message: str, error_type: str

@@ -33,6 +33,8 @@ class InflightEntry:
     request: TokenizedRequest | None = None
     generated: bytearray = field(default_factory=bytearray)
     attempt: int = 0
+    # Since when its worker's heartbeats no longer list it (its end lost on the way).
+    unlisted_since: float | None = None
 
     def on_progress(self, new_token_ids: bytes, completion_tokens: int) -> None:
         """Keep choice 0's new ids; a step that does not continue what was kept (one

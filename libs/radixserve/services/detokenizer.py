@@ -9,6 +9,12 @@ oldest dropped), so a lost finish cannot leak memory. A skipped step number of a
 is logged; a stream whose token counts show a hole gets 503 `output_lost` and an abort
 on `{p}.abort` instead of text with a hole. On SIGTERM it decodes and publishes what is
 queued, flushes and exits.
+
+The deltas of resumable requests (DetokParams.resumable: streams, and `X-Resumable`
+requests) also go, numbered, to the store's output log (store/output_log.py), where a
+gateway reads them when a client resumes; for `--output-log-ttl-s` after the last one.
+Redis being slow or down delays no delta: the log then misses entries (counted), and a
+resume of those requests is refused.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from radixserve.protocol import (
     StepOutputBatch,
     TextDeltaBatch,
     encode,
+    encode_json,
     num_tokens,
     retry_later_error,
 )
@@ -39,6 +46,8 @@ from radixserve.services.runtime import (
     model_path_from,
     settings_from_args,
 )
+from radixserve.store import Store, StoreSettings
+from radixserve.store.output_log import DEFAULT_TTL_S, OutputLog, OutputLogWriter
 from radixserve.telemetry.detok_trace import DetokenizeSpans
 from radixserve.telemetry.pipeline_metrics import DetokenizerMetrics
 
@@ -49,6 +58,7 @@ log = logging.getLogger(__name__)
 
 SERVICE = "detokenizer"
 ENV_MAX_REQUESTS = "RADIXSERVE_DETOK_MAX_REQUESTS"
+ENV_OUTPUT_LOG_TTL_S = "RADIXSERVE_OUTPUT_LOG_TTL_S"
 FLUSH_TIMEOUT_S = 5.0
 
 
@@ -57,10 +67,13 @@ class DetokenizerSettings:
     service: ServiceSettings
     model: str | None = None  # HF folder or .gguf; None: the embedded SmolLM2
     max_requests: int = DEFAULT_MAX_REQUESTS
+    output_log_ttl_s: float = DEFAULT_TTL_S  # 0: no output log (no stream resumes)
 
     def __post_init__(self) -> None:
         if self.max_requests < 1:
             raise ValueError(f"--max-requests must be >= 1, got {self.max_requests}")
+        if not self.output_log_ttl_s >= 0:
+            raise ValueError(f"--output-log-ttl-s must be >= 0, got {self.output_log_ttl_s}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -77,6 +90,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="live decoding states kept before the oldest is dropped "
         f"(default ${ENV_MAX_REQUESTS} or {DEFAULT_MAX_REQUESTS})",
     )
+    parser.add_argument(
+        "--output-log-ttl-s",
+        type=float,
+        default=None,
+        help="how long resumable requests' deltas stay in Redis after the last one, for "
+        f"clients that reconnect; 0: none kept (default ${ENV_OUTPUT_LOG_TTL_S} or "
+        f"{DEFAULT_TTL_S:g})",
+    )
 
 
 def settings_from(ns: argparse.Namespace) -> DetokenizerSettings:
@@ -87,11 +108,42 @@ def settings_from(ns: argparse.Namespace) -> DetokenizerSettings:
             max_requests = int(raw) if raw else DEFAULT_MAX_REQUESTS
         except ValueError:
             raise ValueError(f"${ENV_MAX_REQUESTS} must be an integer, got {raw!r}") from None
+    ttl_s = ns.output_log_ttl_s
+    if ttl_s is None:
+        raw = os.environ.get(ENV_OUTPUT_LOG_TTL_S, "").strip()
+        try:
+            ttl_s = float(raw) if raw else DEFAULT_TTL_S
+        except ValueError:
+            raise ValueError(f"${ENV_OUTPUT_LOG_TTL_S} must be a number, got {raw!r}") from None
     return DetokenizerSettings(
         service=settings_from_args(SERVICE, ns),
         model=model_path_from(ns.model),
         max_requests=max_requests,
+        output_log_ttl_s=ttl_s,
     )
+
+
+def output_log_writer(
+    ctx: ServiceContext, settings: DetokenizerSettings, metrics: DetokenizerMetrics
+) -> OutputLogWriter | None:
+    """The output log's writer, its drainer spawned; None when the log is off. Redis is not
+    waited for: commands reconnect, and fail (dropped, counted) while it is away."""
+    if settings.output_log_ttl_s == 0:
+        return None
+    store = Store(
+        StoreSettings(
+            url=settings.service.redis_url,
+            key_prefix=StoreSettings.from_env().key_prefix,
+            auth=settings.service.redis_auth,
+        )
+    )
+    writer = OutputLogWriter(
+        OutputLog(store, ttl_s=settings.output_log_ttl_s),
+        on_dropped=metrics.output_log_dropped.inc,
+        max_requests=settings.max_requests,
+    )
+    ctx.spawn(writer.run(), "output-log-writer")
+    return writer
 
 
 def load_tokenizer(model: str | None) -> PreTrainedTokenizerBase:
@@ -112,6 +164,7 @@ async def start(ctx: ServiceContext, settings: DetokenizerSettings) -> None:
     log.info(
         "tokenizer loaded (%d ids); keeping up to %d streams", len(tokenizer), detok.max_requests
     )
+    writer = output_log_writer(ctx, settings, metrics)
 
     async def on_step(msg: BusMsg) -> None:
         batch = decode_or_drop(msg, StepOutputBatch, log)
@@ -138,6 +191,8 @@ async def start(ctx: ServiceContext, settings: DetokenizerSettings) -> None:
         for lost in detok.take_lost():
             await fail_lost(lost)
         for gateway_id, deltas in by_gateway.items():
+            if writer is not None:
+                writer.put([(d.rid, encode_json(d)) for d in deltas if detok.resumable(d.rid)])
             try:
                 subject = subjects.gateway_deltas(gateway_id)
             except ValueError as exc:
@@ -174,6 +229,10 @@ async def start(ctx: ServiceContext, settings: DetokenizerSettings) -> None:
     async def drain() -> None:
         await subscription.drain()  # the batches already queued are still decoded and sent
         await ctx.bus.nats_client.flush(timeout=FLUSH_TIMEOUT_S)  # type: ignore[arg-type]
+        if writer is not None:
+            if not await writer.flush(FLUSH_TIMEOUT_S):
+                log.warning("%d output log batch(es) not written", writer.pending)
+            await writer.output_log.store.close()
         log.info("drained with %d unfinished streams", len(detok))
         spans.end_all()
 

@@ -378,6 +378,7 @@ class WorkerService:
             kv_event_seq=self.kv_event_seq,
             model=self.model_name,
             requests=[] if self.driver is None else self.driver.held_requests(),
+            requests_listed=self.driver is not None,
         )
         if self.ctx.bus.is_connected:
             await self.ctx.bus.publish(

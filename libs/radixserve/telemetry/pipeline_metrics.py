@@ -189,6 +189,12 @@ class DetokenizerMetrics:
             "Requests failed (503 output_lost) because some of their tokens never arrived",
             registry=r,
         )
+        self.output_log_dropped = Counter(
+            PREFIX + "detokenizer_output_log_dropped",
+            "Resumable requests' deltas not written to the output log (Redis slow or down): "
+            "a resume of those requests is refused",
+            registry=r,
+        )
         self.live_streams = Gauge(
             PREFIX + "detokenizer_live_streams",
             "Decoding states kept (one per unfinished choice)",

@@ -55,10 +55,13 @@ class OutputBuilder:
     gateways: dict[str, str] = field(default_factory=dict)  # rid -> gateway id
     unfinished: dict[str, int] = field(default_factory=dict)  # rid -> choices still running
     announced: set[tuple[str, int]] = field(default_factory=set)
+    resumable: set[str] = field(default_factory=set)  # rids whose deltas the detokenizer logs
 
-    def track(self, rid: str, gateway_id: str, n: int) -> None:
+    def track(self, rid: str, gateway_id: str, n: int, *, resumable: bool = False) -> None:
         self.gateways[rid] = gateway_id
         self.unfinished[rid] = n
+        if resumable:
+            self.resumable.add(rid)
 
     def __len__(self) -> int:
         return len(self.gateways)
@@ -67,6 +70,7 @@ class OutputBuilder:
         """Publish nothing more for `rid` (handed to another worker)."""
         self.gateways.pop(rid, None)
         self.unfinished.pop(rid, None)
+        self.resumable.discard(rid)
         self.announced = {key for key in self.announced if key[0] != rid}
 
     def build(self, out: ChoiceOutput) -> protocol.StepOutput | None:
@@ -79,6 +83,8 @@ class OutputBuilder:
         if key not in self.announced:
             self.announced.add(key)
             detok = detok_params(req.params)
+            if out.rid in self.resumable:
+                detok = msgspec.structs.replace(detok, resumable=True)
             prompt = prompt_logprobs(req)
         reason = req.finish_reason
         token_logprobs = top_logprobs = None
@@ -94,6 +100,7 @@ class OutputBuilder:
             if self.unfinished[out.rid] <= 0:
                 del self.unfinished[out.rid]
                 del self.gateways[out.rid]
+                self.resumable.discard(out.rid)
         return protocol.StepOutput(
             rid=out.rid,
             gateway_id=gateway_id,

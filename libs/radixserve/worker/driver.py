@@ -238,7 +238,7 @@ class EngineDriver:
                 self.telemetry.rejected(request.rid, error.code, error.message)
             self.on_reject(error, request.gateway_id)
             return
-        self.builder.track(request.rid, request.gateway_id, params.n)
+        self.builder.track(request.rid, request.gateway_id, params.n, resumable=request.resumable)
         resumed = resumed_tokens(routed)
         if resumed:
             log.info(
@@ -288,6 +288,7 @@ class EngineDriver:
             spaces_between_special_tokens=wire.spaces_between_special_tokens,
             stop=list(wire.stop),
             no_stop_trim=wire.no_stop_trim,
+            resumable=request.resumable,
         )
         return [
             protocol.StepOutput(

@@ -22,11 +22,17 @@ have the same three methods):
   inputs hold the new batch: metadata that must be computed outside the graph (a
   host-side plan, a cascade step's groups from `batch.shared_prefixes`) is written
   into the fixed buffers here.
+
+Per-layer attention (`LayerAttention`: a sliding window, a logit soft-cap) is set once,
+before the first pass (`set_layers`), since a backend that plans on the host (FlashInfer)
+plans each kind of layer apart; a backend that runs neither refuses the model there.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from radixserve.engine.forward_batch import ForwardMode
@@ -35,6 +41,36 @@ if TYPE_CHECKING:
     import torch
 
     from radixserve.engine.forward_batch import ForwardBatch
+    from radixserve.model_files.config import ModelConfig
+
+
+# Backends that run windows and soft-caps (named in the refusal of the others).
+LAYER_ATTENTION_BACKENDS = ("torch", "triton", "flashinfer")
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """What one layer's attention does beyond causal softmax(q k^T * scale) v."""
+
+    # A query at position p sees the keys at positions p - window < j <= p (transformers'
+    # sliding_window_overlay: `window` keys, its own included); None: every earlier key.
+    window: int | None = None
+    # Scores become soft_cap * tanh(score / soft_cap) before the softmax (Gemma 2).
+    soft_cap: float | None = None
+
+    def describe(self) -> str:
+        parts = [f"window {self.window}"] if self.window is not None else []
+        if self.soft_cap is not None:
+            parts.append(f"logit soft-cap {self.soft_cap}")
+        return " and ".join(parts) or "full attention"
+
+
+FULL_ATTENTION = LayerAttention()
+
+
+def layer_attention(config: ModelConfig) -> tuple[LayerAttention, ...]:
+    """Each layer's attention, from the model's config (its windows, its soft-cap)."""
+    return tuple(LayerAttention(w, config.attn_soft_cap) for w in config.layer_windows)
 
 
 def check_batch(batch: ForwardBatch) -> None:
@@ -60,6 +96,30 @@ class AttentionBackend(ABC):
     # Whether decode batches with `shared_prefixes` run cascade attention (attention/
     # cascade.py); a backend without it never gets them from the scheduler.
     supports_shared_prefix: bool = False
+    # Whether windows and soft-caps (LayerAttention) run; set_layers refuses them elsewhere.
+    supports_layer_attention: bool = False
+    layers: tuple[LayerAttention, ...] = ()
+
+    def set_layers(self, layers: Sequence[LayerAttention]) -> None:
+        """Each layer's attention, by layer id, before the first pass (default: full
+        attention everywhere). Refuses windows or soft-caps the backend does not run,
+        rather than attend the full context."""
+        special = next((layer for layer in layers if layer != FULL_ATTENTION), None)
+        if special is not None and not self.supports_layer_attention:
+            raise ValueError(
+                f"the {self.name} attention backend does not run this model's "
+                f"{special.describe()}; use --attention-backend with one of "
+                f"{', '.join(LAYER_ATTENTION_BACKENDS)}"
+            )
+        self.layers = tuple(layers)
+        if special is not None:
+            # Cascade's shared-prefix kernels attend the full context without a cap.
+            self.supports_shared_prefix = False
+
+    def layer(self, layer_id: int) -> LayerAttention:
+        """The attention of layer `layer_id` (full where set_layers named none)."""
+        layers = self.layers
+        return layers[layer_id] if layer_id < len(layers) else FULL_ATTENTION
 
     @abstractmethod
     def init_forward_metadata(self, batch: ForwardBatch) -> None:

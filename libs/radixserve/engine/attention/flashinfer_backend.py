@@ -7,7 +7,10 @@ token. That view is valid for every pool page size, and the slot tables are the 
 the Triton backend builds (triton_ops/indices.py), on the device from req_to_token.
 
 Per forward pass one wrapper runs every layer, planned once (at the first layer,
-when the head shape, dtype and softmax scale are known):
+when the head shape, dtype and softmax scale are known); a model whose layers differ in
+their window or soft-cap (LayerAttention: FlashInfer's `window_left`, the window less
+the query's own key, and `logits_soft_cap`, both fixed at plan time) has one wrapper per
+kind of layer, each planned over the same tables:
 
 - decode (every request adds one token): BatchDecodeWithPagedKVCacheWrapper, with
   tensor cores (FlashInfer's prefill kernel) from 4 query heads per KV head up, as
@@ -30,7 +33,7 @@ lab/notebook/2026-11-25-mixed-step-decoders-beside-prefill-gemm.md).
 
 CUDA graphs (decode only): one wrapper per graph batch size, created with
 `use_cuda_graph=True` over views of fixed buffers (kv_indptr, kv_indices,
-last_page_len). It is planned in the warm-up passes before capture (never during the
+last_page_len), per kind of layer. It is planned in the warm-up passes before capture (never during the
 capture: plan copies host memory), and re-planned before each replay from the
 lengths the graph runner puts in the static batch: the plan writes the new tables and
 work split into the fixed buffers the captured kernels read.
@@ -40,19 +43,26 @@ $FLASHINFER_WORKSPACE_BASE/.cache/flashinfer). Prefill passes run FA2's kernels,
 Hopper the SM90 (fa3) ones where long prompts dominate the pass (attention/
 sm90_prefill.py: ~1.6x faster on long query blocks, 3-5x slower on requests adding a few
 tokens; built in the background at start-up, FA2 meanwhile; opt-in:
-`enable_sm90_prefill`). A mixed batch's leading decoders then run Triton's decode kernel
-after the SM90 one (or cascade, where they share prefixes).
+`enable_sm90_prefill`; models with windows or soft-caps stay on FA2). A mixed batch's
+leading decoders then run Triton's decode kernel after the SM90 one (or cascade, where
+they share prefixes).
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from radixserve.engine.attention.base import AttentionBackend, check_batch
+from radixserve.engine.attention.base import (
+    FULL_ATTENTION,
+    AttentionBackend,
+    LayerAttention,
+    check_batch,
+)
 from radixserve.engine.attention.cascade import CascadeDecode, CascadeGraph, CascadePass
 from radixserve.engine.attention.sm90_prefill import (
     HeadLayout,
@@ -110,7 +120,8 @@ class _Pass:
     graph_bs: int | None = None  # the graph size whose wrapper runs it
     first: int = 0  # its first request and token row (the ones before run cascade)
     kernels: str = _KERNELS  # the prefill's kernel family: fa2, or fa3 (SM90)
-    wrapper: Any = None  # set once planned
+    # Each kind of layer's planned wrapper (empty until planned, at the first layer).
+    wrappers: dict[LayerAttention, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -119,7 +130,8 @@ class _GraphState:
     kv_indptr: torch.Tensor  # [max_bs + 1] int32
     kv_indices: torch.Tensor  # [max_bs * max_context_len] int32
     last_page_len: torch.Tensor  # [max_bs] int32
-    wrappers: dict[int, Any]  # graph batch size -> its planned decode wrapper
+    # (graph batch size, kind of layer) -> its planned decode wrapper
+    wrappers: dict[tuple[int, LayerAttention], Any]
     max_context_len: int
     cascade: CascadeGraph | None = None  # the cascade graphs' tables, at their first capture
 
@@ -128,6 +140,7 @@ class FlashInferAttentionBackend(AttentionBackend):
     name = "flashinfer"
     supports_cuda_graph = True
     supports_shared_prefix = True
+    supports_layer_attention = True
 
     def __init__(
         self, device: torch.device, dtype: torch.dtype | None = None, sm90_prefill: bool = False
@@ -149,8 +162,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._cascade: CascadePass | None = None
         # A mixed batch's leading decoders beside an SM90 prefill (Triton's decode).
         self._decoders: DecodeRows | None = None
-        self._prefill: dict[str, Any] = {}  # kernel family -> its prefill wrapper
-        self._decode: Any = None
+        # (kernel family, kind of layer) -> its prefill wrapper; kind -> its decode wrapper.
+        self._prefill: dict[tuple[str, LayerAttention], Any] = {}
+        self._decode: dict[LayerAttention, Any] = {}
         self._sm90_wanted = sm90_prefill and is_sm90(device)
         self._sm90: Sm90Build | None = None  # its build, once started
         self._graph: _GraphState | None = None
@@ -160,6 +174,15 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._plan_copied: dict[int, torch.cuda.Event] = {}
         # Where a mixed batch's cascade rows run beside its prefill wrapper (forward).
         self._stream: torch.cuda.Stream | None = None
+
+    def set_layers(self, layers: Sequence[LayerAttention]) -> None:
+        super().set_layers(layers)
+        if any(layer != FULL_ATTENTION for layer in layers):
+            self._sm90_wanted = False  # its windows and caps are not checked here
+
+    def _kinds(self) -> tuple[LayerAttention, ...]:
+        """The distinct kinds of layer, one wrapper each (full attention by default)."""
+        return tuple(dict.fromkeys(self.layers)) or (FULL_ATTENTION,)
 
     # -- per batch ------------------------------------------------------------------
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
@@ -262,8 +285,8 @@ class FlashInferAttentionBackend(AttentionBackend):
             # A warm-up pass: planned at its first layer, outside the capture.
             self._pass = self._new_pass(batch, decode=True, graph_bs=bs)
             return
-        wrapper = graph.wrappers.get(bs)
-        if wrapper is None or self._pass is None or self._pass.wrapper is not wrapper:
+        planned = {kind: graph.wrappers.get((bs, kind)) for kind in self._kinds()}
+        if self._pass is None or self._pass.wrappers != planned:
             raise RuntimeError("a decode graph is captured only after a warm-up pass of its size")
         # The capture records the kernels the warm-up planned; nothing is queued here.
 
@@ -313,13 +336,14 @@ class FlashInferAttentionBackend(AttentionBackend):
         if self._cascade is not None and step is None:
             return self._cascade.forward(q, k_buffer, v_buffer, scale)
         assert step is not None
-        if step.wrapper is None:
+        if not step.wrappers:
             self._plan(step, layout)
+        wrapper = step.wrappers[self.layer(layer_id)]
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
         first = step.first
         paged = (k_buffer.unsqueeze(1), v_buffer.unsqueeze(1))  # pages of one slot (NHD)
         if not isinstance(self._cascade, CascadeDecode):
-            step.wrapper.run(q[first:], paged, out=out[first:])
+            wrapper.run(q[first:], paged, out=out[first:])
             if self._decoders is not None:
                 self._decoders.forward(q, k_buffer, v_buffer, out, scale)
             return out
@@ -333,7 +357,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         main = torch.cuda.current_stream(self.device)
         side = self._side_stream()
         side.wait_stream(main)
-        step.wrapper.run(q[first:], paged, out=out[first:])
+        wrapper.run(q[first:], paged, out=out[first:])
         with torch.cuda.stream(side):
             self._cascade.forward(q[:first], k_buffer, v_buffer, scale, out=out[:first])
         main.wait_stream(side)
@@ -370,30 +394,38 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     # -- plans ------------------------------------------------------------------------
     def _plan(self, step: _Pass, layout: _Layout) -> None:
-        """Plan `step` on its wrapper (host work and host-to-device copies, no sync)."""
-        wrapper = (
-            self._prefill_wrapper(step.kernels)
-            if step.qo_indptr is not None
-            else self._decode_wrapper(layout, step.graph_bs)
-        )
-        # A plan fills the wrapper's pinned buffer and queues its copy to the device.
-        # With overlap scheduling the next plan of this wrapper can come before that
-        # copy has run: wait for it (it is queued right behind the step whose tokens
-        # the scheduler has just read, so this rarely waits at all).
-        done = self._plan_copied.get(id(wrapper))
-        if done is not None:
-            done.synchronize()
-        self._plan_on(wrapper, step, layout)
-        if self.device.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
-            self._plan_copied[id(wrapper)] = event
+        """Plan `step` on its wrappers, one per kind of layer (host work and host-to-device
+        copies, no sync)."""
+        for kind in self._kinds():
+            wrapper = (
+                self._prefill_wrapper(step.kernels, kind)
+                if step.qo_indptr is not None
+                else self._decode_wrapper(layout, step.graph_bs, kind)
+            )
+            # A plan fills the wrapper's pinned buffer and queues its copy to the device.
+            # With overlap scheduling the next plan of this wrapper can come before that
+            # copy has run: wait for it (it is queued right behind the step whose tokens
+            # the scheduler has just read, so this rarely waits at all).
+            done = self._plan_copied.get(id(wrapper))
+            if done is not None:
+                done.synchronize()
+            self._plan_on(wrapper, step, layout, kind)
+            if self.device.type == "cuda":
+                event = torch.cuda.Event()
+                event.record()
+                self._plan_copied[id(wrapper)] = event
 
-    def _plan_on(self, wrapper: Any, step: _Pass, layout: _Layout) -> None:
+    def _plan_on(self, wrapper: Any, step: _Pass, layout: _Layout, kind: LayerAttention) -> None:
         bs = step.kv_indptr.shape[0] - 1
         last_page_len = self._ones_host(bs)
         shape = (layout.num_heads, layout.num_kv_heads, layout.head_dim, 1)  # page size 1
-        kinds = {"q_data_type": layout.dtype, "kv_data_type": layout.dtype}
+        options = {
+            "q_data_type": layout.dtype,
+            "kv_data_type": layout.dtype,
+            # FlashInfer's window counts the keys left of the query's own.
+            "window_left": -1 if kind.window is None else kind.window - 1,
+            "logits_soft_cap": kind.soft_cap,
+        }
         if step.qo_indptr is not None:
             wrapper.plan(
                 step.qo_indptr,
@@ -403,7 +435,7 @@ class FlashInferAttentionBackend(AttentionBackend):
                 *shape,
                 causal=True,
                 sm_scale=layout.scale,
-                **kinds,
+                **options,
             )
         else:
             wrapper.plan(
@@ -412,31 +444,31 @@ class FlashInferAttentionBackend(AttentionBackend):
                 last_page_len,
                 *shape,
                 sm_scale=layout.scale,
-                **kinds,
+                **options,
             )
-        step.wrapper = wrapper
+        step.wrappers[kind] = wrapper
 
-    def _prefill_wrapper(self, kernels: str) -> Any:
-        wrapper = self._prefill.get(kernels)
+    def _prefill_wrapper(self, kernels: str, kind: LayerAttention) -> Any:
+        wrapper = self._prefill.get((kernels, kind))
         if wrapper is None:
             wrapper = self._fi.BatchPrefillWithPagedKVCacheWrapper(
                 self._workspace, "NHD", backend=kernels
             )
-            self._prefill[kernels] = wrapper
+            self._prefill[(kernels, kind)] = wrapper
         return wrapper
 
-    def _decode_wrapper(self, layout: _Layout, graph_bs: int | None) -> Any:
+    def _decode_wrapper(self, layout: _Layout, graph_bs: int | None, kind: LayerAttention) -> Any:
         tensor_cores = layout.num_heads // layout.num_kv_heads >= TENSOR_CORE_GROUP
         wrapper_cls = self._fi.BatchDecodeWithPagedKVCacheWrapper
         if graph_bs is None:
-            if self._decode is None:
-                self._decode = wrapper_cls(
+            if kind not in self._decode:
+                self._decode[kind] = wrapper_cls(
                     self._workspace, "NHD", use_tensor_cores=tensor_cores, backend=_KERNELS
                 )
-            return self._decode
+            return self._decode[kind]
         graph = self._graph
         assert graph is not None
-        wrapper = graph.wrappers.get(graph_bs)
+        wrapper = graph.wrappers.get((graph_bs, kind))
         if wrapper is None:
             wrapper = wrapper_cls(
                 self._workspace,
@@ -448,7 +480,7 @@ class FlashInferAttentionBackend(AttentionBackend):
                 paged_kv_last_page_len_buffer=graph.last_page_len[:graph_bs],
                 backend=_KERNELS,
             )
-            graph.wrappers[graph_bs] = wrapper
+            graph.wrappers[(graph_bs, kind)] = wrapper
         return wrapper
 
     def _ones_host(self, n: int) -> torch.Tensor:

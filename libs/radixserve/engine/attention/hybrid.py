@@ -16,9 +16,10 @@ the two never share state; the graph methods go to `decode` alone.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from radixserve.engine.attention.base import AttentionBackend
+from radixserve.engine.attention.base import AttentionBackend, LayerAttention
 from radixserve.engine.forward_batch import ForwardMode
 
 if TYPE_CHECKING:
@@ -38,7 +39,18 @@ class HybridAttentionBackend(AttentionBackend):
         self.supports_shared_prefix = (
             prefill.supports_shared_prefix and decode.supports_shared_prefix
         )
+        self.supports_layer_attention = (
+            prefill.supports_layer_attention and decode.supports_layer_attention
+        )
         self._active: AttentionBackend | None = None
+
+    def set_layers(self, layers: Sequence[LayerAttention]) -> None:
+        self.prefill.set_layers(layers)
+        self.decode.set_layers(layers)
+        self.layers = tuple(layers)
+        self.supports_shared_prefix = (
+            self.prefill.supports_shared_prefix and self.decode.supports_shared_prefix
+        )
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         self._active = self.decode if batch.mode == ForwardMode.DECODE else self.prefill

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from radixserve.engine.attention.base import AttentionBackend, check_batch
+from radixserve.engine.attention.base import AttentionBackend, LayerAttention, check_batch
 
 if TYPE_CHECKING:
     from radixserve.engine.forward_batch import ForwardBatch
@@ -44,20 +44,37 @@ class _Group:
     max_q: int  # 1 for a decode group
     # Extend only: row of each new token in the flattened [bs * max_q] query grid.
     pad_index: torch.Tensor | None
-    # The mask repeated for G folded query heads, built on first use per G.
-    folded_masks: dict[int, torch.Tensor | None] = field(default_factory=dict)
+    # [bs, max_q] position of each query row (padding rows: past their request's last).
+    query_pos: torch.Tensor
+    # [bs, max_q] whether a query row is a real token (padding rows are dropped).
+    real_rows: torch.Tensor
+    # (window, G) -> the mask with the window applied, repeated for G folded query heads,
+    # built on first use per pass.
+    folded_masks: dict[tuple[int | None, int], torch.Tensor | None] = field(default_factory=dict)
 
-    def folded_mask(self, group_size: int) -> torch.Tensor | None:
-        if group_size not in self.folded_masks:
-            mask = self.mask
+    def folded_mask(self, window: int | None, group_size: int) -> torch.Tensor | None:
+        key = (window, group_size)
+        if key not in self.folded_masks:
+            mask = self.mask if window is None else self._window_mask(window)
             if mask is not None and self.max_q > 1:
                 mask = mask.repeat(1, 1, group_size, 1)  # rows ordered (g, i), as q is folded
-            self.folded_masks[group_size] = mask
-        return self.folded_masks[group_size]
+            self.folded_masks[key] = mask
+        return self.folded_masks[key]
+
+    def _window_mask(self, window: int) -> torch.Tensor:
+        """The pass's mask, and key j visible to a query at p only if j > p - window."""
+        cols = torch.arange(self.kv_index.shape[1], device=self.kv_index.device)
+        inside = cols[None, None, :] > self.query_pos[:, :, None] - window
+        base = self.mask if self.mask is not None else torch.ones_like(inside[:, None])
+        mask = base & inside[:, None]
+        # Padding rows keep key 0, so softmax never sees an all-masked row (no NaN).
+        mask[..., 0] |= ~self.real_rows[:, None]
+        return mask
 
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    supports_layer_attention = True
 
     def __init__(self) -> None:
         self._groups: list[_Group] = []
@@ -91,13 +108,14 @@ class TorchAttentionBackend(AttentionBackend):
             batch.kv_pool.set_kv(layer_id, batch.out_cache_loc, k, v)
         k_buffer = batch.kv_pool.k_buffers[layer_id]
         v_buffer = batch.kv_pool.v_buffers[layer_id]
+        layer = self.layer(layer_id)
         if len(self._groups) == 1 and self._groups[0].token_index is None:
-            return self._attend(self._groups[0], q, k_buffer, v_buffer, scale)
+            return self._attend(self._groups[0], q, k_buffer, v_buffer, scale, layer)
         out = torch.empty_like(q)
         for group in self._groups:
             assert group.token_index is not None
             out[group.token_index] = self._attend(
-                group, q[group.token_index], k_buffer, v_buffer, scale
+                group, q[group.token_index], k_buffer, v_buffer, scale, layer
             )
         return out
 
@@ -109,6 +127,7 @@ class TorchAttentionBackend(AttentionBackend):
         k_buffer: torch.Tensor,
         v_buffer: torch.Tensor,
         scale: float,
+        layer: LayerAttention,
     ) -> torch.Tensor:
         num_heads, head_dim = q.shape[1], q.shape[2]
         num_kv_heads = k_buffer.shape[1]
@@ -128,10 +147,14 @@ class TorchAttentionBackend(AttentionBackend):
             .permute(0, 2, 3, 1, 4)
             .reshape(bs, num_kv_heads, group_size * max_q, head_dim)
         )
-        with sdpa_kernel(_SDPA_BACKENDS):
-            out = F.scaled_dot_product_attention(
-                folded, keys, values, attn_mask=group.folded_mask(group_size), scale=scale
-            )
+        mask = group.folded_mask(layer.window, group_size)
+        if layer.soft_cap is None:
+            with sdpa_kernel(_SDPA_BACKENDS):
+                out = F.scaled_dot_product_attention(
+                    folded, keys, values, attn_mask=mask, scale=scale
+                )
+        else:
+            out = _soft_capped_attention(folded, keys, values, mask, scale, layer.soft_cap)
         out = (
             out.reshape(bs, num_kv_heads, group_size, max_q, head_dim)
             .permute(0, 3, 1, 2, 4)
@@ -163,12 +186,15 @@ class TorchAttentionBackend(AttentionBackend):
         kv_index, valid = _kv_table(batch, members, seq_lens)
         # Equal lengths need no mask at all (the common steady-state case is cheaper).
         mask = None if min(seq_lens) == max(seq_lens) else valid[:, None, None, :]
+        query_pos = torch.tensor(seq_lens, dtype=torch.int64, device=kv_index.device) - 1
         return _Group(
             token_index=_token_rows(batch, members),
             kv_index=kv_index,
             mask=mask,
             max_q=1,
             pad_index=None,
+            query_pos=query_pos[:, None],
+            real_rows=torch.ones_like(query_pos[:, None], dtype=torch.bool),
         )
 
     def _extend_group(self, batch: ForwardBatch, members: list[int] | None) -> _Group:
@@ -182,7 +208,8 @@ class TorchAttentionBackend(AttentionBackend):
         rows = torch.arange(max_q, device=device)
         cols = torch.arange(max_kv, device=device)
         # Key j is visible to new token i of request b iff j < seq_len_b and j <= prefix_b + i.
-        causal = cols[None, None, :] <= prefix[:, None, None] + rows[None, :, None]
+        query_pos = prefix[:, None] + rows[None, :]
+        causal = cols[None, None, :] <= query_pos[:, :, None]
         mask = (valid[:, None, :] & causal).unsqueeze(1)
         # Padded query rows see key 0 at least (they are dropped), so softmax never sees
         # an all-masked row and cannot produce NaN.
@@ -197,7 +224,27 @@ class TorchAttentionBackend(AttentionBackend):
             mask=mask,
             max_q=max_q,
             pad_index=pad_index.to(device),
+            query_pos=query_pos,
+            real_rows=rows[None, :] < lens.to(device)[:, None],
         )
+
+
+def _soft_capped_attention(
+    q: torch.Tensor,  # [bs, kv_heads, rows, d]
+    keys: torch.Tensor,  # [bs, kv_heads, max_kv, d]
+    values: torch.Tensor,
+    mask: torch.Tensor | None,  # broadcast to [bs, kv_heads, rows, max_kv], True = attend
+    scale: float,
+    soft_cap: float,
+) -> torch.Tensor:
+    """Attention with scores soft_cap * tanh(score / soft_cap), in transformers' eager op
+    order (Gemma 2: SDPA has no cap): capped, masked, float32 softmax, then x values."""
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / soft_cap) * soft_cap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, values)
 
 
 def _pick(values: list[int], members: list[int] | None) -> list[int]:

@@ -95,6 +95,7 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graph = True
     supports_shared_prefix = True
+    supports_layer_attention = True
 
     def __init__(self, device: torch.device) -> None:
         if device.type != "cuda" and not INTERPRETED:
@@ -213,6 +214,7 @@ class TritonAttentionBackend(AttentionBackend):
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         if self._cascade is not None and self._extend is None:
             return self._cascade.forward(q, k_buffer, v_buffer, scale)
+        layer = self.layer(layer_id)
         # Each group writes its own token rows; together they cover every row.
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
         if isinstance(self._cascade, CascadeDecode):
@@ -237,6 +239,7 @@ class TritonAttentionBackend(AttentionBackend):
                 mid_out,
                 mid_lse,
                 scale,
+                layer=layer,
             )
         if self._extend is not None:
             extend_attention(
@@ -252,6 +255,7 @@ class TritonAttentionBackend(AttentionBackend):
                 self._extend.kv_indices,
                 self._extend.max_extend_len,
                 scale,
+                layer=layer,
             )
         return out
 

@@ -16,6 +16,8 @@ weight once for all the tokens on the tensor cores: cuBLAS's kernels for so few 
 kernel then cuBLAS, and on the CPU the torch reference. The GEMVs sum in float32 in
 another order than cuBLAS, so outputs may differ from the unfused path by an ulp of the
 output dtype in a few elements.
+An FP8 weight (kernels/fp8.py's Fp8Weight, held by FP8 layers: model/quantization.py)
+takes fp8.py's kernels instead, chosen here from the weight's type.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch.nn.functional as F
 from radixserve.engine.kernels import dispatch
 from radixserve.engine.kernels.activation import silu_and_mul
 from radixserve.engine.kernels.dispatch import GEMV_MAX_ROWS, GEMV_WIDE_RATIO
+from radixserve.engine.kernels.fp8 import Fp8Weight, add_norm_linear_fp8, linear_fp8
 from radixserve.engine.kernels.norm import fused_add_rms_norm, rms_norm
 
 # Weights of fewer rows leave most SMs idle in the few-token GEMV (one program per 16
@@ -86,7 +89,7 @@ def add_norm_linear(
     residual: torch.Tensor | None,
     norm_weight: torch.Tensor,
     eps: float,
-    weight: torch.Tensor,
+    weight: torch.Tensor | Fp8Weight,
     bias: torch.Tensor | None,
     out: torch.Tensor | None = None,
     *,
@@ -96,6 +99,8 @@ def add_norm_linear(
     None, (linear(rms_norm(x)), x). The projection is written into `out` when given.
     `gated` (gate_up): `weight` holds the gate rows, then the up rows, and the first
     result is silu(gate) * up of the projection [gate | up]."""
+    if isinstance(weight, Fp8Weight):
+        return add_norm_linear_fp8(x, residual, norm_weight, eps, weight, bias, out, gated=gated)
     if _use_gemv(x, weight) and not (gated and weight.shape[0] % 2):
         # The one-token GEMV with the norm (and the residual add) folded into its read.
         from radixserve.engine.kernels.triton_ops import gemv
@@ -122,9 +127,13 @@ def add_norm_linear(
     return (silu_and_mul(y) if gated else y), summed
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None
+) -> torch.Tensor:
     """x @ weight.T (+ bias), a GEMV for up to GEMV_MAX_ROWS tokens on CUDA (no split-K
     reduce kernel)."""
+    if isinstance(weight, Fp8Weight):
+        return linear_fp8(x, weight, bias)
     if _use_gemv(x, weight):
         from radixserve.engine.kernels.triton_ops import gemv
 

@@ -34,6 +34,12 @@ from radixserve.engine.distributed import SINGLE, TPGroup
 from radixserve.engine.kernels.linear import add_norm_linear, linear
 from radixserve.engine.kernels.norm import rms_norm
 from radixserve.engine.kernels.rotary import Rotation, apply_rotary_and_store
+from radixserve.engine.model.quantization import (
+    WEIGHT_SCALE,
+    checkpoint_name,
+    copy_weight_scale,
+    weight_of,
+)
 from radixserve.engine.model.rope import RotaryTable
 from radixserve.engine.model.weights import StoredTensor, iter_safetensors
 from radixserve.model_files.config import ModelConfig
@@ -153,7 +159,7 @@ class LlamaAttention(nn.Module):
 
     def project_out(self, out: torch.Tensor) -> torch.Tensor:
         """o_proj over the attention's output, summed over the ranks."""
-        return self.tp.all_reduce(linear(out, self.o_proj.weight, self.o_proj.bias))
+        return self.tp.all_reduce(linear(out, weight_of(self.o_proj), self.o_proj.bias))
 
 
 class LlamaMLP(nn.Module):
@@ -172,7 +178,7 @@ class LlamaMLP(nn.Module):
     def forward(self, act: torch.Tensor) -> torch.Tensor:
         """down_proj over silu(gate) * up (the gate_up projection's, with the norm before
         it: LlamaDecoderLayer.post_attention), summed over the ranks."""
-        return self.tp.all_reduce(linear(act, self.down_proj.weight, self.down_proj.bias))
+        return self.tp.all_reduce(linear(act, weight_of(self.down_proj), self.down_proj.bias))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -214,7 +220,7 @@ class LlamaDecoderLayer(nn.Module):
         one token)."""
         norm, proj = self.input_layernorm, self.self_attn.qkv_proj
         qkv, residual = add_norm_linear(
-            hidden, residual, norm.weight, norm.eps, proj.weight, proj.bias
+            hidden, residual, norm.weight, norm.eps, weight_of(proj), proj.bias
         )
         return (*self.self_attn.rotate_and_store(qkv, rotation, kv_pool, loc), residual)
 
@@ -225,7 +231,7 @@ class LlamaDecoderLayer(nn.Module):
         hidden = self.self_attn.project_out(out)
         norm, proj = self.post_attention_layernorm, self.mlp.gate_up_proj
         act, residual = add_norm_linear(
-            hidden, residual, norm.weight, norm.eps, proj.weight, proj.bias, gated=True
+            hidden, residual, norm.weight, norm.eps, weight_of(proj), proj.bias, gated=True
         )
         return self.mlp(act), residual
 
@@ -364,8 +370,8 @@ class LlamaForCausalLM(nn.Module):
         expected = self._expected_shards()
         loaded: set[tuple[str, int]] = set()
         for stored in iter_safetensors(path):
-            name = stored.name
-            if name.endswith("rotary_emb.inv_freq"):
+            name = checkpoint_name(stored.name)  # FP8 scales (model/quantization.py)
+            if name is None or name.endswith("rotary_emb.inv_freq"):
                 continue  # derived from the config, not a weight
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 continue  # some tied checkpoints still store a copy
@@ -431,6 +437,14 @@ class LlamaForCausalLM(nn.Module):
     def _copy_shard(
         self, param: torch.Tensor, target: str, shard: int, stored: StoredTensor
     ) -> None:
+        if target.endswith(WEIGHT_SCALE):
+            # An FP8 projection's scale per output row: a fused part's split over the
+            # ranks as its rows are; o_proj's and down_proj's whole.
+            fused = shard >= 0
+            start, rows = self._shard_rows(target, shard) if fused else (0, param.shape[0])
+            rank, ranks = (self.tp.rank, self.tp.size) if fused else (0, 1)
+            copy_weight_scale(param.narrow(0, start, rows), stored, rank, ranks)
+            return
         tensor = self._rank_slice(target, shard, stored)
         dest = param
         if shard >= 0:

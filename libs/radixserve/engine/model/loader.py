@@ -12,10 +12,17 @@ from pathlib import Path
 import torch
 
 from radixserve.engine.distributed import SINGLE, TPGroup
+from radixserve.engine.model.gemma import GemmaForCausalLM
 from radixserve.engine.model.llama import LlamaForCausalLM
 from radixserve.engine.model.moe import MOE_ARCHITECTURES
 from radixserve.engine.model.moe_models import MoEForCausalLM
-from radixserve.model_files.config import ModelConfig
+from radixserve.engine.model.quantization import (
+    checkpoint_fp8_layers,
+    plan_quantization,
+    quantize_projections,
+    use_fp8_layers,
+)
+from radixserve.model_files.config import GEMMA_ARCHITECTURES, ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +66,7 @@ def load_model(
     config: ModelConfig | None = None,
     load_format: str = "auto",
     tp: TPGroup = SINGLE,
+    quantization: str | None = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Load a Hugging Face folder (model_files.paths.resolve_model_path) onto `device`, in eval mode.
 
@@ -66,25 +74,28 @@ def load_model(
     `config` saves parsing config.json again when the caller already has it.
     `load_format="dummy"` draws random weights on the device instead of reading any
     (benchmarks of a model's shape: the folder needs only config.json). With `tp` of
-    more than one rank, this rank's shard (model/llama.py).
+    more than one rank, this rank's shard (model/llama.py). FP8 projections as the
+    checkpoint stores them, or all of them with `quantization="fp8"` on a 16-bit one
+    (model/quantization.py).
     """
     folder = Path(path)
     config = config or ModelConfig.from_pretrained(folder)
     device = torch.device(device)
     torch_dtype = resolve_dtype(dtype, device, config)
-    if config.sliding_window is not None and config.sliding_window < config.max_position_embeddings:
-        log.warning(
-            "%s uses sliding-window attention (%d); radixserve attends over the full context, "
-            "so sequences longer than the window differ from the reference",
-            folder,
-            config.sliding_window,
-        )
+    quant = plan_quantization(config, quantization, load_format)
     # Built on the meta device and cast there, so weights are allocated once, in their
     # final dtype, on their final device.
-    model_class = MoEForCausalLM if config.architecture in MOE_ARCHITECTURES else LlamaForCausalLM
+    model_class: type[LlamaForCausalLM] = LlamaForCausalLM
+    if config.architecture in MOE_ARCHITECTURES:
+        model_class = MoEForCausalLM
+    elif config.architecture in GEMMA_ARCHITECTURES:
+        model_class = GemmaForCausalLM
     with torch.device("meta"):
         model = model_class(config, tp)
-    model = model.to(torch_dtype).to_empty(device=device)
+    model = model.to(torch_dtype)
+    if quant is not None and quant.read_fp8:  # after the cast, which would widen them
+        use_fp8_layers(model, checkpoint_fp8_layers(folder, model._target_of))
+    model = model.to_empty(device=device)
     model.tie_weights()
     if load_format == "dummy":
         # The same draws on every rank: the whole (replicated) weights must agree, or the
@@ -92,6 +103,8 @@ def load_model(
         init_dummy_weights(model)
     else:
         model.load_weights(folder)
+    if quant is not None and quant.quantize_on_load:
+        log.info("quantized %d projections to FP8", quantize_projections(model))
     model.init_rotary(max_positions)
     model.eval().requires_grad_(False)
     return model, config

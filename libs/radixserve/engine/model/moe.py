@@ -24,6 +24,7 @@ from radixserve.engine.kernels.activation import silu_and_mul
 from radixserve.engine.kernels.linear import linear
 from radixserve.engine.kernels.moe import fused_moe, select_experts
 from radixserve.engine.model.llama import LlamaMLP
+from radixserve.engine.model.quantization import weight_of
 from radixserve.model_files.config import ModelConfig
 
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
@@ -134,8 +135,8 @@ class SparseMoEBlock(nn.Module):
         out = fused_moe(x, self.w13, self.w2, weights, ids)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             mlp = self.shared_expert
-            act = silu_and_mul(linear(x, mlp.gate_up_proj.weight, None))
-            shared = linear(act, mlp.down_proj.weight, None)
+            act = silu_and_mul(linear(x, weight_of(mlp.gate_up_proj), None))
+            shared = linear(act, weight_of(mlp.down_proj), None)
             gate = torch.sigmoid(linear(x, self.shared_expert_gate.weight, None))
             out = out + gate * shared
         return self.tp.all_reduce(out)

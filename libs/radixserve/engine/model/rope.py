@@ -36,7 +36,10 @@ def _transformers_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
         raise ValueError(f"this transformers version has no rope type {config.rope_type!r}")
     fields = {k: v for k, v in config.raw.items() if k != "model_type"}
     hf_config = AutoConfig.for_model(config.model_type, **fields)
-    inv_freq, attention_scaling = init_fn(hf_config, torch.device("cpu"))
+    # Gemma 3 nests its parameters per layer type: these are its global layers'.
+    nested = "full_attention" in (getattr(hf_config, "rope_parameters", None) or {})
+    layer_type = {"layer_type": "full_attention"} if nested else {}
+    inv_freq, attention_scaling = init_fn(hf_config, torch.device("cpu"), **layer_type)
     return inv_freq.float(), float(attention_scaling)
 
 

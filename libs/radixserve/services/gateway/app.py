@@ -17,7 +17,6 @@ are FastAPI routes too, for every other method (405) and the OpenAPI schema.
 from __future__ import annotations
 
 import logging
-import re
 import uuid
 from collections.abc import Awaitable, Callable
 
@@ -31,9 +30,10 @@ from radixserve.api import ApiError, Endpoint
 from radixserve.api.errors import INVALID_REQUEST, SERVER_ERROR, error_body, param_from_loc
 from radixserve.bus import BusError, BusNoResponders, BusTimeout
 from radixserve.protocol import FlushCacheReply, FlushCacheRequest, ProtocolError, decode, encode
-from radixserve.services.gateway.auth import AuthGate, api_key_of, forbidden
-from radixserve.services.gateway.generation import handle_generation
+from radixserve.services.gateway.auth import AuthGate, api_key_of
+from radixserve.services.gateway.generation import handle_generation, handle_resume
 from radixserve.services.gateway.responses import REQUEST_ID_HEADER, error_response, json_response
+from radixserve.services.gateway.resume import REQUEST_ID, owned_record
 from radixserve.services.gateway.state import GatewayState
 from radixserve.telemetry.metrics import CONTENT_TYPE
 
@@ -44,9 +44,6 @@ GENERATION_PATHS: dict[str, Endpoint] = {
     "/v1/completions": "completion",
     "/generate": "generate",
 }
-
-# What the ids the gateway hands out look like (a uuid, `chatcmpl-...`), with room to spare.
-_REQUEST_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 
 
 class RequestIdMiddleware:
@@ -214,29 +211,17 @@ def create_app(state: GatewayState) -> ASGIApp:
 
     @app.get("/v1/requests/{rid}")
     async def get_request_record(rid: str, request: Request) -> Response:
-        if not _REQUEST_ID.fullmatch(rid):
-            # Checked before it is echoed in a header or used in a Redis key: a NUL or a
-            # newline there would break the response, not answer it.
-            return error_response(
-                ApiError.invalid("not a request id (letters, digits, . _ : -)", "id"),
-                uuid.uuid4().hex,
-            )
         try:
-            record = await state.records.get(rid)
-        except Exception as exc:
-            log.warning("reading the request record failed: %r", exc, extra={"rid": rid})
-            return error_response(
-                ApiError.unavailable("the request store is unavailable", "store_unavailable"), rid
-            )
-        if record is None:
-            return error_response(
-                ApiError(404, f"no record of request {rid!r}", INVALID_REQUEST, "id", "not_found"),
-                rid,
-            )
-        caller = api_key_of(request.scope)
-        if caller is not None and record.get("api_key") != caller.name and not caller.has("admin"):
-            return error_response(forbidden(caller, "admin"), rid)
+            record = await owned_record(state.records, rid, api_key_of(request.scope))
+        except ApiError as exc:
+            return error_response(exc, rid if REQUEST_ID.fullmatch(rid) else uuid.uuid4().hex)
+        record.pop("plan", None)  # how to rebuild the answer: not the caller's business
         return json_response(record, headers={REQUEST_ID_HEADER: rid})
+
+    @app.get("/v1/requests/{rid}/output")
+    async def get_request_output(rid: str, request: Request) -> Response:
+        # The answer of a resumable request, from the client's Last-Event-ID on.
+        return await handle_resume(state, request, rid)
 
     routes = GenerationRoutes(state, app)
     if state.guard is None:

@@ -32,6 +32,7 @@ from radixserve.services.gateway.hub import (
     Mailbox,
     RequestLost,
 )
+from radixserve.services.gateway.resume import event_id_line, record_fields
 from radixserve.services.gateway.state import GatewayState
 from radixserve.store import FieldValue
 from radixserve.telemetry.gateway_trace import RequestTrace
@@ -54,9 +55,17 @@ class Inflight:
         plan: GenerationPlan,
         trace_parent: Context | None = None,
         api_key: ApiKey | None = None,
+        *,
+        resumable: bool = False,
     ) -> None:
         self.state = state
         self.plan = plan
+        # Its deltas are kept (gateway/resume.py): a client that leaves may come back.
+        self.resumable = resumable
+        self.created = int(time.time())  # the answer's `created`, a resumed one's too
+        self.counts = dict.fromkeys(plan.rids, 0)  # deltas taken, per rid (the SSE ids)
+        self.replaying = False  # an original run sends every update
+        self._detached: asyncio.Task[None] | None = None
         self.api_key = api_key  # the caller's, with auth on: its tokens are charged to it
         self.assembly = Assembly(plan)
         self.started = time.monotonic()
@@ -98,6 +107,7 @@ class Inflight:
                 "num_prompts": len(plan.submits),
                 "received_at": time.time(),
                 **({} if self.api_key is None else {"api_key": self.api_key.name}),
+                **(record_fields(plan, self.created) if self.resumable else {}),
             },
         )
         # Each prompt goes out as a request the tokenizer acknowledges on receipt: with no
@@ -147,6 +157,8 @@ class Inflight:
             now = self.heard_at = time.monotonic()
             if not isinstance(event, TextDelta):
                 raise self._failure(event)
+            if event.rid in self.counts:
+                self.counts[event.rid] += 1
             if event.worker_id:
                 self.state.records.update(self.rid, {"worker": event.worker_id})
             update = self.assembly.apply(event)
@@ -190,6 +202,10 @@ class Inflight:
         self.trace.first_token()
         self.state.records.update(self.rid, {"state": "running", "first_token_at": time.time()})
 
+    def event_id(self) -> bytes:
+        """The SSE id of the events of the update just taken."""
+        return event_id_line(self.plan.response_id, self.counts, self.plan.rids)
+
     # -- the lost-request check ---------------------------------------------------------------
     def silent_since(self) -> float | None:
         """Since when nothing came for this request: None while an event waits in its
@@ -229,6 +245,47 @@ class Inflight:
             watcher.cancel()
             await asyncio.gather(watcher, return_exceptions=True)
 
+    # -- a client that left -------------------------------------------------------------------
+    def client_left(self) -> None:
+        """The client hung up: a resumable request runs on, detached, for a client that
+        comes back (to any gateway); any other is closed (aborted) now."""
+        if self._closed or self._detached is not None:
+            return
+        if not self.resumable:
+            self.close(client_gone=True)
+            return
+        self._detached = asyncio.get_running_loop().create_task(
+            self._run_detached(), name=f"detached-{self.rid}"
+        )
+
+    async def _run_detached(self) -> None:
+        """To the end, unless no client resumed within the grace (then aborted as gone)."""
+        grace_s = self.state.settings.resume_grace_s
+        left_at = time.time()
+        try:
+            try:
+                await asyncio.wait_for(self.run_to_end(), grace_s)
+            except TimeoutError:
+                if not await self._resumed_since(left_at):
+                    self.close(client_gone=True)
+                    return
+                await self.run_to_end()
+            self.close()
+        except ApiError as exc:
+            self.close(exc)
+        except Exception as exc:  # a bug: still account for the request, and abort it
+            log.error("detached run failed: %r", exc, extra={"rid": self.rid}, exc_info=exc)
+            self.close(client_gone=True)
+
+    async def _resumed_since(self, left_at: float) -> bool:
+        try:
+            record = await self.state.records.get(self.rid)
+        except Exception as exc:  # no store: no one can resume it either
+            log.warning("reading the request record failed: %r", exc, extra={"rid": self.rid})
+            return False
+        resumed_at = None if record is None else record.get("resumed_at")
+        return resumed_at is not None and float(resumed_at) >= left_at
+
     # -- the end --------------------------------------------------------------------------
     def close(self, error: ApiError | None = None, *, client_gone: bool = False) -> None:
         """Account for the request once: abort what still runs, metrics, record, hub."""
@@ -237,6 +294,8 @@ class Inflight:
         self._closed = True
         state = self.state
         self._deadline.cancel()
+        if self._detached is not None and self._detached is not asyncio.current_task():
+            self._detached.cancel()
         if self._watcher is not None:
             self._watcher.cancel()
         state.hub.unregister(self.plan.rids)

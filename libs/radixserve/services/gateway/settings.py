@@ -30,6 +30,7 @@ ENV_PORT = "RADIXSERVE_GATEWAY_PORT"
 ENV_REQUEST_TIMEOUT_S = "RADIXSERVE_REQUEST_TIMEOUT_S"
 ENV_RECORD_TTL_S = "RADIXSERVE_RECORD_TTL_S"
 ENV_REASONING_PARSER = "RADIXSERVE_REASONING_PARSER"
+ENV_RESUME_GRACE_S = "RADIXSERVE_RESUME_GRACE_S"
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,9 @@ class GatewaySettings:
     auth: AuthSettings = field(default_factory=AuthSettings)
     # What one request may ask for (stop strings, tools, grammar size, ...): 400s past them.
     limits: RequestLimits = DEFAULT_LIMITS
+    # A resumable request whose client left runs on this long for it to come back (then
+    # aborted unless resumed); 0: no request is resumable (a client gone aborts it).
+    resume_grace_s: float = 30.0
 
     def __post_init__(self) -> None:
         self.auth.check_exposure(self.host)
@@ -75,6 +79,8 @@ class GatewaySettings:
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not self.resume_grace_s >= 0:
+            raise ValueError(f"resume_grace_s must be >= 0, got {self.resume_grace_s}")
         if self.lost_check_s < 0:
             raise ValueError(f"lost_check_s must be >= 0, got {self.lost_check_s}")
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_FORMATS:
@@ -146,6 +152,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"TTL of the Redis request records; default ${ENV_RECORD_TTL_S} or 3600",
     )
+    parser.add_argument(
+        "--resume-grace-s",
+        type=float,
+        default=None,
+        help="how long a stream (or an X-Resumable request) whose client left runs on for "
+        "the client to resume it with Last-Event-ID, at this or another gateway; 0: a "
+        f"client gone aborts its request (default ${ENV_RESUME_GRACE_S} or 30)",
+    )
     auth_settings.add_arguments(parser)
     add_limit_arguments(parser)
 
@@ -169,6 +183,7 @@ def settings_from(
     timeout = pick(ns.request_timeout_s, ENV_REQUEST_TIMEOUT_S)
     ttl = pick(ns.record_ttl_s, ENV_RECORD_TTL_S)
     reasoning = pick(ns.reasoning_parser, ENV_REASONING_PARSER)
+    grace = pick(ns.resume_grace_s, ENV_RESUME_GRACE_S)
     defaults = GatewaySettings(service=service)
     return GatewaySettings(
         service=service,
@@ -187,4 +202,5 @@ def settings_from(
         reasoning_parser=None if reasoning in (None, "none") else reasoning,
         auth=auth_settings.settings_from(ns, env),
         limits=limits_from(ns, env),
+        resume_grace_s=defaults.resume_grace_s if grace is None else float(grace),
     )

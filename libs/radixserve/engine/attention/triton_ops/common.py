@@ -113,14 +113,16 @@ def online_softmax_step(qk, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
     """Fold one block of scores into a running softmax (flash-attention style).
 
     qk: [rows, BLOCK_N] scores in base 2, -inf where a key is not visible; every row
-    must see at least one key over the whole loop (its first block included), so
-    m_i is finite after the first block and no row computes -inf - -inf.
+    must see at least one key over the whole loop. A row that has seen none yet (a
+    window's keys start in a later block) keeps m_i -inf and sums nothing: its shift
+    is 0 there, so no row computes -inf - -inf.
     v: [BLOCK_N, D] values of the block. m_i/l_i: running max and denominator per
     row; acc: [rows, D] unnormalised output.
     """
     m_new = tl.maximum(m_i, tl.max(qk, 1))
-    alpha = tl.exp2(m_i - m_new)  # rescales what was summed under the old max
-    p = tl.exp2(qk - m_new[:, None])
+    shift = tl.where(m_new > float("-inf"), m_new, 0.0)
+    alpha = tl.exp2(m_i - shift)  # rescales what was summed under the old max
+    p = tl.exp2(qk - shift[:, None])
     l_new = l_i * alpha + tl.sum(p, 1)
     # p goes to the value dtype so 16-bit inputs use the tensor cores; acc stays fp32.
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -143,6 +145,16 @@ def fold_partial(m, total, acc, lse, part):
 
 
 @triton.jit
+def cap_scores(qk, cap_log2, SOFT_CAP: tl.constexpr):
+    """Base-2 scores soft-capped where SOFT_CAP: cap * tanh(s / cap) of the natural-log
+    scores s is C * tanh(qk / C) of the base-2 ones, C = cap * log2(e) (`cap_log2`).
+    tanh(x) = 2 * sigmoid(2x) - 1: the interpreter has no libdevice tanh."""
+    if SOFT_CAP:
+        qk = cap_log2 * (2.0 * tl.sigmoid(2.0 * qk / cap_log2) - 1.0)
+    return qk
+
+
+@triton.jit
 def attend_paged_range(
     q,
     kv_indices,
@@ -161,12 +173,17 @@ def attend_paged_range(
     m_i,
     l_i,
     acc,
+    row_lo,
+    cap_log2,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
 ):
     """Keys [lo, hi) read through the slot table `kv_indices`, BLOCK_N at a time, folded
     into the running softmax: the loop the decode, extend and shared-prefix kernels
-    share (an empty range leaves m_i, l_i and acc as they are)."""
+    share (an empty range leaves m_i, l_i and acc as they are). WINDOWED: row r sees
+    only keys from row_lo[r] on (its sliding window's first); SOFT_CAP: cap_scores."""
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < hi
@@ -180,7 +197,11 @@ def attend_paged_range(
             other=0.0,
         ).to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2
-        qk = tl.where(n_mask[None, :], qk, float("-inf"))
+        qk = cap_scores(qk, cap_log2, SOFT_CAP)
+        visible = n_mask[None, :]
+        if WINDOWED:
+            visible = visible & (offs_n[None, :] >= row_lo[:, None])
+        qk = tl.where(visible, qk, float("-inf"))
         v = tl.load(
             V_Buffer + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
             mask=kv_mask,

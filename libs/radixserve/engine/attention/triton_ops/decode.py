@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.engine.attention.base import FULL_ATTENTION, LayerAttention
 from radixserve.engine.attention.triton_ops.common import (
     LOG2E,
     attend_paged_range,
@@ -98,8 +99,9 @@ def launch_options(num_splits: int, programs: int, sms: int) -> LaunchOptions:
     return LaunchOptions(block_n=64, num_warps=2, num_stages=3)
 
 
-# num_splits changes from batch to batch: one compiled kernel for every value.
-@triton.jit(do_not_specialize=["num_splits"])
+# num_splits changes from batch to batch: one compiled kernel for every value (and for
+# every window: 0 is none).
+@triton.jit(do_not_specialize=["num_splits", "window"])
 def _decode_split_kernel(
     Q,  # [num_tokens, num_heads, head_dim]
     q_rows,  # [bs] int64: the row of Q holding request r's one new token
@@ -112,6 +114,8 @@ def _decode_split_kernel(
     Out,  # [num_tokens, num_heads, head_dim]: written instead of Mid_O/Mid_Lse if DIRECT
     sm_scale_log2,
     num_splits,
+    window,  # > 0: only the last `window` keys of each request (its sliding window)
+    cap_log2,  # the soft-cap times log2(e), where SOFT_CAP
     stride_qt,
     stride_qh,
     stride_kt,
@@ -134,6 +138,7 @@ def _decode_split_kernel(
     DIRECT: tl.constexpr,  # one split: write the final output, in Out's dtype
     MERGE_SPLITS: tl.constexpr,  # with DIRECT: fold Mid_O/Mid_Lse splits [0, MERGE_SPLITS) in
     WAIT_TO_MERGE: tl.constexpr,  # launched as a programmatic dependent of their writer
+    SOFT_CAP: tl.constexpr,
 ):
     req = tl.program_id(0)
     head_block = tl.program_id(1)
@@ -150,10 +155,13 @@ def _decode_split_kernel(
 
     kv_start = tl.load(kv_indptr + req)
     seq_len = tl.load(kv_indptr + req + 1) - kv_start
+    # The keys the new token sees: [first, seq_len) (a window's last keys, else all).
+    first = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
     # Every split but the last covers split_len keys; trailing splits may be empty
-    # when seq_len < num_splits, and stage 2 skips them by the same arithmetic.
-    split_len = tl.cdiv(seq_len, num_splits)
-    lo = split * split_len
+    # when the keys are fewer than num_splits, and stage 2 skips them by the same
+    # arithmetic.
+    split_len = tl.cdiv(seq_len - first, num_splits)
+    lo = first + split * split_len
     hi = tl.minimum(lo + split_len, seq_len)
 
     q_row = tl.load(q_rows + req)
@@ -181,8 +189,12 @@ def _decode_split_kernel(
         m_i,
         l_i,
         acc,
+        0,
+        cap_log2,
         BLOCK_N,
         DOT_PRECISION,
+        False,  # one query position per request: the range is its window
+        SOFT_CAP,
     )
 
     if DIRECT:
@@ -215,7 +227,7 @@ def _decode_split_kernel(
         tl.store(Mid_Lse + lse, m_i + tl.log2(l_i), mask=head_mask)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits", "window"])
 def _decode_reduce_kernel(
     Mid_O,
     Mid_Lse,
@@ -223,6 +235,7 @@ def _decode_reduce_kernel(
     q_rows,
     kv_indptr,
     num_splits,
+    window,
     stride_mid_t,
     stride_mid_h,
     stride_mid_s,
@@ -239,8 +252,9 @@ def _decode_reduce_kernel(
     d_mask = offs_d < HEAD_DIM
 
     seq_len = tl.load(kv_indptr + req + 1) - tl.load(kv_indptr + req)
-    split_len = tl.cdiv(seq_len, num_splits)
-    used_splits = tl.cdiv(seq_len, split_len)  # the non-empty ones, all in front
+    keys = tl.where(window > 0, tl.minimum(seq_len, window), seq_len)  # as stage 1 splits
+    split_len = tl.cdiv(keys, num_splits)
+    used_splits = tl.cdiv(keys, split_len)  # the non-empty ones, all in front
 
     m = tl.full([], float("-inf"), dtype=tl.float32)
     total = tl.zeros([], dtype=tl.float32)
@@ -267,11 +281,12 @@ def _launch_split_kernel(
     out: torch.Tensor | None,
     merged: tuple[torch.Tensor, torch.Tensor] | None = None,
     overlap_writer: bool = False,
+    layer: LayerAttention = FULL_ATTENTION,
 ) -> None:
     """Stage 1 into `partials` (mid_out, mid_lse), or else in one split straight into `out`,
     folding in the `merged` (mid_out, mid_lse) partials first where given; with
     `overlap_writer`, launched as a programmatic dependent of the kernel just before it
-    (see decode_merged)."""
+    (see decode_merged). `layer`: its window and soft-cap."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_buffer.shape[1]
     group_size = num_heads // num_kv_heads
@@ -307,6 +322,8 @@ def _launch_split_kernel(
         out,
         scale * LOG2E,
         num_splits,
+        layer.window or 0,
+        (layer.soft_cap or 1.0) * LOG2E,
         q.stride(0),
         q.stride(1),
         k_buffer.stride(0),
@@ -323,6 +340,7 @@ def _launch_split_kernel(
         DIRECT=partials is None,
         MERGE_SPLITS=0 if merged is None else merged[0].shape[2],
         WAIT_TO_MERGE=dependent,
+        SOFT_CAP=layer.soft_cap is not None,
         launch_pdl=dependent,
         num_warps=options.num_warps,
         num_stages=options.num_stages,
@@ -341,13 +359,14 @@ def decode_partials(
     scale: float,
     *,
     options: LaunchOptions | None = None,
+    layer: LayerAttention = FULL_ATTENTION,
 ) -> None:
     """Stage 1 alone: each (request, head, split)'s partial output and lse in mid_out and
     mid_lse (splits past a short sequence's last are not written). `options` default to
     `launch_options`; others are for lab/probes/decode_attention.py's sweep."""
     _launch_split_kernel(
         q, k_buffer, v_buffer, q_rows, kv_indptr, kv_indices, scale, options,
-        (mid_out, mid_lse), None,
+        (mid_out, mid_lse), None, layer=layer,
     )  # fmt: skip
 
 
@@ -386,8 +405,10 @@ def decode_reduce(
     out: torch.Tensor,  # [num_tokens, num_heads, head_dim]; the q_rows rows are written
     q_rows: torch.Tensor,
     kv_indptr: torch.Tensor,
+    window: int | None = None,
 ) -> None:
-    """Stage 2 alone: each request's written splits merged into its row of `out`."""
+    """Stage 2 alone: each request's written splits merged into its row of `out` (over
+    the keys of its `window`, as stage 1 split them)."""
     bs, num_heads, num_splits, head_dim = mid_out.shape
     _decode_reduce_kernel[(bs, num_heads)](
         mid_out,
@@ -396,6 +417,7 @@ def decode_reduce(
         q_rows,
         kv_indptr,
         num_splits,
+        window or 0,
         mid_out.stride(0),
         mid_out.stride(1),
         mid_out.stride(2),
@@ -422,16 +444,18 @@ def decode_attention(
     scale: float,
     *,
     options: LaunchOptions | None = None,
+    layer: LayerAttention = FULL_ATTENTION,
 ) -> None:
     """Both stages; with one split (mid_out.shape[2] == 1), stage 1 alone writing `out`
-    (the scratch is then not used)."""
+    (the scratch is then not used). `layer`: its window and soft-cap."""
     if mid_out.shape[2] == 1:
         _launch_split_kernel(
-            q, k_buffer, v_buffer, q_rows, kv_indptr, kv_indices, scale, options, None, out
-        )
+            q, k_buffer, v_buffer, q_rows, kv_indptr, kv_indices, scale, options, None, out,
+            layer=layer,
+        )  # fmt: skip
         return
     decode_partials(
         q, k_buffer, v_buffer, q_rows, kv_indptr, kv_indices, mid_out, mid_lse, scale,
-        options=options,
+        options=options, layer=layer,
     )  # fmt: skip
-    decode_reduce(mid_out, mid_lse, out, q_rows, kv_indptr)
+    decode_reduce(mid_out, mid_lse, out, q_rows, kv_indptr, layer.window)

@@ -11,6 +11,9 @@ attention: the group's heads share every K/V block read, rather than each readin
    k/v inputs of this pass, with the causal mask; keys past the block's last query
    are never visible, so the loop stops there.
 
+With a sliding window (WINDOWED) new token i at position p = prefix + i sees only keys
+j > p - window: both loops start at the block's first row's window and mask per row.
+
 The requests may be a subset of the batch (a mixed batch's decodes go to the decode
 kernel), so each request's rows are given by a start and a length.
 """
@@ -23,9 +26,11 @@ import torch
 import triton
 import triton.language as tl
 
+from radixserve.engine.attention.base import FULL_ATTENTION, LayerAttention
 from radixserve.engine.attention.triton_ops.common import (
     LOG2E,
     attend_paged_range,
+    cap_scores,
     dot_precision,
     online_softmax_step,
 )
@@ -59,7 +64,8 @@ def _blocks(dtype: torch.dtype, rows: int, device: torch.device) -> tuple[int, i
     return 64, 64, 4, 3
 
 
-@triton.jit
+# One compiled kernel for every window (it is not specialised on).
+@triton.jit(do_not_specialize=["window"])
 def _extend_kernel(
     Q,  # [num_tokens, num_heads, head_dim], new tokens of all requests in order
     K_New,  # [num_tokens, num_kv_heads, head_dim]
@@ -72,6 +78,8 @@ def _extend_kernel(
     kv_indptr,  # [bs + 1] int32 over the cached prefixes only
     kv_indices,  # [sum(prefix_lens)] int32 slots
     sm_scale_log2,
+    window,  # where WINDOWED: keys a query sees, its own included
+    cap_log2,  # where SOFT_CAP: the cap times log2(e)
     stride_qt,
     stride_qh,
     stride_knt,
@@ -91,6 +99,8 @@ def _extend_kernel(
     TOKENS: tl.constexpr,  # BLOCK_M // GROUP_SIZE
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    SOFT_CAP: tl.constexpr,
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -124,11 +134,18 @@ def _extend_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
+    # Each row's first visible key (its window's; 0 without one), and the block's least.
+    row_lo = tl.zeros([BLOCK_M], dtype=tl.int32)
+    block_lo = 0
+    if WINDOWED:
+        row_lo = prefix_len + offs_m - window + 1
+        block_lo = tl.maximum(prefix_len + block_m * TOKENS - window + 1, 0)
+
     # 1) the cached prefix, through the slot table.
     m_i, l_i, acc = attend_paged_range(
         q,
         kv_indices + kv_start,
-        0,
+        tl.minimum(block_lo, prefix_len),
         prefix_len,
         K_Buffer,
         V_Buffer,
@@ -143,13 +160,19 @@ def _extend_kernel(
         m_i,
         l_i,
         acc,
+        row_lo,
+        cap_log2,
         BLOCK_N,
         DOT_PRECISION,
+        WINDOWED,
+        SOFT_CAP,
     )
 
-    # 2) the new tokens, causal: query i sees new keys j <= i.
+    # 2) the new tokens, causal: query i sees new keys j <= i (and, windowed, from its
+    # row_lo on: new key j is at position prefix_len + j).
     new_hi = tl.minimum(extend_len, (block_m + 1) * TOKENS)
-    for start in range(0, new_hi, BLOCK_N):
+    new_lo = tl.maximum(block_lo - prefix_len, 0)
+    for start in range(new_lo, new_hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < extend_len
         kv_rows = (q_start + offs_n).to(tl.int64)
@@ -160,7 +183,10 @@ def _extend_kernel(
             other=0.0,
         ).to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2
+        qk = cap_scores(qk, cap_log2, SOFT_CAP)
         visible = (offs_n[None, :] <= offs_m[:, None]) & n_mask[None, :]
+        if WINDOWED:
+            visible = visible & (prefix_len + offs_n[None, :] >= row_lo[:, None])
         qk = tl.where(visible, qk, float("-inf"))
         v = tl.load(
             V_New + kv_rows[:, None] * stride_vnt + kv_head * stride_vnh + offs_d[None, :],
@@ -169,7 +195,8 @@ def _extend_kernel(
         ).to(q.dtype)
         m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, DOT_PRECISION)
 
-    out = acc / l_i[:, None]
+    # Padding rows a window leaves without keys have l_i 0; they are not stored.
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_offs = q_rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
     tl.store(Out + o_offs, out.to(Out.dtype.element_ty), mask=q_mask)
 
@@ -188,9 +215,11 @@ def extend_attention(
     max_extend_len: int,
     scale: float,
     blocks: tuple[int, int, int, int] | None = None,
+    layer: LayerAttention = FULL_ATTENTION,
 ) -> None:
     """`blocks`: (BLOCK_M, BLOCK_N, num_warps, num_stages), for a sweep
-    (lab/probes/prefill_kernels.py); by default `_blocks`' choice for the pass."""
+    (lab/probes/prefill_kernels.py); by default `_blocks`' choice for the pass.
+    `layer`: its window and soft-cap."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     group_size = num_heads // k.shape[1]
     bs = q_starts.shape[0]
@@ -212,6 +241,8 @@ def extend_attention(
         kv_indptr,
         kv_indices,
         scale * LOG2E,
+        layer.window or 0,
+        (layer.soft_cap or 1.0) * LOG2E,
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -231,6 +262,8 @@ def extend_attention(
         TOKENS=tokens,
         BLOCK_N=block_n,
         DOT_PRECISION=dot_precision(q.dtype),
+        WINDOWED=layer.window is not None,
+        SOFT_CAP=layer.soft_cap is not None,
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -153,8 +153,12 @@ def _shared_prefix_kernel(
         m_i,
         l_i,
         acc,
+        0,
+        1.0,
         BLOCK_N,
         DOT_PRECISION,
+        False,  # cascade runs full attention only (base.AttentionBackend.set_layers)
+        False,
     )
 
     if hi > lo:

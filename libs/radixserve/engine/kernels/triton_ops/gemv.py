@@ -13,6 +13,12 @@ lane and are summed once. On
 Hopper each GEMV is launched as a programmatic dependent: it waits for the kernel
 before it, and releases the next one as soon as its own loop is done (the few-token
 GEMV of up to EARLY_TRIGGER_MAX_ROWS tokens as soon as its programs have waited).
+
+FP8 weights (kernels/fp8.py: float8_e4m3fn rows with a float32 scale each): both
+kernels take them with `weight_scale`, widen each weight tile in registers (to float32
+for the one-token GEMV, to the activations' 16-bit dtype for the tensor cores) and
+scale each row's sum once; the activations stay 16-bit. The 16-bit kernels compile
+as before (the scale is a constexpr switch).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import triton.language as tl
 
 from radixserve.engine.attention.triton_ops.common import INTERPRETED, programmatic_launch
 from radixserve.engine.kernels.dispatch import GEMV_MAX_ROWS, TENSOR_CORE_DTYPES
+from radixserve.engine.kernels.fp8_format import FP8_DTYPE
 from radixserve.engine.kernels.triton_ops.activation import silu_mul
 from radixserve.engine.kernels.triton_ops.norm import weighted_norm
 
@@ -67,6 +74,7 @@ def _gemv_kernel(
     ResidualOut,
     NormW,
     W,
+    WScale,  # with W_SCALE: float32 per row of W (FP8 weights)
     Bias,
     Out,
     N,  # output rows (with GATED, W holds 2N: N gate rows, then N up rows)
@@ -75,6 +83,7 @@ def _gemv_kernel(
     PROLOGUE: tl.constexpr,
     GATED: tl.constexpr,  # out = silu(gate) * up, rounded as the unfused ops round
     HAS_BIAS: tl.constexpr,
+    W_SCALE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ROW_BLOCK: tl.constexpr,
@@ -121,12 +130,16 @@ def _gemv_kernel(
         # Let the next kernel's programs launch while this one's last ones finish.
         tl.extra.cuda.gdc_launch_dependents()
     y = tl.sum(acc, axis=1)
+    if W_SCALE:
+        y *= tl.load(WScale + rows, mask=rmask, other=0.0)
     if HAS_BIAS:
         y += tl.load(Bias + rows, mask=rmask, other=0.0).to(tl.float32)
     if GATED:
         # gate and up rounded to the dtype as the projection's output would be, then
         # SiLU x mul as its kernel computes it (triton_ops/activation.py).
         up = tl.sum(acc_up, axis=1)
+        if W_SCALE:
+            up *= tl.load(WScale + N + rows, mask=rmask, other=0.0)
         if HAS_BIAS:
             up += tl.load(Bias + N + rows, mask=rmask, other=0.0).to(tl.float32)
         gate = y.to(dtype).to(tl.float32)
@@ -163,18 +176,21 @@ def gemv_triton(
     eps: float = 0.0,
     out: torch.Tensor | None = None,
     gated: bool = False,
+    weight_scale: torch.Tensor | None = None,
     config: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """weight @ f(x) (+ bias) for one token x ([1, k]) -> [1, n], written into `out` when
     given. `gated`: weight (and bias) hold 2n rows, gate then up, and the output is
-    silu(gate) * up. `config` (BLOCK_N, BLOCK_K, warps, stages) overrides the launch
-    options (benchmarks)."""
+    silu(gate) * up. `weight_scale` (float32, one per row of `weight`): weight holds FP8
+    rows, each times its scale. `config` (BLOCK_N, BLOCK_K, warps, stages) overrides the
+    launch options (benchmarks)."""
     n, k = weight.shape
     if x.shape != (1, k) or x.stride(-1) != 1 or not weight.is_contiguous():
         raise ValueError(
             f"gemv takes one contiguous [1, {k}] row and a contiguous weight, "
             f"got {tuple(x.shape)} and {tuple(weight.shape)}"
         )
+    _check_scale(weight, weight_scale)
     if gated:
         if n % 2:
             raise ValueError(f"a gated gemv takes gate and up rows alike, got {n} rows")
@@ -198,6 +214,7 @@ def gemv_triton(
         x if residual_out is None else residual_out,
         x if norm_weight is None else norm_weight,
         weight,
+        weight if weight_scale is None else weight_scale,
         weight if bias is None else bias,
         out,
         n,
@@ -206,6 +223,7 @@ def gemv_triton(
         PROLOGUE=prologue,
         GATED=gated,
         HAS_BIAS=bias is not None,
+        W_SCALE=weight_scale is not None,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         ROW_BLOCK=triton.next_power_of_2(k),
@@ -222,6 +240,7 @@ def gemv_triton(
 def _gemv_rows_kernel(
     X,
     W,
+    WScale,  # with W_SCALE: float32 per row of W (FP8 weights)
     Bias,
     Out,
     M,
@@ -230,6 +249,7 @@ def _gemv_rows_kernel(
     stride_out,
     K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    W_SCALE: tl.constexpr,
     BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -263,10 +283,15 @@ def _gemv_rows_kernel(
             w = w.to(tl.float32)
             x = x.to(tl.float32)
             acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
+        elif W_SCALE:
+            # FP8 rows widened to the activations' dtype (exact: e4m3 fits in 16 bits).
+            acc = tl.dot(w.to(X.dtype.element_ty), tl.trans(x), acc)
         else:
             acc = tl.dot(w, tl.trans(x), acc)
     if PDL and not EARLY_TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
+    if W_SCALE:
+        acc *= tl.load(WScale + rows, mask=rmask, other=0.0)[:, None]
     if HAS_BIAS:
         acc += tl.load(Bias + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
     out = Out + toks[None, :] * stride_out + rows[:, None]
@@ -299,11 +324,13 @@ def gemv_rows_triton(
     bias: torch.Tensor | None,
     *,
     out: torch.Tensor | None = None,
+    weight_scale: torch.Tensor | None = None,
     config: tuple[int, int, int, int] | None = None,
     early_trigger: bool | None = None,
 ) -> torch.Tensor:
     """x @ weight.T (+ bias) for a few tokens x [m, k] of a 16-bit dtype -> [m, n], written
-    into `out` when given. `config` and `early_trigger` (default: up to
+    into `out` when given; with `weight_scale` (float32, one per row) weight holds FP8
+    rows, each times its scale. `config` and `early_trigger` (default: up to
     EARLY_TRIGGER_MAX_ROWS tokens) override the launch options (benchmarks). Each
     program holds all m tokens' sums, so this pays for small m only (kernels/linear.py
     decides)."""
@@ -314,8 +341,13 @@ def gemv_rows_triton(
             f"gemv_rows takes rows [m, {k}] with unit stride and a contiguous weight, "
             f"got {tuple(x.shape)} and {tuple(weight.shape)}"
         )
-    if x.dtype not in TENSOR_CORE_DTYPES or weight.dtype != x.dtype:
-        raise ValueError(f"gemv_rows takes bfloat16 or float16, got {x.dtype} and {weight.dtype}")
+    _check_scale(weight, weight_scale)
+    weight_dtype = x.dtype if weight_scale is None else FP8_DTYPE
+    if x.dtype not in TENSOR_CORE_DTYPES or weight.dtype != weight_dtype:
+        raise ValueError(
+            f"gemv_rows takes bfloat16 or float16 rows and a weight of theirs (or FP8 with "
+            f"weight_scale), got {x.dtype} and {weight.dtype}"
+        )
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     elif out.shape != (m, n) or out.stride(-1) != 1 or out.dtype != x.dtype:
@@ -325,6 +357,7 @@ def gemv_rows_triton(
     _gemv_rows_kernel[(triton.cdiv(n, block_n),)](
         x,
         weight,
+        weight if weight_scale is None else weight_scale,
         weight if bias is None else bias,
         out,
         m,
@@ -333,6 +366,7 @@ def gemv_rows_triton(
         out.stride(0),
         K=k,
         HAS_BIAS=bias is not None,
+        W_SCALE=weight_scale is not None,
         BLOCK_T=max(16, triton.next_power_of_2(m)),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -344,3 +378,22 @@ def gemv_rows_triton(
         num_stages=stages,
     )
     return out
+
+
+def _check_scale(weight: torch.Tensor, weight_scale: torch.Tensor | None) -> None:
+    """An FP8 weight comes with a contiguous float32 scale per row; a 16-bit one without."""
+    if weight_scale is None:
+        if weight.dtype == FP8_DTYPE:
+            raise ValueError("an FP8 weight needs its weight_scale")
+        return
+    rows = weight.shape[0]
+    if not (
+        weight.dtype == FP8_DTYPE
+        and weight_scale.dtype == torch.float32
+        and weight_scale.shape == (rows,)
+        and weight_scale.is_contiguous()
+    ):
+        raise ValueError(
+            f"weight_scale goes with an FP8 weight: float32 [{rows}], got {weight.dtype} "
+            f"and {weight_scale.dtype} {tuple(weight_scale.shape)}"
+        )

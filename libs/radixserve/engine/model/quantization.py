@@ -1,0 +1,290 @@
+"""Which of a model's projections hold FP8 weights, and how they get there.
+
+A projection is an `nn.Linear` (16-bit weight) or an `Fp8Linear` (float8_e4m3fn weight
+and a float32 scale per output row); the decoder passes `weight_of(layer)` to the
+kernels (kernels/linear.py), which choose theirs from it (kernels/fp8.py). Only the
+decoder's projections (PROJECTIONS: qkv, o, gate_up, down; a shared expert's too) may
+be FP8: embeddings, the head, norms and router gates stay in the model's dtype, as
+llm-compressor leaves them by default.
+
+FP8 projections come from
+- an FP8 checkpoint, in either format people ship: llm-compressor's compressed-tensors
+  ('float-quantized': `*.weight` in float8_e4m3fn, `*.weight_scale` per channel [n, 1]
+  or per tensor) or `"quant_method": "fp8"` (vLLM / ModelOpt style: `weight_scale` or
+  `weight_scale_inv`, per tensor or per channel). The layers the checkpoint stores in
+  FP8 (what its safetensors headers say) are built as Fp8Linear before loading, so an
+  ignore list is honoured as the checkpoint applied it; the rest stay 16-bit. Static
+  input scales are not read: activations are quantized per token as they come, which
+  is at least as fine as a per-tensor scale;
+- `--quantization fp8` on a 16-bit checkpoint (or random weights, load_format dummy):
+  every projection quantized per output row after loading.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from radixserve.engine.kernels.fp8 import Fp8Weight, quantize_weight
+from radixserve.engine.kernels.fp8_format import FP8_DTYPE
+from radixserve.engine.model.weights import StoredTensor, safetensors_files
+from radixserve.model_files.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+QUANTIZATIONS = ("fp8",)  # --quantization's values (unset: as the checkpoint is)
+# The decoder's projections that may hold FP8 weights (leaf module names).
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+WEIGHT_SCALE = "weight_scale"
+SUPPORTED = (
+    "supported: FP8 checkpoints from compressed-tensors (format 'float-quantized': 8-bit "
+    "float weights with per-channel or per-tensor scales) or with quant_method 'fp8' "
+    "(per-tensor or per-channel weight_scale / weight_scale_inv), and --quantization fp8 "
+    "on a 16-bit checkpoint"
+)
+# Checkpoint tensors a dynamic-activation FP8 model does not read: static activation
+# scales and FP8 KV cache scales (the KV cache stays in the model's dtype).
+_UNUSED_SUFFIXES = (".input_scale", ".k_scale", ".v_scale", ".kv_scale")
+_SAFETENSORS_FP8 = "F8_E4M3"
+
+
+@dataclass(frozen=True)
+class QuantizationPlan:
+    """How a model gets its FP8 projections: read from the checkpoint as they are stored
+    (`read_fp8`), or quantized from the 16-bit ones after loading (`quantize_on_load`)."""
+
+    read_fp8: bool
+    quantize_on_load: bool
+
+
+def plan_quantization(
+    config: ModelConfig, requested: str | None, load_format: str = "auto"
+) -> QuantizationPlan | None:
+    """The plan for a checkpoint (its config's quantization_config) and --quantization;
+    None for a 16-bit model left as it is. Unsupported schemes raise ValueError."""
+    if requested is not None and requested not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {requested!r}")
+    stored = config.raw.get("quantization_config") or config.raw.get("compression_config")
+    if stored is None:
+        return None if requested is None else QuantizationPlan(False, True)
+    check_checkpoint_scheme(stored)
+    if requested is not None:
+        log.info("the checkpoint is FP8 already: --quantization %s reads it as it is", requested)
+    if load_format == "dummy":  # random weights of the checkpoint's shapes
+        return QuantizationPlan(False, True)
+    return QuantizationPlan(True, False)
+
+
+def check_checkpoint_scheme(stored: dict[str, Any]) -> None:
+    """Refuse, naming what is supported, any scheme but FP8 weights with per-channel or
+    per-tensor scales."""
+    method = stored.get("quant_method")
+    if method == "compressed-tensors":
+        _check_compressed_tensors(stored)
+    elif method == "fp8":
+        block = stored.get("weight_block_size")
+        if block:
+            raise ValueError(
+                f"block-wise FP8 checkpoints (weight_block_size {block}) are not supported "
+                f"yet; {SUPPORTED}"
+            )
+        scheme = stored.get("activation_scheme", "dynamic")
+        if scheme not in ("dynamic", "static"):
+            raise ValueError(f"FP8 activation_scheme {scheme!r} is not supported; {SUPPORTED}")
+    else:
+        raise ValueError(f"quantization method {method!r} is not supported; {SUPPORTED}")
+
+
+def _check_compressed_tensors(stored: dict[str, Any]) -> None:
+    for key in ("sparsity_config", "transform_config"):
+        if stored.get(key):
+            raise ValueError(f"compressed-tensors {key} is not supported; {SUPPORTED}")
+    groups = stored.get("config_groups") or {}
+    if not groups:
+        raise ValueError(f"compressed-tensors config names no config_groups; {SUPPORTED}")
+    for name, group in groups.items():
+        form = group.get("format") or stored.get("format")
+        weights = group.get("weights") or {}
+        acts = group.get("input_activations")
+        fp8_weights = (
+            weights.get("num_bits") == 8
+            and weights.get("type") == "float"
+            and weights.get("strategy") in ("channel", "tensor")
+            and weights.get("symmetric", True)
+            and not weights.get("dynamic", False)
+        )
+        fp8_acts = acts is None or (acts.get("num_bits") == 8 and acts.get("type") == "float")
+        if form != "float-quantized" or not fp8_weights or not fp8_acts:
+            raise ValueError(
+                f"compressed-tensors group {name!r} (format {form!r}, weights "
+                f"{_scheme_text(weights)}, input activations {_scheme_text(acts)}) is not "
+                f"supported; {SUPPORTED}"
+            )
+        if group.get("output_activations"):
+            raise ValueError(f"quantized output activations are not supported; {SUPPORTED}")
+    if stored.get("kv_cache_scheme"):
+        log.warning("the checkpoint's FP8 KV cache scales are not used: the KV cache stays 16-bit")
+
+
+def _scheme_text(args: dict[str, Any] | None) -> str:
+    if not args:
+        return "none"
+    return f"{args.get('num_bits')}-bit {args.get('type')} per {args.get('strategy')}"
+
+
+class Fp8Linear(nn.Module):
+    """A projection with an FP8 weight: `weight` [out, in] float8_e4m3fn, `weight_scale`
+    [out] float32 (row i is weight[i] * weight_scale[i]), `bias` in the model's dtype."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: torch.Tensor | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        data = torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device)
+        scale = torch.empty(out_features, dtype=torch.float32, device=device)
+        self.weight = nn.Parameter(data, requires_grad=False)
+        self.weight_scale = nn.Parameter(scale, requires_grad=False)
+        self.bias = bias if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    @classmethod
+    def quantized(cls, linear: nn.Linear) -> Fp8Linear:
+        """`linear`'s weight quantized per output row (its bias kept)."""
+        fp8 = quantize_weight(linear.weight.detach())
+        layer = cls(linear.in_features, linear.out_features, linear.bias, device="meta")
+        layer.weight = nn.Parameter(fp8.data, requires_grad=False)
+        layer.weight_scale = nn.Parameter(fp8.scale, requires_grad=False)
+        return layer
+
+    def fp8_weight(self) -> Fp8Weight:
+        return Fp8Weight(self.weight, self.weight_scale)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8"
+
+
+def weight_of(layer: nn.Linear | Fp8Linear) -> torch.Tensor | Fp8Weight:
+    """What the kernels take for a projection: its 16-bit weight or its FP8 one."""
+    if isinstance(layer, Fp8Linear):
+        return layer.fp8_weight()
+    return layer.weight
+
+
+def projection_names(model: nn.Module) -> list[str]:
+    """The model's 16-bit projections that may hold FP8 weights."""
+    return [
+        name
+        for name, module in model.named_modules()
+        if name.rsplit(".", 1)[-1] in PROJECTIONS and type(module) is nn.Linear
+    ]
+
+
+def use_fp8_layers(model: nn.Module, names: list[str] | set[str]) -> None:
+    """Swap each named nn.Linear (on the meta device, before loading) for an Fp8Linear of
+    its shape; biases stay in their dtype."""
+    for name in sorted(names):
+        parent, leaf = _parent_of(model, name)
+        linear = getattr(parent, leaf)
+        bias = None if linear.bias is None else torch.empty_like(linear.bias, device="meta")
+        fp8 = Fp8Linear(linear.in_features, linear.out_features, bias, device="meta")
+        setattr(parent, leaf, fp8)
+
+
+@torch.no_grad()
+def quantize_projections(model: nn.Module) -> int:
+    """Quantize every 16-bit projection per output row (after loading); the count done."""
+    names = projection_names(model)
+    for name in names:
+        parent, leaf = _parent_of(model, name)
+        setattr(parent, leaf, Fp8Linear.quantized(getattr(parent, leaf)))
+    return len(names)
+
+
+def _parent_of(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    parent, _, leaf = name.rpartition(".")
+    return model.get_submodule(parent), leaf
+
+
+def checkpoint_fp8_layers(
+    folder: str | Path, target_of: Callable[[str], tuple[str, int]]
+) -> set[str]:
+    """The model's projections that the checkpoint stores in FP8, from the safetensors
+    headers (nothing read); `target_of` maps a checkpoint name to the model's parameter
+    (the model's `_target_of`). Raises where FP8 tensors cannot be served as stored: an
+    FP8 tensor outside the projections, or one part of a fused projection (q/k/v,
+    gate/up) in FP8 and another not (an ignore list naming one of them)."""
+    parts: dict[str, dict[str, bool]] = defaultdict(dict)
+    for path in safetensors_files(folder):
+        with safe_open(str(path), framework="pt", device="cpu") as shard:
+            for name in shard.keys():
+                if not name.endswith(".weight"):
+                    continue
+                dtype = shard.get_slice(name).get_dtype()
+                if dtype.startswith("F8_") and dtype != _SAFETENSORS_FP8:
+                    raise ValueError(f"{name} is {dtype}; only float8_e4m3fn FP8 is {SUPPORTED}")
+                target, _ = target_of(name)
+                parts[target.removesuffix(".weight")][name] = dtype == _SAFETENSORS_FP8
+    layers: set[str] = set()
+    for module, stored in parts.items():
+        if not any(stored.values()):
+            continue
+        if module.rsplit(".", 1)[-1] not in PROJECTIONS:
+            fp8_names = ", ".join(sorted(n for n, fp8 in stored.items() if fp8)[:4])
+            raise ValueError(
+                f"{fp8_names} is stored in FP8: radixserve serves FP8 in the decoder's q/k/v, o, "
+                "gate/up and down projections only (embeddings, lm_head, norms, router "
+                f"gates and experts stay 16-bit); {SUPPORTED}"
+            )
+        if not all(stored.values()):
+            fp8, wide = (
+                sorted(n for n, f in stored.items() if f is want) for want in (True, False)
+            )
+            raise ValueError(
+                f"the checkpoint stores {', '.join(fp8)} in FP8 but {', '.join(wide)} in 16 "
+                "bits: radixserve fuses them into one projection, so an ignore list must "
+                "name all of them or none"
+            )
+        layers.add(module)
+    return layers
+
+
+def checkpoint_name(name: str) -> str | None:
+    """The name a checkpoint tensor loads under (`weight_scale_inv`, the 'fp8' format's
+    spelling, is our `weight_scale`), or None for tensors a dynamic FP8 model does not
+    read (static input scales, KV cache scales)."""
+    if name.endswith(_UNUSED_SUFFIXES):
+        return None
+    if name.endswith(".weight_scale_inv"):
+        return name.removesuffix("_inv")
+    return name
+
+
+def copy_weight_scale(dest: torch.Tensor, stored: StoredTensor, rank: int, ranks: int) -> None:
+    """Copy an FP8 projection's checkpoint scale into `dest` (float32, one per output row):
+    rows [rank * len(dest), (rank + 1) * len(dest)) of a per-channel scale of
+    ranks * len(dest) rows ([n] or [n, 1]); a per-tensor scale ([] or [1]) broadcast."""
+    rows = dest.shape[0]
+    shape = stored.shape
+    if math.prod(shape) == 1:
+        dest.fill_(stored.read().reshape(()).float())
+        return
+    if shape not in ((rows * ranks,), (rows * ranks, 1)):
+        raise ValueError(
+            f"weight scale {stored.name!r} has shape {shape}; expected one per output row "
+            f"({rows * ranks}) or one for the tensor (block-wise scales are not supported)"
+        )
+    dest.copy_(stored.read_range(0, rank * rows, rows).reshape(rows))
