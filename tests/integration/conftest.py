@@ -3,6 +3,7 @@
 
 from tests.fixtures.front import bus, front, model_dir, tokenizer
 from tests.fixtures.gateway import client, gateway, http, pipeline
+from tests.fixtures.store import store
 from tests.integration.stack_fixture import tiny_engine, tiny_model_dir, tiny_stack
 
 __all__ = [
@@ -13,6 +14,7 @@ __all__ = [
     "http",
     "model_dir",
     "pipeline",
+    "store",
     "tiny_engine",
     "tiny_model_dir",
     "tiny_stack",

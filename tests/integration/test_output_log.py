@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -22,17 +21,6 @@ from radixserve.store.output_log import LogEntry, OutputLog, OutputLogWriter
 pytestmark = pytest.mark.timeout(30)
 
 WORDS = [f" w{i}" for i in range(12)]
-
-
-@pytest.fixture
-async def store(redis_url: str) -> AsyncIterator[Store]:
-    prefix = f"test-{uuid.uuid4().hex[:8]}:"
-    client = await Store.connect(StoreSettings(url=redis_url, key_prefix=prefix))
-    yield client
-    keys = [key async for key in client.redis.scan_iter(match=f"{prefix}*")]
-    if keys:
-        await client.redis.delete(*keys)
-    await client.close()
 
 
 def plan(rid: str) -> Any:

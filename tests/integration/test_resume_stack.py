@@ -15,34 +15,27 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
 from tests.fixtures.gateway import WAIT_S, Gateway, start_gateway
-from tests.integration.stack_fixture import RunningStack, tiny_running_stack
+from tests.integration.stack_fixture import RunningStack
 
 MAX_TOKENS = 200
 CUT_AFTER = 8  # text events the first connection gets
 
 
 @pytest.fixture(scope="module")
-def stack(
-    nats_url: str, redis_url: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[RunningStack]:
-    log_dir = tmp_path_factory.mktemp("resume_logs")
-    with tiny_running_stack(nats_url, redis_url, tiny_model_dir, log_dir) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
 def other_gateway(
-    stack: RunningStack, redis_url: str, tmp_path_factory: pytest.TempPathFactory
+    tiny_stack: RunningStack, redis_url: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Gateway]:
+    """A second gateway replica of the tiny stack."""
     log_path = tmp_path_factory.mktemp("resume_gateway") / "gateway.log"
-    yield from start_gateway(stack.nats_url, redis_url, log_path, prefix=stack.subject_prefix)
+    yield from start_gateway(
+        tiny_stack.nats_url, redis_url, log_path, prefix=tiny_stack.subject_prefix
+    )
 
 
 @dataclass
@@ -122,13 +115,13 @@ async def resume(
 
 
 async def test_a_dropped_stream_resumes_at_another_gateway(
-    stack: RunningStack, other_gateway: Gateway
+    tiny_stack: RunningStack, other_gateway: Gateway
 ) -> None:
     request = body("Resume me: the numbers go")
-    reference = await stream_whole(stack.url, request)
+    reference = await stream_whole(tiny_stack.url, request)
     assert reference.done and len(reference.texts) > CUT_AFTER + 10
 
-    rid, first = await stream_cut(stack.url, request)
+    rid, first = await stream_cut(tiny_stack.url, request)
     assert first.texts == reference.texts[:CUT_AFTER]
     last_id = first.ids[-1]
     assert last_id is not None and last_id.startswith(rid + "/")
@@ -144,7 +137,7 @@ async def test_a_dropped_stream_resumes_at_another_gateway(
     # The same from the record's own path, and again (a resume may itself be resumed).
     again = await resume(other_gateway.base_url, last_id, "GET", f"/v1/requests/{rid}/output")
     assert again.texts == rest.texts and again.usage == rest.usage
-    later = await resume(stack.url, rest.ids[5] or "", "GET", f"/v1/requests/{rid}/output")
+    later = await resume(tiny_stack.url, rest.ids[5] or "", "GET", f"/v1/requests/{rid}/output")
     assert later.texts == reference.texts[CUT_AFTER + 6 :]
 
     async with httpx.AsyncClient(base_url=other_gateway.base_url, timeout=10) as http:
@@ -154,14 +147,14 @@ async def test_a_dropped_stream_resumes_at_another_gateway(
 
 
 async def test_a_non_streaming_request_sent_resumable_outlives_its_client(
-    stack: RunningStack, other_gateway: Gateway
+    tiny_stack: RunningStack, other_gateway: Gateway
 ) -> None:
     request = {**body("Wait for me: once upon"), "stream": False}
     request.pop("stream_options")
-    async with httpx.AsyncClient(base_url=stack.url, timeout=60) as http:
+    async with httpx.AsyncClient(base_url=tiny_stack.url, timeout=60) as http:
         reference = (await http.post("/v1/completions", json=request)).json()
     rid = f"client-chosen-{uuid.uuid4().hex}"
-    async with httpx.AsyncClient(base_url=stack.url, timeout=0.05) as impatient:
+    async with httpx.AsyncClient(base_url=tiny_stack.url, timeout=0.05) as impatient:
         with pytest.raises(httpx.ReadTimeout):
             await impatient.post(
                 "/v1/completions",
@@ -188,7 +181,7 @@ async def test_a_non_streaming_request_sent_resumable_outlives_its_client(
 
 
 async def test_resumes_that_cannot_be_answered_say_why(
-    stack: RunningStack, other_gateway: Gateway
+    tiny_stack: RunningStack, other_gateway: Gateway
 ) -> None:
     async with httpx.AsyncClient(base_url=other_gateway.base_url, timeout=30) as http:
         plain = {**body("not resumable"), "stream": False, "max_tokens": 4}

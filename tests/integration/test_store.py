@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-import uuid
-from collections.abc import AsyncIterator
 
 import pytest
 
@@ -15,18 +13,6 @@ from radixserve.infra import free_port
 from radixserve.store import Bucket, Store, StoreConnectError, StoreSettings
 
 pytestmark = pytest.mark.timeout(30)
-
-
-@pytest.fixture
-async def store(redis_url: str) -> AsyncIterator[Store]:
-    # The session server is shared: a private prefix keeps tests apart.
-    prefix = f"test-{uuid.uuid4().hex[:8]}:"
-    client = await Store.connect(StoreSettings(url=redis_url, key_prefix=prefix))
-    yield client
-    keys = [key async for key in client.redis.scan_iter(match=f"{prefix}*")]
-    if keys:
-        await client.redis.delete(*keys)
-    await client.close()
 
 
 async def test_put_get_request_record_with_ttl(store: Store) -> None:

@@ -44,6 +44,7 @@ from radixserve.services.runtime import (
     ServiceContext,
     ServiceSettings,
     model_path_from,
+    seconds_from_env,
     settings_from_args,
 )
 from radixserve.store import Store, StoreSettings
@@ -110,11 +111,7 @@ def settings_from(ns: argparse.Namespace) -> DetokenizerSettings:
             raise ValueError(f"${ENV_MAX_REQUESTS} must be an integer, got {raw!r}") from None
     ttl_s = ns.output_log_ttl_s
     if ttl_s is None:
-        raw = os.environ.get(ENV_OUTPUT_LOG_TTL_S, "").strip()
-        try:
-            ttl_s = float(raw) if raw else DEFAULT_TTL_S
-        except ValueError:
-            raise ValueError(f"${ENV_OUTPUT_LOG_TTL_S} must be a number, got {raw!r}") from None
+        ttl_s = seconds_from_env(os.environ, ENV_OUTPUT_LOG_TTL_S, DEFAULT_TTL_S)
     return DetokenizerSettings(
         service=settings_from_args(SERVICE, ns),
         model=model_path_from(ns.model),

@@ -134,7 +134,7 @@ class ServiceSettings:
             "metrics_host": env.get(ENV_METRICS_HOST, "").strip() or DEFAULT_METRICS_HOST,
             "otlp_endpoint": env.get(ENV_OTLP_ENDPOINT, "").strip(),
             "event_loop": env.get(ENV_EVENT_LOOP, "").strip().lower() or "auto",
-            "drain_timeout_s": _seconds_from_env(env, ENV_DRAIN_TIMEOUT_S, 10.0),
+            "drain_timeout_s": seconds_from_env(env, ENV_DRAIN_TIMEOUT_S, 10.0),
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
@@ -242,7 +242,7 @@ def settings_from_args(service: str, ns: argparse.Namespace) -> ServiceSettings:
     )
 
 
-def _seconds_from_env(env: Mapping[str, str], name: str, default: float) -> float:
+def seconds_from_env(env: Mapping[str, str], name: str, default: float) -> float:
     raw = env.get(name, "").strip()
     try:
         return float(raw) if raw else default
