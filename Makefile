@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: run test quick quick-unit suite test-compose lint format unit integration gpu check-packaging bench-engine-cpu bench-overhead bench-online bench-peers bench-routing bench-soak bench-gpu clean venv
+.PHONY: run test quick quick-unit suite test-compose lint format unit integration gpu check-packaging bench-engine-cpu bench-overhead bench-online bench-peers bench-routing bench-soak bench-soak-faults bench-gpu clean venv
 
 venv: $(STAMP)
 
@@ -94,6 +94,11 @@ bench-routing: $(STAMP)
 # A long mixed load through one stack: errors, memory by service, KV left (the CPU).
 bench-soak: $(STAMP)
 	$(PY) bench/soak.py $(ARGS)
+
+# The soak's fault mode: two workers, a SIGKILL of one process (any service, NATS or
+# Redis) every minute for 10 minutes; requests lost, failed by code, migrated, TTFT.
+bench-soak-faults: $(STAMP)
+	$(PY) bench/soak.py --workers 2 --minutes 10 --fault-interval-s 60 $(ARGS)
 
 # Needs a CUDA GPU: throughput, latency against the roofline, and HF parity per backend.
 bench-gpu: $(STAMP)

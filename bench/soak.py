@@ -15,8 +15,20 @@ requests' one-time allocations) to the last.
 Exit code 1 if a request failed, a service died, or the worker kept a request or KV
 after the load.
 
+Fault mode (`--fault-interval-s S`): on NATS and Redis servers of its own, a SIGKILL of
+one of `--fault-targets` every S seconds (each target in turn, in a shuffled order; a
+worker: any one), restarted by the stack's supervisor as `radixserve up` does, under a
+mixed load from clients that resume what a cut connection lost (common/faults.py:
+greedy and seeded streams, sampled chats, JSON-schema chats, completions with logprobs).
+It reports requests, completed, failed by code, lost (no answer and no code: a bug),
+the scheduler's migrations by reason (summed over its restarts), stream TTFT p50/p99
+within `--fault-window-s` after a kill and outside, and each kill's restart and
+recovery (to the first request sent after it that completed). Exit code 1 if a request
+was lost, a service stayed down or a worker kept a request or KV after the load.
+
     python bench/soak.py --minutes 10                   # the embedded SmolLM2 on the CPU
     python bench/soak.py --model DIR --minutes 0.5 --json soak.json
+    python bench/soak.py --model DIR --workers 2 --minutes 10 --fault-interval-s 60
 """
 
 from __future__ import annotations
@@ -29,24 +41,30 @@ import random
 import sys
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 from common import start_local_stack
+from common.faults import (
+    PERSON,
+    WORDS,
+    CounterScrape,
+    FaultLoad,
+    Faults,
+    parse_targets,
+    summary,
+    supervise,
+)
 from openai import AsyncOpenAI
 
-from radixserve.infra import Infra
+from radixserve.infra import Infra, InfraSettings
 from radixserve.model_files.paths import resolve_model_path
 from radixserve.stack import Stack
 
 MODEL = "soak"
-WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi pi rho".split()
-PERSON = {
-    "type": "object",
-    "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
-    "required": ["name", "age"],
-}
+ALL_TARGETS = "worker,scheduler,detokenizer,gateway,tokenizer,nats,redis"
 
 
 def rss_mb(pid: int) -> float:
@@ -191,6 +209,58 @@ async def soak(
     }
 
 
+@dataclass(frozen=True)
+class FaultPlan:
+    targets: list[str]
+    interval_s: float
+    window_s: float  # a stream started this soon after a kill is "during faults"
+    deadline_s: float  # a request unanswered this long is lost
+
+
+async def fault_soak(
+    stack: Stack, seconds: float, concurrency: int, plan: FaultPlan, seed: int
+) -> dict[str, Any]:
+    """The mixed load from resuming clients for `seconds`, a kill every interval."""
+    started = time.monotonic()
+    until = started + seconds
+    migrated = [
+        CounterScrape(f"http://127.0.0.1:{port}/metrics", "radixserve:requests_migrated_total")
+        for name, port in stack.spec.metrics_ports().items()
+        if name.startswith("scheduler-")
+    ]
+    stop_supervising = asyncio.Event()
+    supervisor = asyncio.create_task(supervise(stack, stop_supervising))
+    faults = Faults(stack, plan.targets, plan.interval_s, plan.window_s, seed)
+    async with httpx.AsyncClient(base_url=stack.spec.url, timeout=httpx.Timeout(60.0)) as http:
+        load = FaultLoad(http, MODEL, random.Random(seed), plan.deadline_s)
+        counter = itertools.count()
+
+        async def lane() -> None:
+            while time.monotonic() < until:
+                await load.one(next(counter))
+
+        lanes = [asyncio.create_task(lane()) for _ in range(concurrency)]
+        killing = asyncio.create_task(faults.run(until))
+        while not all(task.done() for task in lanes):
+            for scrape in migrated:
+                await asyncio.to_thread(scrape.scrape)
+            await asyncio.sleep(2.0)
+        await asyncio.gather(*lanes, killing)
+    stop_supervising.set()
+    await supervisor
+    by_reason: Counter[str] = Counter()
+    for scrape in migrated:
+        await asyncio.to_thread(scrape.scrape)
+        for labels, count in scrape.total.items():
+            by_reason[labels.partition('reason="')[2].partition('"')[0]] += round(count)
+    report = summary(load.outcomes, faults.kills, plan.window_s, started)
+    report["refused_connect"] = load.refused_connect
+    report["resent"] = load.resent
+    report["resumes"] = load.resumes
+    report["migrated"] = dict(by_reason)
+    return report
+
+
 def worker_left(metrics_url: str, wait_s: float = 30.0) -> dict[str, float]:
     """The worker's running requests and KV use once the load is over (waits for the
     aborts of cut streams to land)."""
@@ -213,35 +283,78 @@ def main() -> int:
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--worker-args", default="", help="more worker flags")
+    ap.add_argument("--workers", type=int, default=1, help="workers (2: a killed one's migrate)")
     ap.add_argument("--minutes", type=float, default=10.0)
     ap.add_argument("--concurrency", type=int, default=8, help="requests in flight")
     ap.add_argument("--interval-s", type=float, default=60.0, help="between memory samples")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--port", type=int, default=18135)
     ap.add_argument("--json", type=Path, default=None, help="write the report here")
+    faults = ap.add_argument_group("fault mode")
+    faults.add_argument(
+        "--fault-interval-s",
+        type=float,
+        default=0.0,
+        help="SIGKILL one process this often, restarted by the stack's supervisor (0: off)",
+    )
+    faults.add_argument(
+        "--fault-targets", default=ALL_TARGETS, help=f"what may be killed (default {ALL_TARGETS})"
+    )
+    faults.add_argument(
+        "--fault-window-s",
+        type=float,
+        default=10.0,
+        help="a stream started this soon after a kill counts as during faults",
+    )
+    faults.add_argument(
+        "--request-deadline-s",
+        type=float,
+        default=120.0,
+        help="a request unanswered this long is lost",
+    )
     args = ap.parse_args()
+    if args.workers < 1 or args.concurrency < 1 or args.minutes <= 0:
+        ap.error("--workers and --concurrency must be >= 1, --minutes > 0")
 
     model_dir = resolve_model_path(args.model)
     worker_args = ["--device", args.device, *args.worker_args.split()]
+    settings = {"model": str(model_dir), "device": args.device} | {
+        "minutes": args.minutes,
+        "concurrency": args.concurrency,
+        "workers": args.workers,
+    }
+    if args.fault_interval_s > 0:
+        try:
+            targets = parse_targets(args.fault_targets)
+        except ValueError as exc:
+            ap.error(str(exc))
+        plan = FaultPlan(
+            targets, args.fault_interval_s, args.fault_window_s, args.request_deadline_s
+        )
+        return run_faults(args, model_dir, worker_args, plan, settings)
+    return run_soak(args, model_dir, worker_args, settings)
+
+
+def run_soak(
+    args: argparse.Namespace, model_dir: Path, worker_args: list[str], settings: dict[str, Any]
+) -> int:
     with Infra() as infra:
-        stack = start_local_stack(infra, "soak", args.port, model_dir, MODEL, worker_args)
+        stack = start_local_stack(
+            infra, "soak", args.port, model_dir, MODEL, worker_args, args.workers
+        )
         spec = stack.spec
         try:
             stack.wait_healthy(900)
-            metrics_url = f"http://127.0.0.1:{spec.metrics_ports()['worker-0']}/metrics"
             seconds = args.minutes * 60
             report = asyncio.run(
                 soak(stack, spec.url, seconds, args.concurrency, args.interval_s, args.seed)
             )
-            report["worker_left"] = worker_left(metrics_url)
+            report["worker_left"] = workers_left(stack)
             report["down"] = [s.name for s in stack.services if not s.process.alive]
         finally:
             stack.stop()
 
-    report["settings"] = {"model": str(model_dir), "device": args.device} | {
-        "minutes": args.minutes,
-        "concurrency": args.concurrency,
-    }
+    report["settings"] = settings
     first, last = report["rss_mb"][min(1, len(report["rss_mb"]) - 1)], report["rss_mb"][-1]
     report["rss_growth_mb"] = {
         name: last[name] - first[name] for name in last if name not in ("s", "requests")
@@ -250,8 +363,60 @@ def main() -> int:
         args.json.write_text(json.dumps(report, indent=2))
     print(json.dumps({k: report[k] for k in ("requests", "errors", "worker_left", "down")}))
     print(f"memory growth after the first sample (MiB): {json.dumps(report['rss_growth_mb'])}")
-    clean = not report["errors"] and not any(report["worker_left"].values()) and not report["down"]
+    clean = not report["errors"] and not any_left(report["worker_left"]) and not report["down"]
     return 0 if clean else 1
+
+
+def run_faults(
+    args: argparse.Namespace,
+    model_dir: Path,
+    worker_args: list[str],
+    plan: FaultPlan,
+    settings: dict[str, Any],
+) -> int:
+    """Exit code 1 if a request was lost, a service stayed down, or a worker kept a
+    request or KV after the load; failures with a code are what faults cause."""
+    # Servers of its own, without credentials (loopback): killing them touches no one else's.
+    with Infra(InfraSettings(auth=False)) as infra:
+        stack = start_local_stack(
+            infra, "faults", args.port, model_dir, MODEL, worker_args, args.workers
+        )
+        stack.adopt(infra.local_servers())
+        try:
+            stack.wait_healthy(900)
+            report = asyncio.run(
+                fault_soak(stack, args.minutes * 60, args.concurrency, plan, args.seed)
+            )
+            stack.wait_healthy(300)  # the last kill's restart
+            report["worker_left"] = workers_left(stack)
+            report["down"] = [s.name for s in stack.services if not s.process.alive]
+        finally:
+            stack.stop()
+    report["settings"] = settings | {
+        "fault_targets": plan.targets,
+        "fault_interval_s": plan.interval_s,
+        "fault_window_s": plan.window_s,
+        "request_deadline_s": plan.deadline_s,
+    }
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    shown = ("requests", "completed", "failed", "lost", "migrated", "ttft_s", "worker_left")
+    print(json.dumps({k: report[k] for k in shown}))
+    clean = not report["lost"] and not any_left(report["worker_left"]) and not report["down"]
+    return 0 if clean else 1
+
+
+def workers_left(stack: Stack) -> dict[str, dict[str, float]]:
+    ports = stack.spec.metrics_ports()
+    return {
+        name: worker_left(f"http://127.0.0.1:{port}/metrics")
+        for name, port in ports.items()
+        if name.startswith("worker-")
+    }
+
+
+def any_left(left: dict[str, dict[str, float]]) -> bool:
+    return any(any(values.values()) for values in left.values())
 
 
 if __name__ == "__main__":

@@ -5,8 +5,9 @@ with. The benchmarks run as scripts from bench/ and import this as `common`; the
 under lab/probes put bench/ on their path to do the same.
 
 Beside it: `common.roofline` (the floor of an offline run), `common.step_probes` (what
-bench/offline.py measures about each engine step) and `common.host_stacks` (a Python
-stack sampler for one thread).
+bench/offline.py measures about each engine step), `common.host_stacks` (a Python
+stack sampler for one thread) and `common.faults` (bench/soak.py's fault mode: kills, the
+resuming clients, what became of each request).
 """
 
 from __future__ import annotations
@@ -180,11 +181,17 @@ def time_ms(fn: Callable[[], object], reps: int) -> float:
 
 
 def start_local_stack(
-    infra: Infra, name: str, port: int, model_dir: Path, served: str, worker_args: list[str]
+    infra: Infra,
+    name: str,
+    port: int,
+    model_dir: Path,
+    served: str,
+    worker_args: list[str],
+    workers: int = 1,
 ) -> Stack:
     """One stack on this host over `infra`'s NATS and Redis, started (the six services as
-    `radixserve up` starts them, one worker; metrics from `port` + 100, logs in a fresh
-    temporary folder). The caller waits for it to be healthy and stops it."""
+    `radixserve up` starts them, `workers` workers; metrics from `port` + 100, logs in a
+    fresh temporary folder). The caller waits for it to be healthy and stops it."""
     from radixserve.stack import Stack, StackSpec
 
     spec = StackSpec(
@@ -193,7 +200,7 @@ def start_local_stack(
         subject_prefix=f"bench-{name}-{os.getpid()}",
         host="127.0.0.1",
         port=port,
-        workers=1,
+        workers=workers,
         model_dir=model_dir,
         served_model_name=served,
         worker_args=worker_args,
@@ -219,7 +226,7 @@ def worker_counters(metrics_url: str) -> dict[str, float]:
     """The worker's step-time and batch-size histograms' sums and counts (/metrics)."""
     import httpx
 
-    wanted = ("step_duration_seconds_sum", "step_duration_seconds_count")
+    wanted: tuple[str, ...] = ("step_duration_seconds_sum", "step_duration_seconds_count")
     wanted += ("batch_size_sum", "batch_size_count")
     found = dict.fromkeys(wanted, 0.0)
     for line in httpx.get(metrics_url, timeout=10).text.splitlines():

@@ -14,6 +14,7 @@ import torch
 from radixserve.engine.attention.base import AttentionBackend, LayerAttention
 from radixserve.engine.attention.torch_backend import TorchAttentionBackend
 from radixserve.engine.forward_batch import ForwardBatch, ForwardMode, SharedPrefix
+from radixserve.engine.kvcache.fp8 import KVScale
 from radixserve.engine.kvcache.pool import KVPool, ReqToTokenPool
 
 
@@ -38,17 +39,28 @@ def make_pass(
     dtype: torch.dtype = torch.float32,
     mode: ForwardMode = ForwardMode.EXTEND,
     seed: int = 0,
+    kv_dtype: torch.dtype | None = None,
+    kv_scales: Sequence[KVScale] | None = None,
 ) -> Pass:
     """Requests lay their KV page by page over a shuffled free list, as the scheduler's
     would after churn; every slot of every layer holds noise, so reading the wrong
     slot, layer or padding shows up, and the cached prefixes are the noise at their
-    slots."""
+    slots. `kv_dtype`: the pool's, where not `dtype` (FP8: the noise is the codes, and
+    `kv_scales` the two layers' scales)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
     pages_needed = sum(-(-n // page_size) for n in seq_lens)
     pool = KVPool(
-        (pages_needed + 8) * page_size, 2, kv_heads, head_dim, dtype, device, page_size=page_size
+        (pages_needed + 8) * page_size,
+        2,
+        kv_heads,
+        head_dim,
+        kv_dtype or dtype,
+        device,
+        page_size=page_size,
     )
+    if kv_scales is not None:
+        pool.set_scales(list(kv_scales))
     for buffer in pool.k_buffers + pool.v_buffers:
         buffer.copy_(torch.randn(buffer.shape, generator=gen, device=device))
     held = pool.alloc(pool.available())
@@ -101,22 +113,45 @@ def make_pass(
     )
 
 
+def float32_twin(p: Pass, twin: Pass) -> Pass:
+    """`twin` (the same make_pass arguments as `p`, in float32: the same noise at the
+    same slots, unrounded) holding `p`'s half-precision values exactly, so a reference
+    run on it has no rounding of its own."""
+    for mine, theirs in zip(
+        twin.batch.kv_pool.k_buffers + twin.batch.kv_pool.v_buffers,
+        p.batch.kv_pool.k_buffers + p.batch.kv_pool.v_buffers,
+        strict=True,
+    ):
+        mine.copy_(theirs.float())
+    return Pass(twin.batch, p.q.float(), p.k.float(), p.v.float(), p.scale)
+
+
 def compare_with_torch(
     p: Pass,
     backend: AttentionBackend,
     layers: tuple[int, ...] = (1,),
     attention: Sequence[LayerAttention] = (),
+    exact: Pass | None = None,
 ) -> float:
     """`backend` and the torch reference on the same pass; asserts equal pool writes and
     returns the worst output error relative to the reference's largest value. The new
     tokens' slots are re-noised before `backend` runs, so it must write them itself,
     and every other slot must come out untouched. One init_forward_metadata is shared
     by the layers, as in the model. `attention`: each layer's window and soft-cap, set
-    on both backends."""
+    on both backends. `exact` (a `float32_twin` of `p`): the outputs are measured
+    against the reference run on it instead, for half-precision passes whose torch
+    reference rounds its scores (soft-capped ones: before the tanh)."""
     pool = p.batch.kv_pool
     reference = TorchAttentionBackend()
     reference.set_layers(attention)
     backend.set_layers(attention)
+    exact_refs = []
+    if exact is not None:
+        reference.init_forward_metadata(exact.batch)
+        exact_refs = [
+            reference.forward(exact.q, exact.k, exact.v, layer, exact.batch, exact.scale)
+            for layer in layers
+        ]
     reference.init_forward_metadata(p.batch)
     refs = [reference.forward(p.q, p.k, p.v, layer, p.batch, p.scale) for layer in layers]
     expected = [(k.clone(), v.clone()) for k, v in zip(pool.k_buffers, pool.v_buffers, strict=True)]
@@ -126,10 +161,12 @@ def compare_with_torch(
 
     backend.init_forward_metadata(p.batch)
     worst = 0.0
-    for layer, ref in zip(layers, refs, strict=True):
+    for i, (layer, ref) in enumerate(zip(layers, refs, strict=True)):
         out = backend.forward(p.q, p.k, p.v, layer, p.batch, p.scale)
         assert out.shape == ref.shape and out.dtype == ref.dtype
         assert torch.isfinite(out).all()
+        if exact is not None:
+            ref = exact_refs[i]
         error = (out.float() - ref.float()).abs().max() / ref.float().abs().max()
         worst = max(worst, float(error))
     for i, (k_expected, v_expected) in enumerate(expected):

@@ -1,9 +1,11 @@
 """`radixserve serve detokenizer` as a real subprocess on a real NATS: step batches of two
-gateways in, one TextDeltaBatch per gateway per step out, text equal to the reference."""
+gateways in, one TextDeltaBatch per gateway per step out, text equal to the reference;
+SIGKILLed and restarted mid-way, it rebuilds every stream from the worker's history."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import subprocess
 import sys
@@ -14,12 +16,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
+from radixserve.api import Assembly, CompletionRequest, parse_body, plan_completion
 from radixserve.bus import Bus, BusMsg, BusSettings
 from radixserve.protocol import (
     AbortRequest,
     DetokParams,
+    DetokResync,
     FinishReason,
     RequestError,
     ServiceHeartbeat,
@@ -97,12 +102,9 @@ def tokenizer() -> Any:
     return load_tokenizer(embedded_model_dir())
 
 
-@pytest.fixture
-def service(nats_url: str, tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes], Path]]:
-    prefix = f"t{uuid.uuid4().hex[:8]}"
-    log_path = tmp_path / "detokenizer.log"
-    with log_path.open("wb") as log_file:
-        proc = subprocess.Popen(
+def start_service(nats_url: str, prefix: str, log_path: Path) -> subprocess.Popen[bytes]:
+    with log_path.open("ab") as log_file:
+        return subprocess.Popen(
             [
                 sys.executable,
                 "-m",
@@ -117,16 +119,25 @@ def service(nats_url: str, tmp_path: Path) -> Iterator[tuple[str, subprocess.Pop
                 str(embedded_model_dir()),
                 "--max-requests",
                 "64",
+                "--output-log-ttl-s",
+                "0",
             ],
             stdout=log_file,
             stderr=subprocess.STDOUT,
         )
-        try:
-            yield prefix, proc, log_path
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=10)
+
+
+@pytest.fixture
+def service(nats_url: str, tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes], Path]]:
+    prefix = f"t{uuid.uuid4().hex[:8]}"
+    log_path = tmp_path / "detokenizer.log"
+    proc = start_service(nats_url, prefix, log_path)
+    try:
+        yield prefix, proc, log_path
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
 
 
 async def test_two_gateways_get_their_text(
@@ -233,9 +244,11 @@ async def test_two_gateways_get_their_text(
     assert "drained with 0 unfinished streams" in log, log
 
 
-async def test_a_stream_missing_tokens_is_failed_and_aborted_not_finished_with_a_hole(
+async def test_a_stream_missing_tokens_no_worker_resends_is_failed_and_aborted(
     nats_url: str, tokenizer: Any, service: tuple[str, subprocess.Popen[bytes], Path]
 ) -> None:
+    # Its history is asked for; no worker answers (none runs here): failed, not finished
+    # with a hole, once the wait ends.
     prefix, _, _ = service
     subjects = Subjects(prefix)
     ids = tokenizer.encode("one two three four")
@@ -258,6 +271,14 @@ async def test_a_stream_missing_tokens_is_failed_and_aborted_not_finished_with_a
                 if delta.finish_reason is not None:
                     finished.put_nowait(delta.rid)
 
+        resyncs: asyncio.Queue[DetokResync] = asyncio.Queue()
+
+        async def on_resync(msg: BusMsg) -> None:
+            resync = decode(msg.data, DetokResync)
+            if resync.rids:  # (not its ask for everything on start)
+                resyncs.put_nowait(resync)
+
+        await bus.subscribe(subjects.detok_resync, on_resync)
         await bus.subscribe(subjects.gateway_errors("gw"), on_error)
         await bus.subscribe(subjects.abort, on_abort, queue="scheduler")
         await bus.subscribe(subjects.gateway_deltas("gw"), on_deltas)
@@ -283,6 +304,8 @@ async def test_a_stream_missing_tokens_is_failed_and_aborted_not_finished_with_a
             batch = StepOutputBatch(worker_id="w0", step=number, outputs=outputs)
             await bus.publish(subjects.detok, encode(batch))
 
+        asked = await asyncio.wait_for(resyncs.get(), WAIT_S)
+        assert asked.rids == ["lost"]
         error = await asyncio.wait_for(errors.get(), WAIT_S)
         assert (error.rid, error.http_status, error.code) == ("lost", 503, "output_lost")
         assert error.retry_after_s == 1.0
@@ -293,6 +316,155 @@ async def test_a_stream_missing_tokens_is_failed_and_aborted_not_finished_with_a
         await asyncio.sleep(0.2)  # nothing more may come
         assert texts["whole"] == tokenizer.decode(ids)
         assert texts["lost"] == tokenizer.decode(ids[:1])  # before the hole, nothing after
-        assert errors.empty() and aborts.empty() and finished.empty()
+        assert errors.empty() and aborts.empty() and finished.empty() and resyncs.empty()
     finally:
         await bus.close()
+
+
+class FakeWorker:
+    """Publishes its streams' steps as a worker would, and answers a `DetokResync` with
+    each asked stream's whole output so far (finished ones too) in `resent`; one for
+    every request only `late` steps after it came (so outputs met mid-way come first)."""
+
+    def __init__(self, bus: Bus, subjects: Subjects, streams: list[Stream], late: int) -> None:
+        self.bus, self.subjects, self.streams = bus, subjects, streams
+        self.late = late
+        self.step = 0  # steps published
+        self.number = 0  # batches published
+        self.lock = asyncio.Lock()  # a history follows every step published before it
+        self.answered: list[list[str]] = []
+        self._answer_all_at: int | None = None
+
+    async def publish_step(self) -> None:
+        async with self.lock:
+            outputs = [out for s in self.streams if (out := s.output(self.step)) is not None]
+            self.step += 1
+            await self._publish(StepOutputBatch(worker_id="w0", step=0, outputs=outputs))
+            if self._answer_all_at is not None and self.step >= self._answer_all_at:
+                self._answer_all_at = None
+                await self._answer([])
+
+    async def on_resync(self, msg: BusMsg) -> None:
+        asked = decode(msg.data, DetokResync).rids
+        async with self.lock:
+            if not asked and self.late:
+                self._answer_all_at = self.step + self.late
+            else:
+                await self._answer(asked)
+
+    async def _answer(self, asked: list[str]) -> None:
+        resent = [
+            self._history(s) for s in self.streams if (not asked or s.rid in asked) and self.step
+        ]
+        self.answered.append(asked)
+        if resent:
+            await self._publish(StepOutputBatch(worker_id="w0", step=0, resent=resent))
+
+    def _history(self, stream: Stream) -> StepOutput:
+        sent = min(self.step, len(stream.ids))
+        return StepOutput(
+            rid=stream.rid,
+            gateway_id=stream.gateway_id,
+            index=stream.index,
+            new_token_ids=pack_tokens(stream.ids[:sent]),
+            finish_reason=stream.finish if sent == len(stream.ids) else None,
+            prompt_tokens=5,
+            completion_tokens=sent,
+            detok=stream.params,
+        )
+
+    async def _publish(self, batch: StepOutputBatch) -> None:
+        self.number += 1
+        numbered = msgspec.structs.replace(batch, step=self.number)
+        await self.bus.publish(self.subjects.detok, encode(numbered))
+
+
+def completion_plan(n: int = 1) -> Any:
+    body = {"model": "m", "prompt": "x", "n": n, "max_tokens": 500, "stream": True}
+    return plan_completion(
+        parse_body(CompletionRequest, json.dumps(body).encode()),
+        response_id=f"resp-{uuid.uuid4().hex[:8]}",
+        gateway_id="gw",
+        served_model="m",
+        arrival_time=0.0,
+    )
+
+
+@pytest.mark.parametrize("late", [0, 2])
+async def test_a_restarted_detokenizer_continues_every_stream_from_the_workers_history(
+    nats_url: str,
+    tokenizer: Any,
+    service: tuple[str, subprocess.Popen[bytes], Path],
+    late: int,
+) -> None:
+    """SIGKILL mid-way, steps lost while it is down, a new one started: each stream (one
+    finished while it was away, one with n = 2) ends with the uninterrupted text, each
+    token once, as the gateway's assembly puts it together. The history comes for its
+    ask for every request on start, or (`late`) first for the requests it meets mid-way."""
+    prefix, proc, log_path = service
+    subjects = Subjects(prefix)
+    texts = ["Héllo 😀 wörld 你好, naïve café 🎉👍🏽", "short one", "日本語のテキスト 🇫🇷 ok"]
+    plans = [completion_plan(), completion_plan(), completion_plan(n=2)]
+    streams = [
+        Stream(plans[0].rids[0], "gw", tokenizer.encode(texts[0]), DetokParams()),
+        Stream(plans[1].rids[0], "gw", tokenizer.encode(texts[1]), DetokParams()),
+        Stream(plans[2].rids[0], "gw", tokenizer.encode(texts[2]), DetokParams(), index=0),
+        Stream(plans[2].rids[0], "gw", tokenizer.encode(texts[0]), DetokParams(), index=1),
+    ]
+    assert len(streams[1].ids) < 8  # finishes while the detokenizer is away
+    assemblies = {plan.rids[0]: Assembly(plan) for plan in plans}
+    shown: dict[tuple[str, int], str] = defaultdict(str)  # what each client is sent
+    rebuilt: set[tuple[str, int]] = set()
+    bus = await Bus.connect(BusSettings(url=nats_url, name="test-detok-restart"))
+    try:
+
+        async def on_deltas(msg: BusMsg) -> None:
+            for delta in decode(msg.data, TextDeltaBatch).deltas:
+                rebuilt.update([(delta.rid, delta.index)] if delta.resent else [])
+                update = assemblies[delta.rid].apply(delta)
+                if update is not None:
+                    shown[delta.rid, delta.index] += update.delta.text
+
+        worker = FakeWorker(bus, subjects, streams, late)
+        await bus.subscribe(subjects.gateway_deltas("gw"), on_deltas)
+        await bus.subscribe(subjects.detok_resync, worker.on_resync)
+        await detokenizer_alive(bus, subjects)
+        for _ in range(4):
+            await worker.publish_step()
+        await bus.nats_client.flush(timeout=2)  # type: ignore[arg-type]
+        await asyncio.sleep(0.5)  # decoded and sent before the kill
+        proc.kill()
+        assert proc.wait(timeout=10) == -signal.SIGKILL
+        worker.answered.clear()
+        for _ in range(4):  # nobody decodes these
+            await worker.publish_step()
+        restarted = start_service(nats_url, prefix, log_path)
+        try:
+            await detokenizer_alive(bus, subjects)
+            while worker.step < max(len(s.ids) for s in streams) + 1:
+                await worker.publish_step()
+                await asyncio.sleep(0.01)
+
+            async def all_done() -> None:
+                while not all(a.done for a in assemblies.values()):
+                    await asyncio.sleep(0.02)
+
+            await asyncio.wait_for(all_done(), WAIT_S)
+        finally:
+            restarted.send_signal(signal.SIGTERM)
+            assert restarted.wait(timeout=20) == 0
+    finally:
+        await bus.close()
+    assert [] in worker.answered  # the new one asked for everything on start
+    if late:  # and for the requests it met mid-way, before that answer
+        assert sorted(worker.answered[0]) == sorted({s.rid for s in streams} - {streams[1].rid})
+    assert rebuilt == {(s.rid, s.index) for s in streams}
+    for stream in streams:
+        key = (stream.rid, stream.index)
+        assert shown[key] == tokenizer.decode(stream.ids), key
+        choice = assemblies[stream.rid].choices[stream.index]
+        assert choice.token_ids == stream.ids and choice.finish == LENGTH
+    for plan in plans:
+        usage = assemblies[plan.rids[0]].usage()
+        assert usage.completion_tokens == sum(len(s.ids) for s in streams if s.rid in plan.rids)
+    assert "output_lost" not in log_path.read_text()

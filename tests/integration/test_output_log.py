@@ -85,8 +85,10 @@ async def test_writer_numbers_each_request_and_renews_the_ttl(store: Store) -> N
     writer = OutputLogWriter(output_log, on_dropped=dropped.append)
     task = asyncio.create_task(writer.run())
     try:
-        writer.put([("a", "x0"), ("b", "y0")])
-        writer.put([("a", "x1")])
+        writer.put(
+            [LogEntry("a", writer.number("a"), "x0"), LogEntry("b", writer.number("b"), "y0")]
+        )
+        writer.put([LogEntry("a", writer.number("a"), "x1")])
         assert await writer.flush(5)
         await asyncio.sleep(0.2)  # the last batch taken is written
         found = await output_log.read({"a": "0", "b": "0"})
@@ -169,7 +171,7 @@ async def test_the_writer_never_waits_for_a_redis_that_is_not_there() -> None:
     try:
         started = time.monotonic()
         for i in range(10):
-            writer.put([("a", f"x{i}")])
+            writer.put([LogEntry("a", writer.number("a"), f"x{i}")])
         assert time.monotonic() - started < 0.1
         deadline = time.monotonic() + 10
         while sum(dropped) < 10:

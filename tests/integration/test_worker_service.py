@@ -336,10 +336,14 @@ async def test_sigterm_mid_request_ends_it_with_a_final_output_and_exits_0(
 ) -> None:
     # Its own worker: a request that would run for minutes is running at SIGTERM; the
     # drain aborts it within the drain budget (10 s), its final output goes out, exit 0.
+    # A run sent while it drains is refused in its acknowledgement (the scheduler then
+    # re-routes it), and never started.
     prefix, worker_id = f"t{uuid.uuid4().hex[:8]}", "w-drain"
     subjects = protocol.Subjects(prefix)
     finals: dict[str, protocol.StepOutput] = {}
     started = asyncio.Event()
+    draining = asyncio.Event()
+    seen: set[str] = set()
     proc = subprocess.Popen(
         [
             *(sys.executable, "-m", "radixserve.cli", "serve", "worker"),
@@ -354,10 +358,17 @@ async def test_sigterm_mid_request_ends_it_with_a_final_output_and_exits_0(
             async def on_detok(msg: BusMsg) -> None:
                 for out in protocol.decode(msg.data, protocol.StepOutputBatch).outputs:
                     started.set()
+                    seen.add(out.rid)
                     if out.finish_reason is not None:
                         finals[out.rid] = out
 
+            async def on_beat(msg: BusMsg) -> None:
+                beat = protocol.decode(msg.data, protocol.Heartbeat)
+                if beat.status is protocol.WorkerStatus.DRAINING:
+                    draining.set()
+
             await bus.subscribe(subjects.detok, on_detok)
+            await bus.subscribe(subjects.heartbeat(worker_id), on_beat)
             await _wait_ready(bus, subjects, worker_id)
             await bus.publish(
                 subjects.worker_run(worker_id),
@@ -367,11 +378,19 @@ async def test_sigterm_mid_request_ends_it_with_a_final_output_and_exits_0(
             )
             await asyncio.wait_for(started.wait(), 30)
             proc.terminate()
+            await asyncio.wait_for(draining.wait(), 10)
+            ack = await bus.request(
+                subjects.worker_run(worker_id),
+                _routed("late", list(range(300, 310)), worker_id, max_new_tokens=4),
+                timeout_s=10,
+            )
+            assert ack.headers.get(protocol.RUN_REFUSED_HEADER) == "draining"
             code = await asyncio.to_thread(proc.wait, 20)
             assert code == 0
             await bus.nats_client.flush()
             final = finals["endless"].finish_reason
             assert final is not None and final.kind in ("abort", "length")
+            assert "late" not in seen
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -136,9 +136,10 @@ def test_default_values_deploy_the_whole_stack(rendered: dict[str, list[Manifest
     # NATS keeps nothing on disk (no JetStream): no StatefulSet, no volume claim.
     assert not by_kind(manifests, "StatefulSet")
     assert not by_kind(manifests, "PersistentVolumeClaim")
-    # The scheduler and the detokenizer are singletons, never rolled two at a time; nor
-    # is NATS (two unclustered servers would split the services between them).
-    for singleton in ("scheduler", "detokenizer", "nats"):
+    # The detokenizer is a singleton, never rolled two at a time; nor is NATS (two
+    # unclustered servers would split the services between them). The schedulers are
+    # active/standby (tests/packaging/test_chart_scheduler.py).
+    for singleton in ("detokenizer", "nats"):
         assert deployments[singleton]["spec"]["replicas"] == 1
         assert deployments[singleton]["spec"]["strategy"]["type"] == "Recreate"
     scheduler_args = deployments["scheduler"]["spec"]["template"]["spec"]["containers"][0]["args"]
@@ -264,6 +265,9 @@ COMPOSE_TO_VALUES = {
     "RADIXSERVE_RETRY_AFTER_S": "scheduler.retryAfterS",
     "RADIXSERVE_ROUTING": "scheduler.routing",
     "RADIXSERVE_MAX_MIGRATIONS": "scheduler.maxMigrations",
+    "RADIXSERVE_SCHEDULER_REPLICAS": "scheduler.replicas",
+    "RADIXSERVE_HA_LEASE": "scheduler.haLease",
+    "RADIXSERVE_HA_LEASE_TTL_S": "scheduler.haLeaseTtlS",
     "RADIXSERVE_GRAMMAR_REPLICAS": "grammar.replicas",
     "RADIXSERVE_COMPILE_TIMEOUT_S": "grammar.compileTimeoutS",
     "RADIXSERVE_COMPILE_LIMIT_S": "grammar.compileLimitS",
@@ -294,6 +298,8 @@ COMPOSE_ONLY = {
 # appVersion; booleans spelled as such).
 DIFFERENT_DEFAULTS = {
     "RADIXSERVE_TOKENIZER_REPLICAS",
+    "RADIXSERVE_SCHEDULER_REPLICAS",  # compose: one; the chart: active/standby
+    "RADIXSERVE_HA_LEASE",
     "RADIXSERVE_OTLP_ENDPOINT",
     "RADIXSERVE_DEVICE",
     "RADIXSERVE_IMAGE_TAG",
@@ -568,7 +574,8 @@ def test_the_chart_sets_no_grafana_password(rendered: dict[str, list[Manifest]])
     [
         {"gateway": {"replicas": "two"}},  # a wrong type
         {"gatway": {"replicas": 2}},  # a typo
-        {"scheduler": {"replicas": 2}},  # a second scheduler would split the in-flight table
+        # Without the lease, a second scheduler would split the in-flight table.
+        {"scheduler": {"replicas": 2, "haLease": False}},
         {"worker": {"engine": {"schedulePolicy": "random"}}},  # not a policy
         {"scheduler": {"routing": "round_robin"}},  # not a routing policy
         {"config": {"model": ""}},  # no model
@@ -690,7 +697,7 @@ def test_ingress_check_fails_on_a_catch_all_path(tmp_path: Path) -> None:
 NATS_SECRET = "rs-radixserve-nats-auth"
 REDIS_SECRET = "rs-radixserve-redis-auth"
 # The services that use Redis (records, grammars, resumable streams' output log).
-REDIS_CLIENTS = ("gateway", "grammar", "detokenizer")
+REDIS_CLIENTS = ("gateway", "grammar", "detokenizer", "scheduler")
 # files/nats-authorization.conf: `radixserve infra nats-auth-config` for this prefix,
 # which the template replaces with config.subjectPrefix.
 STAND_IN_PREFIX = "RADIXSERVE-SUBJECT-PREFIX"

@@ -39,7 +39,7 @@ TEXT = COMPOSE_FILE.read_text()
 RADIXSERVE_SERVICES = ("gateway", "tokenizer", "scheduler", "grammar", "detokenizer")
 WORKERS = ("worker", "worker-cpu")
 # The services that use Redis (records, grammars, resumable streams' output log).
-REDIS_CLIENTS = ("gateway", "grammar", "detokenizer")
+REDIS_CLIENTS = ("gateway", "grammar", "detokenizer", "scheduler")
 DEPLOY = ROOT / "deploy"
 
 
@@ -148,11 +148,15 @@ def test_variables_reach_the_services() -> None:
         "RADIXSERVE_CHUNKED_PREFILL_SIZE": "512",
         "RADIXSERVE_TOKENIZER_REPLICAS": "3",
         "RADIXSERVE_MODEL_DIR": "/srv/models",
+        "RADIXSERVE_HA_LEASE": "true",
+        "RADIXSERVE_SCHEDULER_REPLICAS": "2",
     }
     services = load_compose(TEXT, env)["services"]
     scheduler = services["scheduler"]["command"]
     assert scheduler[scheduler.index("--max-pending-requests") + 1] == "77"
     assert scheduler[scheduler.index("--routing") + 1] == "least_load"
+    assert environment(services["scheduler"])["RADIXSERVE_HA_LEASE"] == "true"
+    assert services["scheduler"]["deploy"]["replicas"] == 2
     assert environment(services["worker"])["RADIXSERVE_CHUNKED_PREFILL_SIZE"] == "512"
     assert services["tokenizer"]["deploy"]["replicas"] == 3
     assert "/srv/models:/models:ro" in services["tokenizer"]["volumes"]

@@ -8,6 +8,7 @@ from radixserve.protocol import (
     ChatMessage,
     ChatToolCall,
     DetokParams,
+    DetokResync,
     FinishReason,
     FlushCacheReply,
     FlushCacheRequest,
@@ -188,6 +189,13 @@ SAMPLES: list[Message] = [
             for i in range(3)
         ],
     ),
+    StepOutputBatch(
+        worker_id="w-0",
+        step=100,
+        resent=[StepOutput(rid="r-0", gateway_id="g0", new_token_ids=pack_tokens([1, 2]))],
+    ),
+    DetokResync(),
+    DetokResync(rids=["r-0", UNICODE], reason="met mid-way"),
     TopLogprobEntry(token_id=5, token=" the", logprob=-0.01),
     LogprobEntry(token_id=INT32_MAX, token=UNICODE, logprob=-1.0),
     LogprobEntry(
@@ -216,6 +224,7 @@ SAMPLES: list[Message] = [
     PromptLogprobs(token_ids=b"", logprobs=[]),
     PromptLogprobEntries(),
     TextDeltaBatch(gateway_id="g"),
+    TextDelta(rid="r-10", text="x", text_offset=3, token_offset=2, resent=True, seq=7),
     TextDeltaBatch(gateway_id="g", deltas=[TextDelta(rid="a", text="x"), TextDelta(rid="b")]),
     AbortRequest(rid="r-10"),
     AbortRequest(rid="r-11", reason="client disconnected"),

@@ -23,10 +23,10 @@ from radixserve.api import (
 from radixserve.api.mapping import (
     CHAT_DEFAULT_MAX_TOKENS,
     COMPLETION_DEFAULT_MAX_TOKENS,
-    JSON_OBJECT_SCHEMA,
     new_response_id,
-    normalize_stop,
 )
+from radixserve.api.prompts import normalize_stop
+from radixserve.api.response_format import JSON_OBJECT_SCHEMA
 from radixserve.engine.sampling import SamplingParams as EngineSamplingParams
 from radixserve.protocol import ChatToolCall, SamplingParams
 

@@ -273,8 +273,19 @@ def test_the_lru_bound_evicts_the_oldest_unfinished_stream(tokenizer: Any) -> No
         IncrementalDetokenizer(tokenizer, max_requests=0)
 
 
-def test_a_stream_with_lost_tokens_fails_its_request_instead_of_a_hole(tokenizer: Any) -> None:
-    detok = IncrementalDetokenizer(tokenizer)
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_stream_with_lost_tokens_waits_for_its_history_then_fails_without_one(
+    tokenizer: Any,
+) -> None:
+    clock = Clock()
+    detok = IncrementalDetokenizer(tokenizer, resync_timeout_s=5, clock=clock)
     a, b = tokenizer.encode("one two three four"), tokenizer.encode("five six")
 
     def step(n: int, *outputs: StepOutput) -> list[TextDelta]:
@@ -283,21 +294,31 @@ def test_a_stream_with_lost_tokens_fails_its_request_instead_of_a_hole(tokenizer
 
     assert len(step(0, step_output(a[:1], rid="r0"), step_output(b[:1], rid="r1"))) == 2
     assert len(step(1, step_output(a[1:2], rid="r0", sent_before=1))) == 1
-    assert detok.take_lost() == []
+    assert detok.take_lost() == [] and detok.take_resyncs() == []
     # r0's step with a[2:3] never arrives; its next output says 3 tokens came before.
     deltas = step(2, step_output(a[3:], rid="r0", sent_before=3), step_output(b[1:], rid="r1"))
-    # r1's second output claims no earlier tokens, though one arrived: lost as well.
+    # r1's second output claims no earlier tokens, though one arrived: asked for as well.
     assert deltas == []
-    assert [(x.rid, x.gateway_id) for x in detok.take_lost()] == [("r0", "gw0"), ("r1", "gw0")]
+    assert detok.take_resyncs() == ["r0", "r1"] and detok.take_resyncs() == []
     assert detok.take_lost() == [] and len(detok) == 0
-    # Later outputs of a failed request are dropped, every choice, and reported once.
+    # Later outputs are dropped (every choice) while the history is due; none comes.
     assert step(3, step_output([], LENGTH, rid="r0", sent_before=4)) == []
+    clock.now = 4.9
+    detok.expire()
     assert detok.take_lost() == []
+    clock.now = 5.0
+    detok.expire()
+    assert [(x.rid, x.gateway_id) for x in detok.take_lost()] == [("r0", "gw0"), ("r1", "gw0")]
+    # A failed request stays failed, even if its history comes late.
+    late = step_output(a, LENGTH, rid="r0", detok=DetokParams())
+    assert detok.process(StepOutputBatch(worker_id="w0", step=4, resent=[late])) == {}
+    assert detok.take_lost() == [] and detok.take_resyncs() == []
 
 
-def test_a_lost_step_of_one_choice_fails_every_choice_at_once(tokenizer: Any) -> None:
+def test_a_lost_step_of_one_choice_stops_every_choice_until_the_history(tokenizer: Any) -> None:
     # n = 2: choice 1's second step is lost, choice 0's arrives in the same round as
-    # choice 1's third. The request fails; choice 0 sends no delta and keeps no state.
+    # choice 1's third. Choice 0 sends no delta and keeps no state: the history
+    # rebuilds both.
     detok = IncrementalDetokenizer(tokenizer)
     ids = tokenizer.encode("one two three")
 
@@ -308,23 +329,23 @@ def test_a_lost_step_of_one_choice_fails_every_choice_at_once(tokenizer: Any) ->
     assert len(step(0, step_output(ids[:1], index=0), step_output(ids[:1], index=1))) == 2
     late = step_output(ids[2:3], index=1, sent_before=2)  # its step 1 never came
     assert step(2, step_output(ids[1:2], index=0, sent_before=1), late) == []
-    assert [x.rid for x in detok.take_lost()] == ["r0"]
-    assert len(detok) == 0
+    assert detok.take_resyncs() == ["r0"]
+    assert len(detok) == 0 and detok.take_lost() == []
 
 
-def test_a_new_detokenizer_fails_streams_that_began_before_it(tokenizer: Any) -> None:
+def test_a_new_detokenizer_asks_for_streams_that_began_before_it(tokenizer: Any) -> None:
     ids = tokenizer.encode("hello world")
     detok = IncrementalDetokenizer(tokenizer)
     mid = step_output(ids[2:], LENGTH, sent_before=2)  # the first two went to another one
     assert detok.process(StepOutputBatch(worker_id="w0", step=9, outputs=[mid])) == {}
-    assert [x.rid for x in detok.take_lost()] == ["r0"]
-    # An evicted stream (over max_requests) is failed the same way, not restarted.
+    assert detok.take_resyncs() == ["r0"] and detok.take_lost() == []
+    # An evicted stream (over max_requests) is asked for the same way, not restarted.
     small = IncrementalDetokenizer(tokenizer, max_requests=1)
     for rid in ("a", "b"):
         small.process(StepOutputBatch(worker_id="w0", step=0, outputs=[step_output([5], rid=rid)]))
     later = step_output([6], LENGTH, "a", sent_before=1)
     assert small.process(StepOutputBatch(worker_id="w0", step=1, outputs=[later])) == {}
-    assert [x.rid for x in small.take_lost()] == ["a"]
+    assert small.take_resyncs() == ["a"]
 
 
 def test_ids_outside_the_vocabulary_are_ignored(tokenizer: Any) -> None:
@@ -414,7 +435,8 @@ def test_a_choice_first_delta_names_its_worker(tokenizer: Any) -> None:
 def test_a_rerouted_request_repeating_tokens_continues_without_them(tokenizer: Any) -> None:
     # The request's first worker died after 3 tokens; the scheduler had seen 2, so the
     # new worker resumes at 2 and repeats token 3 (greedy: the same one): it is cut off,
-    # and the text is the uninterrupted one. Repeating a different token fails it.
+    # and the text is the uninterrupted one. Repeating a different token has it
+    # asked for from the start.
     detok = IncrementalDetokenizer(tokenizer)
     ids = tokenizer.encode("one two three four five")
 
@@ -432,4 +454,4 @@ def test_a_rerouted_request_repeating_tokens_continues_without_them(tokenizer: A
     other = [*ids[:1], ids[1] + 1]
     step("w0", 2, step_output(ids[:2], rid="r1"))
     assert step("w1", 0, step_output(other, rid="r1", sent_before=0)) == []
-    assert [x.rid for x in detok.take_lost()] == ["r1"]
+    assert detok.take_resyncs() == ["r1"]

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from radixserve import Engine
-from radixserve.api.mapping import JSON_OBJECT_SCHEMA
+from radixserve.api.response_format import JSON_OBJECT_SCHEMA
 from tests.helpers.structured_cases import (
     ARITHMETIC_EBNF,
     JSON_SCHEMAS,

@@ -4,7 +4,7 @@ One radixserve service as a Deployment. Called with a dict:
   component   gateway | tokenizer | scheduler | grammar | detokenizer | worker
   replicas    the count (left out when autoscaled, so an upgrade does not reset it)
   autoscaled  true: an HPA or KEDA owns the replica count
-  singleton   true: Recreate (never two at once), for the scheduler and the detokenizer
+  singleton   true: Recreate (never two at once), for the detokenizer (and a scheduler without haLease)
   rollingUpdate  maxSurge / maxUnavailable (default: one extra pod first, none down)
   image       the image reference
   args        the container's arguments (after the image's `radixserve` entrypoint)

@@ -193,9 +193,14 @@ upgrades. Call with (dict "root" $ "name" NAME).
 {{- end }}
 
 {{/* The services that use Redis (request records, the grammar cache, the output log of
-resumable streams): only they get its password. */}}
+resumable streams, the schedulers' lease): only they get its password. Call with a dict
+holding "root". */}}
 {{- define "radixserve.redisClients" -}}
-{{- list "gateway" "grammar" "detokenizer" | toJson }}
+{{- $clients := list "gateway" "grammar" "detokenizer" }}
+{{- if .root.Values.scheduler.haLease }}
+{{- $clients = append $clients "scheduler" }}
+{{- end }}
+{{- $clients | toJson }}
 {{- end }}
 
 {{/* The Secret of the NATS passwords (a key per role): natsAuth.existingSecret, else the chart's. */}}

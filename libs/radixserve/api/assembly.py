@@ -7,7 +7,8 @@
 Each (rid, choice) of the plan is one `ChoiceState`, addressed by its merged index.
 Counters in deltas are totals so far, so the latest value wins (a repeated or
 reordered delta cannot inflate usage); text, ids (packed, as they came: unpacked only
-when asked for) and logprobs are appended. With a reasoning parser (chat), each
+when asked for) and logprobs are appended, less what a delta's offsets say the choice
+already has (a detokenizer that restarted sends each choice again from its start). With a reasoning parser (chat), each
 choice's reasoning tokens are counted here too, from each delta's text and token ids
 as they are appended (`ReasoningTokens`), so the streamed usage and the whole body's
 agree.
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import NamedTuple
+
+import msgspec
 
 from radixserve.api.mapping import GenerationPlan
 from radixserve.chat_format.reasoning import ReasoningTokens
@@ -107,7 +110,8 @@ class Assembly:
         return self._unfinished == 0
 
     def apply(self, delta: TextDelta) -> ChoiceUpdate | None:
-        """Fold `delta` into its choice; None when it belongs to no unfinished choice."""
+        """Fold `delta` into its choice; None when it belongs to no unfinished choice or
+        brings nothing the choice does not have. The update's delta is the new part."""
         slot = self._slots.get((delta.rid, delta.index))
         if slot is None:
             return None
@@ -120,6 +124,10 @@ class Assembly:
             counters.cached_tokens = delta.cached_tokens
         if delta.completion_tokens > choice.completion_tokens:
             choice.completion_tokens = delta.completion_tokens
+        new = _new_part(choice, delta)
+        if new is not delta and not (new.text or new.token_ids or new.finish_reason):
+            return None  # all of it already here
+        delta = new
         choice.text += delta.text
         choice.packed_ids += delta.token_ids
         if choice.reasoning_counter is not None:
@@ -165,3 +173,28 @@ class Assembly:
         return next(
             (c for c in self.choices if c.finish is not None and c.finish.kind == "abort"), None
         )
+
+
+def _new_part(choice: ChoiceState, delta: TextDelta) -> TextDelta:
+    """`delta` less the text and ids before the choice's end (by its offsets), and less
+    prompt logprobs the choice has: the same delta when it starts where the choice ends."""
+    skip_text = 0 if delta.text_offset is None else len(choice.text) - delta.text_offset
+    skip_ids = 0
+    if delta.token_offset is not None:
+        skip_ids = len(choice.packed_ids) // 4 - delta.token_offset
+    repeats_prompt = delta.prompt_logprobs is not None and choice.prompt_logprobs is not None
+    if skip_text <= 0 and skip_ids <= 0 and not repeats_prompt:
+        return delta
+    skip_text, skip_ids = max(skip_text, 0), max(skip_ids, 0)
+    logprobs = delta.logprobs
+    if logprobs is not None and skip_ids:
+        logprobs = logprobs[skip_ids:]
+    return msgspec.structs.replace(
+        delta,
+        text=delta.text[skip_text:],
+        token_ids=delta.token_ids[4 * skip_ids :],
+        text_offset=None if delta.text_offset is None else delta.text_offset + skip_text,
+        token_offset=None if delta.token_offset is None else delta.token_offset + skip_ids,
+        logprobs=logprobs,
+        prompt_logprobs=None if repeats_prompt else delta.prompt_logprobs,
+    )

@@ -44,36 +44,32 @@ from radixserve.api.limits import DEFAULT_LIMITS, RequestLimits
 from radixserve.api.native_models import GenerateRequest
 from radixserve.api.openai_models import (
     ChatCompletionRequest,
-    ChatMessageIn,
     CompletionRequest,
     OpenAISamplingFields,
     ResponseFormat,
 )
+from radixserve.api.prompts import (
+    PromptInput,
+    chat_messages,
+    completion_prompts,
+    id_prompts,
+    normalize_stop,
+)
+from radixserve.api.response_format import RESPONSE_FORMAT_PARAM, response_format_grammar
 from radixserve.chat_format.reasoning import REASONING_FORMATS, ReasoningFormat
 from radixserve.protocol import (
-    ChatMessage,
-    ChatToolCall,
     SamplingParams,
     SubmitRequest,
     pack_tokens,
 )
 
 Endpoint = Literal["chat", "completion", "generate"]
-PromptInput = str | list[int]
 
 CHAT_DEFAULT_MAX_TOKENS = 256
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
 GENERATE_DEFAULT_MAX_NEW_TOKENS = SamplingParams().max_new_tokens  # SGLang's 128
-# SGLang's choice for `response_format: json_object`: any JSON object.
-JSON_OBJECT_SCHEMA = '{"type": "object"}'
 
 _ID_PREFIX: dict[Endpoint, str] = {"chat": "chatcmpl-", "completion": "cmpl-", "generate": ""}
-# Where each `response_format` type keeps its grammar in the body.
-_RESPONSE_FORMAT_PARAM = {
-    "json_object": "response_format",
-    "json_schema": "response_format.json_schema.schema",
-    "structural_tag": "response_format.structures",
-}
 
 
 def new_response_id(endpoint: Endpoint) -> str:
@@ -299,7 +295,7 @@ def plan_generate(
     else:
         assert req.input_ids is not None
         batch = bool(req.input_ids) and isinstance(req.input_ids[0], list)
-        prompts = _id_prompts(req.input_ids, "input_ids")
+        prompts = id_prompts(req.input_ids, "input_ids")
     check_prompts(len(prompts), "text" if req.text is not None else "input_ids", limits)
     values = req.sampling_params.model_dump(exclude_none=True) if req.sampling_params else {}
     check_sampling(values, "sampling_params.", limits)
@@ -401,85 +397,6 @@ def check_model(requested: str | None, served: str) -> None:
         raise ApiError.model_not_found(requested)
 
 
-def normalize_stop(stop: str | Sequence[str] | None) -> list[str]:
-    """A bare string or a list -> a list; empty strings (which would match at once) dropped."""
-    if stop is None:
-        return []
-    items = [stop] if isinstance(stop, str) else list(stop)
-    return [s for s in items if s]
-
-
-def chat_messages(messages: Sequence[ChatMessageIn]) -> list[ChatMessage]:
-    """Flatten content parts to text; anything but text parts is a 400."""
-    if not messages:
-        raise ApiError.invalid("messages must not be empty", "messages")
-    out: list[ChatMessage] = []
-    for i, message in enumerate(messages):
-        content = message.content
-        if content is None:
-            # Only an assistant's turn may go without text (its tool calls, or an empty
-            # earlier answer); any other would reach the model as an empty turn.
-            if message.role != "assistant":
-                raise ApiError.invalid(
-                    f"a {message.role} message needs its content", f"messages[{i}].content"
-                )
-            text = ""
-        elif isinstance(content, str):
-            text = content
-        else:
-            texts: list[str] = []
-            for j, part in enumerate(content):
-                if part.type != "text":
-                    raise ApiError.invalid(
-                        f"only text content parts are supported, got {part.type!r}",
-                        f"messages[{i}].content[{j}].type",
-                    )
-                if part.text is None:
-                    raise ApiError.invalid(
-                        "a text content part needs its text", f"messages[{i}].content[{j}].text"
-                    )
-                texts.append(part.text)
-            text = "\n".join(texts)
-        calls = [
-            ChatToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments)
-            for c in message.tool_calls or ()
-        ]
-        out.append(
-            ChatMessage(
-                role=message.role,
-                content=text,
-                name=message.name,
-                tool_calls=calls or None,
-                tool_call_id=message.tool_call_id,
-            )
-        )
-    return out
-
-
-def completion_prompts(prompt: str | list[int] | list[list[int]] | list[str]) -> list[PromptInput]:
-    """`prompt` in its four OpenAI shapes -> one entry per prompt (text or token ids)."""
-    if isinstance(prompt, str):
-        return [prompt]
-    if not prompt:
-        raise ApiError.invalid("prompt must not be empty", "prompt")
-    if isinstance(prompt[0], str):
-        return [p for p in prompt if isinstance(p, str)]
-    return _id_prompts(prompt, "prompt")
-
-
-def _id_prompts(ids: list[int] | list[list[int]], param: str) -> list[PromptInput]:
-    if not ids:
-        raise ApiError.invalid(f"{param} must not be empty", param)
-    if isinstance(ids[0], int):
-        return [[i for i in ids if isinstance(i, int)]]
-    prompts: list[PromptInput] = []
-    for k, item in enumerate(ids):
-        if not isinstance(item, list) or not item:
-            raise ApiError.invalid(f"{param}[{k}] must be a non-empty list of token ids", param)
-        prompts.append(item)
-    return prompts
-
-
 def rid_for(response_id: str, prompt_index: int, num_prompts: int) -> str:
     """The bus rid of one prompt: the response id itself, or `<id>-<i>` for a list."""
     return response_id if num_prompts == 1 else f"{response_id}-{prompt_index}"
@@ -559,42 +476,12 @@ def _openai_sampling(
     grammar = response_format_grammar(response_format)
     if grammar is not None:
         assert response_format is not None
-        check_grammar(grammar[1], _RESPONSE_FORMAT_PARAM[response_format.type], limits)
+        check_grammar(grammar[1], RESPONSE_FORMAT_PARAM[response_format.type], limits)
         values["response_format"] = grammar[1]
     _check_one_grammar(values, "")
     if grammar is not None:
         values[grammar[0]] = values.pop("response_format")
     return SamplingParams(**{k: v for k, v in values.items() if v is not None})
-
-
-def response_format_grammar(fmt: ResponseFormat | None) -> tuple[str, str] | None:
-    """`response_format` -> (sampling field, source) the grammar hop compiles, or None."""
-    if fmt is None or fmt.type == "text":
-        return None
-    if fmt.type == "structural_tag":
-        if not fmt.structures:
-            raise ApiError.invalid(
-                "response_format of type structural_tag needs structures",
-                "response_format.structures",
-            )
-        tag = {"structures": fmt.structures, "triggers": fmt.triggers or []}
-        return "structural_tag", json.dumps(tag)
-    schema = response_format_schema(fmt)
-    return None if schema is None else ("json_schema", schema)
-
-
-def response_format_schema(fmt: ResponseFormat | None) -> str | None:
-    """`response_format` json_object / json_schema -> the JSON schema source (or None)."""
-    if fmt is None or fmt.type in ("text", "structural_tag"):
-        return None
-    if fmt.type == "json_object":
-        return JSON_OBJECT_SCHEMA
-    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
-        raise ApiError.invalid(
-            "response_format of type json_schema needs json_schema.schema",
-            "response_format.json_schema",
-        )
-    return json.dumps(fmt.json_schema.schema_)
 
 
 def _check_one_grammar(values: dict[str, Any], prefix: str) -> None:

@@ -332,11 +332,11 @@ class Bus:
             raise ValueError(f"message on {msg.subject!r} has no reply subject to respond to")
         await self.publish(msg.reply, data, headers=headers)
 
-    async def acknowledge(self, msg: BusMsg) -> None:
+    async def acknowledge(self, msg: BusMsg, headers: Mapping[str, str] | None = None) -> None:
         """Answer an acknowledged send (a `request` whose reply only says "received") with
         an empty reply; a plain publish has no reply subject and gets nothing."""
         if msg.reply:
-            await self.publish(msg.reply)
+            await self.publish(msg.reply, headers=headers)
 
     # -- internals -------------------------------------------------------------
 

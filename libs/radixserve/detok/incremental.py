@@ -11,13 +11,18 @@ split one go out.
 
 `IncrementalDetokenizer` runs this for every request of a `StepOutputBatch` with
 one `batch_decode` call; the engine's own streaming calls `decode_step` per request.
+Its state is rebuilt on demand: a request it meets mid-way (a restart, an evicted or
+lost stream) is asked of the workers (`take_resyncs`), whose answer, the whole output
+so far (`StepOutputBatch.resent`), is decoded from the start; each delta says where it
+starts (`text_offset`, `token_offset`), so the gateway skips what it already has.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -45,6 +50,7 @@ log = logging.getLogger(__name__)
 
 REPLACEMENT_CHAR = "\ufffd"
 DEFAULT_MAX_REQUESTS = 65536
+RESYNC_TIMEOUT_S = 5.0  # how long a request's history may take to come before it fails
 
 
 def batch_decode(
@@ -112,6 +118,7 @@ class DecodeStatus:
     sent_partial: int = 0
     finished: bool = False
     tokens: int = 0  # ids received (valid or not): the worker's count before the next step
+    text_sent: int = 0  # characters returned so far (the next delta's text_offset)
 
     def push(self, new_ids: Iterable[int]) -> None:
         if not self.finished:
@@ -241,12 +248,18 @@ StreamKey = tuple[str, int]  # (rid, choice index)
 
 @dataclass(frozen=True)
 class LostStream:
-    """A request with an output stream whose tokens did not all arrive: a step batch
-    was lost (the detokenizer restarted, or fell behind), or its decoding state was
-    evicted. Its text would have a hole, so the request is failed instead."""
+    """A request with an output stream whose tokens did not all arrive (a step batch
+    was lost, the detokenizer restarted, or its decoding state was evicted) and whose
+    history no worker sent in time. Its text would have a hole, so it is failed."""
 
     rid: str
     gateway_id: str
+
+
+@dataclass(frozen=True)
+class _Awaiting:
+    gateway_id: str
+    deadline: float  # on the detokenizer's clock
 
 
 class IncrementalDetokenizer:
@@ -256,17 +269,29 @@ class IncrementalDetokenizer:
     crashed worker) is evicted, oldest first, once `max_requests` streams are live.
 
     Each output's `completion_tokens` (the worker's total so far) must continue from
-    the tokens this stream has received. One that skips ahead gets no delta: its
-    request goes to `take_lost()` and its later outputs (every choice) are dropped.
+    the tokens this stream has received. One that skips ahead (or a request never seen
+    that is mid-way) gets no delta: its rid goes to `take_resyncs()`, its outputs
+    (every choice) are dropped until its history arrives in a batch's `resent`, which
+    rebuilds every choice from the start. Without one within `resync_timeout_s` the
+    request goes to `take_lost()`.
     """
 
     def __init__(
-        self, tokenizer: PreTrainedTokenizerBase, max_requests: int = DEFAULT_MAX_REQUESTS
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        max_requests: int = DEFAULT_MAX_REQUESTS,
+        *,
+        resync_timeout_s: float = RESYNC_TIMEOUT_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if max_requests < 1:
             raise ValueError(f"max_requests must be >= 1, got {max_requests}")
+        if not resync_timeout_s > 0:
+            raise ValueError(f"resync_timeout_s must be > 0, got {resync_timeout_s}")
         self.tokenizer = tokenizer
         self.max_requests = max_requests
+        self.resync_timeout_s = resync_timeout_s
+        self.clock = clock
         self.vocab_size = len(tokenizer)
         self.token_texts = TokenTexts(tokenizer, self.vocab_size)
         self.evicted = 0  # streams dropped unfinished (a lost finish, or too many live)
@@ -274,6 +299,8 @@ class IncrementalDetokenizer:
         self._failed: OrderedDict[str, None] = OrderedDict()  # rids failed for lost tokens
         self._lost: list[LostStream] = []
         self._resumable: OrderedDict[str, None] = OrderedDict()  # rids whose deltas are logged
+        self._awaiting: OrderedDict[str, _Awaiting] = OrderedDict()  # rids whose history is due
+        self._to_ask: list[str] = []
 
     def __len__(self) -> int:
         return len(self._streams)
@@ -288,24 +315,26 @@ class IncrementalDetokenizer:
     def process(self, batch: StepOutputBatch) -> dict[str, list[TextDelta]]:
         """One step of every request: the text deltas, grouped by gateway id.
 
-        Every `StepOutput` gives exactly one `TextDelta` (it may carry ids and counters
-        with no text yet).
+        Every `StepOutput` of a stream that goes on gives exactly one `TextDelta` (it may
+        carry ids and counters with no text yet). The `resent` histories come first:
+        each rebuilds its choice from the start (its delta is marked `resent`).
         """
         self.token_texts.prepare(
             token_id
-            for out in batch.outputs
+            for outputs in (batch.resent, batch.outputs)
+            for out in outputs
             if out.token_logprobs is not None
             for token_id in _logprob_ids(out)
         )
         deltas: dict[str, list[TextDelta]] = {}
-        for round_outputs in _rounds(batch.outputs):
-            outputs = [c for out in round_outputs if (c := self._continuing(out)) is not None]
-            # A later choice of the same request may have failed it after an earlier one
-            # passed: none of its choices goes on.
-            outputs = [out for out in outputs if out.rid not in self._failed]
-            for out, text in zip(outputs, self._decode(outputs), strict=True):
-                delta = self._delta(out, text, batch.worker_id if out.detok else "")
-                deltas.setdefault(out.gateway_id, []).append(delta)
+        if batch.resent:
+            for out in batch.resent:
+                if out.rid not in self._failed:  # decoded from scratch, as new
+                    self._streams.pop((out.rid, out.index), None)
+                    self._awaiting.pop(out.rid, None)
+            self._run(batch.resent, batch.worker_id, deltas, resent=True)
+        self._run(batch.outputs, batch.worker_id, deltas)
+        self.expire()
         return deltas
 
     def take_lost(self) -> list[LostStream]:
@@ -313,13 +342,50 @@ class IncrementalDetokenizer:
         lost, self._lost = self._lost, []
         return lost
 
+    def take_resyncs(self) -> list[str]:
+        """Rids whose history to ask the workers for (`DetokResync`), since the last call."""
+        rids, self._to_ask = self._to_ask, []
+        return rids
+
+    def expire(self) -> None:
+        """Fail the requests whose history did not come within `resync_timeout_s`."""
+        now = self.clock()
+        while self._awaiting:
+            rid, awaiting = next(iter(self._awaiting.items()))
+            if awaiting.deadline > now:
+                return
+            del self._awaiting[rid]
+            log.warning("no worker sent the request's history: failing it", extra={"rid": rid})
+            self._fail(rid, awaiting.gateway_id)
+
     # -- internals --------------------------------------------------------------
+    def _run(
+        self,
+        outputs: list[StepOutput],
+        worker_id: str,
+        deltas: dict[str, list[TextDelta]],
+        *,
+        resent: bool = False,
+    ) -> None:
+        for round_outputs in _rounds(outputs):
+            going_on = [c for out in round_outputs if (c := self._continuing(out)) is not None]
+            # A later choice of the same request may have stopped it after an earlier one
+            # passed: none of its choices goes on.
+            going_on = [
+                out
+                for out in going_on
+                if out.rid not in self._failed and out.rid not in self._awaiting
+            ]
+            for out, (text, offset) in zip(going_on, self._decode(going_on), strict=True):
+                delta = self._delta(out, text, offset, worker_id if out.detok else "", resent)
+                deltas.setdefault(out.gateway_id, []).append(delta)
+
     def _continuing(self, out: StepOutput) -> StepOutput | None:
         """`out` as it follows what its stream has received, or None. A request re-routed
         to another worker (its first died) may repeat tokens this stream has: the same
         ones (greedy and seeded requests repeat them) are cut off. One that skips ahead,
-        or repeats others, fails its request."""
-        if out.rid in self._failed:
+        or repeats others, waits for its history (every choice)."""
+        if out.rid in self._failed or out.rid in self._awaiting:
             return None
         status = self._streams.get((out.rid, out.index))
         received = 0 if status is None else status.tokens
@@ -331,23 +397,35 @@ class IncrementalDetokenizer:
             repeated = unpack_tokens(out.new_token_ids)[: received - sent_before]
             if len(status.ids) == received and status.ids[sent_before:] == repeated:
                 return _without_first(out, len(repeated))
-        log.warning(
-            "choice %d lost tokens: %d received, the worker had sent %d; failing the request",
+        log.info(
+            "choice %d: %d tokens received, the worker had sent %d; asking for its history",
             out.index,
             received,
             sent_before,
             extra={"rid": out.rid},
         )
-        for key in [key for key in self._streams if key[0] == out.rid]:
-            del self._streams[key]
-        self._failed[out.rid] = None
-        if len(self._failed) > self.max_requests:
-            self._failed.popitem(last=False)
-        self._lost.append(LostStream(out.rid, out.gateway_id))
+        self._drop_streams(out.rid)
+        self._awaiting[out.rid] = _Awaiting(out.gateway_id, self.clock() + self.resync_timeout_s)
+        self._to_ask.append(out.rid)
+        if len(self._awaiting) > self.max_requests:
+            rid, oldest = self._awaiting.popitem(last=False)
+            self._fail(rid, oldest.gateway_id)
         return None
 
-    def _decode(self, outputs: list[StepOutput]) -> list[str]:
-        """Advance each stream (unique within `outputs`) with one batch_decode per option set."""
+    def _drop_streams(self, rid: str) -> None:
+        for key in [key for key in self._streams if key[0] == rid]:
+            del self._streams[key]
+
+    def _fail(self, rid: str, gateway_id: str) -> None:
+        self._drop_streams(rid)
+        self._failed[rid] = None
+        if len(self._failed) > self.max_requests:
+            self._failed.popitem(last=False)
+        self._lost.append(LostStream(rid, gateway_id))
+
+    def _decode(self, outputs: list[StepOutput]) -> list[tuple[str, int]]:
+        """Each stream's new text and its text_offset."""
+        # Each stream (unique within `outputs`) advances with one batch_decode per option set.
         statuses = [self._open(out) for out in outputs]
         windows = [s.windows(out.finish_reason) for s, out in zip(statuses, outputs, strict=True)]
         groups: dict[tuple[bool, bool], list[int]] = {}
@@ -368,7 +446,9 @@ class IncrementalDetokenizer:
         for out, status, (context_text, window_text) in zip(
             outputs, statuses, decoded, strict=True
         ):
-            results.append(status.advance(context_text, window_text, out.finish_reason))
+            text = status.advance(context_text, window_text, out.finish_reason)
+            results.append((text, status.text_sent))
+            status.text_sent += len(text)
             if status.finished:
                 self._streams.pop((out.rid, out.index), None)
         return results
@@ -417,12 +497,17 @@ class IncrementalDetokenizer:
             )
         return valid
 
-    def _delta(self, out: StepOutput, text: str, worker_id: str) -> TextDelta:
+    def _delta(
+        self, out: StepOutput, text: str, text_offset: int, worker_id: str, resent: bool
+    ) -> TextDelta:
         return TextDelta(
             worker_id=worker_id,
             rid=out.rid,
             text=text,
             token_ids=out.new_token_ids,
+            text_offset=text_offset,
+            token_offset=max(out.completion_tokens - num_tokens(out.new_token_ids), 0),
+            resent=resent,
             index=out.index,
             finish_reason=out.finish_reason,
             prompt_tokens=out.prompt_tokens,

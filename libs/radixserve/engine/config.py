@@ -9,6 +9,8 @@ from typing import Any
 SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight")
 # "auto" picks the fastest one the device and dtype run (runner.make_attention_backend).
 ATTENTION_BACKENDS = ("torch", "triton", "flashinfer", "auto")
+# The model's dtype, or e4m3 codes (kvcache/fp8.py).
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 
 
 @dataclass
@@ -35,6 +37,10 @@ class EngineConfig:
     cpu_kv_tokens: int = 32768
     max_total_tokens: int | None = None
     page_size: int = 1
+    # What the KV pool stores: auto (the model's dtype) or fp8_e4m3 (e4m3 codes with a
+    # K and a V scale per layer, from the checkpoint or 1.0: half the bytes a token,
+    # so twice the tokens in the same memory; kvcache/fp8.py).
+    kv_cache_dtype: str = "auto"
     # None (the default): by the device (runner.batch_limit): 512 on a GPU of 70 GiB or
     # more, else 256; resolved when the model runner starts.
     max_running_requests: int | None = None
@@ -119,6 +125,10 @@ class EngineConfig:
             raise ValueError("mem_fraction_static must be in (0, 1)")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}"
+            )
         for name in (
             "max_running_requests",
             "max_prefill_tokens",

@@ -20,7 +20,9 @@ from radixserve.engine.forward_batch import ForwardBatch, ForwardMode, SharedPre
 from radixserve.engine.graphs.cuda_graph_runner import CudaGraphRunner
 from radixserve.engine.graphs.piecewise import PiecewiseGraphs
 from radixserve.engine.heap import collect_all
+from radixserve.engine.kvcache.fp8 import kv_cache_dtype
 from radixserve.engine.kvcache.pool import KVPool, ReqToTokenPool
+from radixserve.engine.model.kv_scales import checkpoint_kv_scales
 from radixserve.engine.model.loader import load_model, resolve_dtype
 from radixserve.engine.sampling import sampler
 from radixserve.model_files.config import ModelConfig
@@ -223,16 +225,26 @@ class ModelRunner:
         )
         self.vocab_size = self.model_config.vocab_size
         self.local_kv_heads = tp.split(self.model_config.num_key_value_heads, "KV heads")
+        self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         self.kv_pool = KVPool(
             num_slots=self._kv_budget_tokens(),
             num_layers=self.model_config.num_hidden_layers,
             num_kv_heads=self.local_kv_heads,
             head_dim=self.model_config.head_dim,
-            dtype=self.dtype,
+            dtype=self.kv_dtype,
             device=self.device,
             page_size=config.page_size,
             debug=config.debug_check_invariants,
         )
+        if self.kv_pool.quantized and config.load_format != "dummy":
+            self.kv_pool.set_scales(
+                checkpoint_kv_scales(self.model_path, self.model_config.num_hidden_layers)
+            )
+        sm90_prefill = config.enable_sm90_prefill
+        if sm90_prefill and self.kv_pool.quantized:
+            # Its kernels take FP8 K/V only beside FP8 queries.
+            log.warning("enable_sm90_prefill is off with an FP8 KV cache: prefills run FA2")
+            sm90_prefill = False
         # One spare row: the request mid-chunk holds one beyond the running limit.
         self.req_pool = ReqToTokenPool(self.max_running_requests + 1, self.context_len, self.device)
         self.attn = make_attention_backend(
@@ -241,11 +253,11 @@ class ModelRunner:
             self.dtype,
             prefill=config.prefill_attention_backend,
             decode=config.decode_attention_backend,
-            sm90_prefill=config.enable_sm90_prefill,
+            sm90_prefill=sm90_prefill,
             head_dim=self.model_config.head_dim,
         )
         self.attn.set_layers(layer_attention(self.model_config))
-        if config.enable_sm90_prefill and not sm90_prefill_applies(self.attn, self.device):
+        if sm90_prefill and not sm90_prefill_applies(self.attn, self.device):
             log.warning(
                 "enable_sm90_prefill has no effect here: it needs prefills on the flashinfer "
                 "backend on a Hopper GPU (they run on %s, %s)",
@@ -253,11 +265,12 @@ class ModelRunner:
                 torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
             )
         log.info(
-            "model %s on %s (%s), KV pool %d tokens",
+            "model %s on %s (%s), KV pool %d tokens (%s)",
             self.model_path,
             self.device,
             self.dtype,
             self.kv_pool.size,
+            self.kv_dtype,
         )
         self.cascade = self.attn.supports_shared_prefix and not config.disable_cascade_attention
         # Forward passes so far by how they ran (the worker's forward_passes metric).
@@ -423,7 +436,7 @@ class ModelRunner:
         budget = free - total * (1.0 - self.config.mem_fraction_static)
         c = self.model_config
         per_token = KVPool.bytes_per_token_for(
-            c.num_hidden_layers, self.local_kv_heads, c.head_dim, self.dtype
+            c.num_hidden_layers, self.local_kv_heads, c.head_dim, self.kv_dtype
         )
         tokens = int(budget // per_token)
         if tokens < 16:

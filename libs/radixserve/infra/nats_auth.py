@@ -107,7 +107,7 @@ def role_permissions(subjects: Subjects) -> dict[str, Permissions]:
                 s.heartbeat_all,
                 alive("worker"),
             ),
-            subscribe=(any_id(s.worker_all, "*"), INBOX),
+            subscribe=(any_id(s.worker_all, "*"), s.detok_resync, INBOX),
             allow_responses=True,  # run acknowledgements, flush replies
         ),
         "grammar": Permissions(
@@ -116,7 +116,7 @@ def role_permissions(subjects: Subjects) -> dict[str, Permissions]:
             allow_responses=True,  # compile and fetch replies
         ),
         "detokenizer": Permissions(
-            publish=(s.gateway_deltas_all, errors, s.abort, alive("detokenizer")),
+            publish=(s.gateway_deltas_all, errors, s.abort, s.detok_resync, alive("detokenizer")),
             subscribe=(s.detok,),
         ),
         ADMIN: Permissions(publish=(">",), subscribe=(">",)),

@@ -22,6 +22,7 @@ from radixserve.protocol.codec import (
 )
 from radixserve.protocol.control import (
     REQUEST_TOO_LARGE,
+    RUN_REFUSED_HEADER,
     AbortRequest,
     FlushCacheReply,
     FlushCacheRequest,
@@ -60,6 +61,7 @@ from radixserve.protocol.kv_events import (
 )
 from radixserve.protocol.outputs import (
     DetokParams,
+    DetokResync,
     FinishKind,
     FinishReason,
     LogprobEntry,
@@ -98,12 +100,14 @@ from radixserve.protocol.workers import (
 __all__ = [
     "DEFAULT_PREFIX",
     "REQUEST_TOO_LARGE",
+    "RUN_REFUSED_HEADER",
     "TOKEN_DTYPE",
     "AbortRequest",
     "AllBlocksCleared",
     "ChatMessage",
     "ChatToolCall",
     "DetokParams",
+    "DetokResync",
     "FinishKind",
     "FinishReason",
     "FlushCacheReply",

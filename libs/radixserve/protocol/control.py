@@ -6,6 +6,10 @@ import msgspec
 
 from radixserve.protocol.base import Message
 
+# On a worker's acknowledgement of a run: it refuses the run (it is draining), so the
+# scheduler re-routes it at once instead of failing it.
+RUN_REFUSED_HEADER = "Radixserve-Refused"
+
 
 class AbortRequest(Message, frozen=True):
     """Stop a request: gateway -> scheduler, then scheduler -> the worker that holds it.

@@ -117,11 +117,30 @@ class StepOutput(Message, frozen=True):
 
 
 class StepOutputBatch(Message, frozen=True):
-    """worker -> detokenizer: every request's output of one engine step."""
+    """worker -> detokenizer: every request's output of one engine step.
+
+    `resent` answers a `DetokResync`: each a choice's whole output so far (ids from 0,
+    its DetokParams, its finish if it finished lately), for a detokenizer that lost its
+    state. It is a field of its own so the scheduler's progress reader, which declares
+    only `outputs`, never counts those tokens twice.
+    """
 
     worker_id: str
     step: int  # the worker's step counter; lets the detokenizer spot gaps
     outputs: list[StepOutput] = msgspec.field(default_factory=list)
+    resent: list[StepOutput] = msgspec.field(default_factory=list)
+
+
+class DetokResync(Message, frozen=True):
+    """detokenizer -> every worker: send the whole output so far of these requests (all
+    the worker runs or finished lately when `rids` is empty) in `StepOutputBatch.resent`.
+
+    Asked by a detokenizer that meets a request it has no state for, or whose token
+    counts show a hole (a restart, a lost batch); only the worker holding it answers.
+    """
+
+    rids: list[str] = msgspec.field(default_factory=list)
+    reason: str = ""
 
 
 class TopLogprobEntry(Message, frozen=True):
@@ -168,6 +187,13 @@ class TextDelta(Message, frozen=True):
     logprobs: list[LogprobEntry] | None = None
     worker_id: str = ""  # on a choice's first delta: the worker that runs it
     prompt_logprobs: PromptLogprobEntries | None = None  # once, on a choice's first delta
+    # Where this delta starts in its choice: characters of text and ids before it (None:
+    # unknown, appended as is). A receiver skips what it already has, so a delta rebuilt
+    # from the start (`resent`) or repeated is never shown twice.
+    text_offset: int | None = None
+    token_offset: int | None = None
+    resent: bool = False  # rebuilt from the worker's history (StepOutputBatch.resent)
+    seq: int | None = None  # resumable requests: its number in the output log
 
     def __post_init__(self) -> None:
         num_tokens(self.token_ids)

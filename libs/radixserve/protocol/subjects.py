@@ -116,6 +116,12 @@ class Subjects:
         """every worker -> detokenizer: `StepOutputBatch` (one per engine step)."""
         return self._join("detok")
 
+    @cached_property
+    def detok_resync(self) -> str:
+        """detokenizer -> every worker: `DetokResync`; the worker holding a request
+        answers with its history in `StepOutputBatch.resent` on `detok`."""
+        return self._join("detok_resync")
+
     def gateway_deltas(self, gateway_id: str) -> str:
         """detokenizer -> the gateway that owns the requests: `TextDeltaBatch`."""
         return self._join("gateway", check_token(gateway_id, "gateway id"), "deltas")

@@ -82,7 +82,8 @@ class ServiceHeartbeat(Message, frozen=True):
     """any service instance -> `{p}.alive.{service}.{instance_id}`, every couple of seconds.
 
     What `radixserve health` and `radixserve up` read to tell which services are up.
-    `status` is "ready" while taking work and "draining" after SIGTERM.
+    `status` is "ready" while taking work, "draining" after SIGTERM, and "standby" for a
+    scheduler replica that waits for the lease (`--ha-lease`).
     """
 
     service: str

@@ -145,6 +145,18 @@ class Dispatcher:
         log.warning("worker %s restarted (epoch %d)", beat.worker_id, beat.epoch)
         return self._lose(beat.worker_id, f"worker {beat.worker_id} restarted", "worker_restarted")
 
+    def observe_heartbeat(self, beat: Heartbeat, now: float) -> None:
+        """A standby scheduler's half of `on_heartbeat`: the worker's liveness and cache
+        mirror, not its requests (the active scheduler's until this one takes over)."""
+        if self.kv_mirrors is not None:
+            self.kv_mirrors.on_heartbeat(beat)
+        self.workers.on_heartbeat(beat, now)
+
+    def hand_over(self) -> None:
+        """This scheduler stepped down: what it had in flight is the new active one's,
+        which adopts it from the workers' heartbeats."""
+        self.inflight = InflightTable()
+
     def on_stats(self, stats: WorkerStats, now: float) -> None:
         self.workers.on_stats(stats, now)
 

@@ -6,15 +6,22 @@ into text with `radixserve.detok`, and publishes one `TextDeltaBatch` per gatewa
 `{p}.gateway.{gateway_id}.deltas`. The tokenizer is loaded before subscribing, so nothing
 arrives before it can be decoded. At most `--max-requests` live streams are kept (the
 oldest dropped), so a lost finish cannot leak memory. A skipped step number of a worker
-is logged; a stream whose token counts show a hole gets 503 `output_lost` and an abort
-on `{p}.abort` instead of text with a hole. On SIGTERM it decodes and publishes what is
-queued, flushes and exits.
+is logged. Its state is reconstructible: a request met mid-way or whose token counts show
+a hole (a restart, a lost batch, an evicted state) is asked of the workers on
+`{p}.detok_resync`, and the worker holding it sends its whole output so far (or its final
+one, if it finished in the last 30 s) in the next batch's `resent`, decoded from the
+start; its deltas carry offsets, so the gateway skips what it already has. On start it
+asks for every request, for those that finished while it was away. Without an answer in
+`RESYNC_TIMEOUT_S`, the request gets 503 `output_lost` and an abort on `{p}.abort`
+instead of text with a hole. On SIGTERM it decodes and publishes what is queued, flushes
+and exits.
 
 The deltas of resumable requests (DetokParams.resumable: streams, and `X-Resumable`
 requests) also go, numbered, to the store's output log (store/output_log.py), where a
 gateway reads them when a client resumes; for `--output-log-ttl-s` after the last one.
 Redis being slow or down delays no delta: the log then misses entries (counted), and a
-resume of those requests is refused.
+resume of those requests is refused. A request rebuilt after a restart is numbered on
+from the log's last entry, past a gap (store/output_log.py), read in one round trip.
 """
 
 from __future__ import annotations
@@ -24,14 +31,20 @@ import asyncio
 import logging
 import os
 import time
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+import msgspec
 
 from radixserve.bus import BusError, BusMsg
 from radixserve.detok import DEFAULT_MAX_REQUESTS, IncrementalDetokenizer, LostStream, StepGaps
 from radixserve.protocol import (
     AbortRequest,
+    DetokResync,
     StepOutputBatch,
+    TextDelta,
     TextDeltaBatch,
     encode,
     encode_json,
@@ -48,7 +61,7 @@ from radixserve.services.runtime import (
     settings_from_args,
 )
 from radixserve.store import Store, StoreSettings
-from radixserve.store.output_log import DEFAULT_TTL_S, OutputLog, OutputLogWriter
+from radixserve.store.output_log import DEFAULT_TTL_S, LogEntry, OutputLog, OutputLogWriter
 from radixserve.telemetry.detok_trace import DetokenizeSpans
 from radixserve.telemetry.pipeline_metrics import DetokenizerMetrics
 
@@ -61,6 +74,8 @@ SERVICE = "detokenizer"
 ENV_MAX_REQUESTS = "RADIXSERVE_DETOK_MAX_REQUESTS"
 ENV_OUTPUT_LOG_TTL_S = "RADIXSERVE_OUTPUT_LOG_TTL_S"
 FLUSH_TIMEOUT_S = 5.0
+LAST_SEQ_TIMEOUT_S = 1.0  # reading the log's numbers for requests rebuilt after a restart
+EXPIRE_EVERY_S = 1.0  # how often requests whose history never came are failed
 
 
 @dataclass(frozen=True)
@@ -143,6 +158,53 @@ def output_log_writer(
     return writer
 
 
+class LogNumbers:
+    """Gives resumable requests' deltas their number in the output log (`TextDelta.seq`).
+
+    A request rebuilt from its history that this detokenizer never numbered (it
+    restarted) goes on after the log's last entry, past the gap; when the log cannot be
+    read then, the request is logged no further (its resume is refused as incomplete).
+    """
+
+    def __init__(self, writer: OutputLogWriter, max_requests: int) -> None:
+        self.writer = writer
+        self.max_requests = max_requests
+        self._unlogged: OrderedDict[str, None] = OrderedDict()
+
+    async def number(
+        self, deltas: list[TextDelta], resumable: Callable[[str], bool]
+    ) -> list[TextDelta]:
+        """`deltas` with those of resumable requests numbered (the rest as they are)."""
+        rebuilt = sorted(
+            {
+                d.rid
+                for d in deltas
+                if d.resent and resumable(d.rid) and not self.writer.knows(d.rid)
+            }
+            - set(self._unlogged)
+        )
+        if rebuilt:
+            try:
+                last = await asyncio.wait_for(
+                    self.writer.output_log.last_seqs(rebuilt), LAST_SEQ_TIMEOUT_S
+                )
+            except Exception as exc:  # Redis away: those requests cannot resume
+                log.warning("output log numbers not read for %d request(s): %r", len(rebuilt), exc)
+                last = {}
+                for rid in rebuilt:
+                    self._unlogged[rid] = None
+                while len(self._unlogged) > self.max_requests:
+                    self._unlogged.popitem(last=False)
+            for rid, seq in last.items():
+                self.writer.continue_after(rid, seq)
+        return [
+            msgspec.structs.replace(d, seq=self.writer.number(d.rid))
+            if resumable(d.rid) and d.rid not in self._unlogged
+            else d
+            for d in deltas
+        ]
+
+
 def load_tokenizer(model: str | None) -> PreTrainedTokenizerBase:
     # Imported here: `radixserve serve detokenizer --help` must not pay for torch.
     from radixserve.model_files.paths import resolve_model_path
@@ -162,6 +224,16 @@ async def start(ctx: ServiceContext, settings: DetokenizerSettings) -> None:
         "tokenizer loaded (%d ids); keeping up to %d streams", len(tokenizer), detok.max_requests
     )
     writer = output_log_writer(ctx, settings, metrics)
+    numbers = None if writer is None else LogNumbers(writer, settings.max_requests)
+
+    async def ask_history(rids: list[str], reason: str) -> None:
+        """Every worker hears it; the one holding a request answers in `resent`."""
+        try:
+            await ctx.bus.publish(
+                subjects.detok_resync, encode(DetokResync(rids=rids, reason=reason))
+            )
+        except BusError as exc:  # unanswered, the requests fail when their wait ends
+            log.error("history of %d request(s) not asked for: %r", len(rids), exc)
 
     async def on_step(msg: BusMsg) -> None:
         batch = decode_or_drop(msg, StepOutputBatch, log)
@@ -187,9 +259,15 @@ async def start(ctx: ServiceContext, settings: DetokenizerSettings) -> None:
         spans.observe(msg.headers, batch)
         for lost in detok.take_lost():
             await fail_lost(lost)
+        asked = detok.take_resyncs()
+        if asked:
+            await ask_history(asked, "met mid-way")
         for gateway_id, deltas in by_gateway.items():
-            if writer is not None:
-                writer.put([(d.rid, encode_json(d)) for d in deltas if detok.resumable(d.rid)])
+            if writer is not None and numbers is not None:
+                deltas = await numbers.number(deltas, detok.resumable)
+                writer.put(
+                    [LogEntry(d.rid, d.seq, encode_json(d)) for d in deltas if d.seq is not None]
+                )
             try:
                 subject = subjects.gateway_deltas(gateway_id)
             except ValueError as exc:
@@ -221,7 +299,17 @@ async def start(ctx: ServiceContext, settings: DetokenizerSettings) -> None:
         except (BusError, ValueError) as exc:  # the gateway's deadline answers the client
             log.error("lost output not reported: %r", exc, extra={"rid": lost.rid})
 
+    async def expire_resyncs() -> None:
+        while True:
+            await asyncio.sleep(EXPIRE_EVERY_S)
+            detok.expire()
+            for lost in detok.take_lost():
+                await fail_lost(lost)
+
     subscription = await ctx.bus.subscribe(subjects.detok, on_step)
+    ctx.spawn(expire_resyncs(), "expire-resyncs")
+    # A restart: what finished or ran on while this one was away comes back.
+    await ask_history([], "detokenizer started")
 
     async def drain() -> None:
         await subscription.drain()  # the batches already queued are still decoded and sent

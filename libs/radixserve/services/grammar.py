@@ -127,19 +127,10 @@ async def _registry(
     # Heavy imports (transformers, xgrammar) only once the service really starts.
     from radixserve.grammar.setup import registry_for_model
     from radixserve.store.grammar_cache import RedisGrammarCache
-    from radixserve.store.settings import StoreSettings
 
     remote = None
     if settings.redis_cache:
-        store = StoreSettings.from_env()
-        remote = RedisGrammarCache(
-            StoreSettings(
-                url=settings.service.redis_url,
-                key_prefix=store.key_prefix,
-                auth=settings.service.redis_auth,
-            ),
-            ttl_s=settings.cache_ttl_s,
-        )
+        remote = RedisGrammarCache(settings.service.store_settings(), ttl_s=settings.cache_ttl_s)
     registry = await asyncio.to_thread(
         registry_for_model,
         settings.model,

@@ -38,7 +38,7 @@ from radixserve.services.event_loop import (
     check_event_loop,
     loop_factory,
 )
-from radixserve.store.settings import DEFAULT_REDIS_URL, ENV_REDIS_URL, RedisAuth
+from radixserve.store.settings import DEFAULT_REDIS_URL, ENV_REDIS_URL, RedisAuth, StoreSettings
 from radixserve.telemetry.common import ServiceMetrics
 from radixserve.telemetry.exposition import MetricsServer
 from radixserve.telemetry.tracing import ENV_OTLP_ENDPOINT, TracingSettings, setup_tracing
@@ -146,6 +146,14 @@ class ServiceSettings:
     def tracing_settings(self, environ: Mapping[str, str] | None = None) -> TracingSettings:
         return TracingSettings.from_env(environ, endpoint=self.otlp_endpoint)
 
+    def store_settings(self) -> StoreSettings:
+        """Redis as this process reaches it (URL, credentials; $RADIXSERVE_REDIS_PREFIX)."""
+        return StoreSettings(
+            url=self.redis_url,
+            key_prefix=StoreSettings.from_env().key_prefix,
+            auth=self.redis_auth,
+        )
+
     def bus_settings(self) -> BusSettings:
         return BusSettings(
             url=self.nats_url,
@@ -248,6 +256,15 @@ def seconds_from_env(env: Mapping[str, str], name: str, default: float) -> float
         return float(raw) if raw else default
     except ValueError:
         raise ValueError(f"${name} must be seconds, got {raw!r}") from None
+
+
+def flag_from_env(env: Mapping[str, str], name: str, default: bool = False) -> bool:
+    raw = env.get(name, "").strip().lower()
+    if not raw:
+        return default
+    if raw not in ("1", "true", "on", "0", "false", "off"):
+        raise ValueError(f"${name} must be true or false, got {raw!r}")
+    return raw in ("1", "true", "on")
 
 
 def _port_from_env(env: Mapping[str, str], name: str) -> int:

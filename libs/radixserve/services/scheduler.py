@@ -16,8 +16,16 @@ by another service than its worker is aborted there). Sends `RoutedRequest` on
 `retry_after_s` (`--retry-after-s`): 429 `queue_full` past `--max-pending-requests`
 unfinished, 503 `no_worker` when none is ready, 503 `worker_lost` for a worker's requests
 once it is silent for `--worker-timeout-s` (or restarted) and for a run not acknowledged
-within `--worker-ack-timeout-s`. One instance: it holds the in-flight table and the load
-estimates (docs/operations.md, Scaling).
+within `--worker-ack-timeout-s`.
+
+One instance serves: it holds the in-flight table and the load estimates. With
+`--ha-lease`, several replicas run; the one holding a lease in Redis (store/lease.py)
+takes the queue-group subjects, and the others stand by: they hear the broadcast
+subjects (their worker registry and cache mirrors stay current) but take no request.
+A standby that wins the lease (its holder's renewals stopped for `--ha-lease-ttl-s`, or
+it released it on SIGTERM) subscribes and adopts what is in flight from the workers'
+heartbeats; an active one that finds another holder steps down and leaves its requests
+to it. Redis down changes nothing for the active one; a standby cannot take over then.
 """
 
 from __future__ import annotations
@@ -27,10 +35,19 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from radixserve.bus import BusError, BusMsg, BusNoResponders, BusPayloadTooLarge, BusTimeout
+from radixserve.bus import (
+    BusError,
+    BusMsg,
+    BusNoResponders,
+    BusPayloadTooLarge,
+    BusSubscription,
+    BusTimeout,
+)
 from radixserve.protocol import (
+    RUN_REFUSED_HEADER,
     AbortRequest,
     FlushCacheReply,
     FlushCacheRequest,
@@ -58,7 +75,15 @@ from radixserve.routing import (
     step_progress,
 )
 from radixserve.services.messages import decode_or_drop
-from radixserve.services.runtime import ServiceContext, ServiceSettings, settings_from_args
+from radixserve.services.runtime import (
+    ServiceContext,
+    ServiceSettings,
+    flag_from_env,
+    seconds_from_env,
+    settings_from_args,
+)
+from radixserve.store import Store
+from radixserve.store.lease import Lease, LeaseKeeper
 from radixserve.telemetry import genai
 from radixserve.telemetry.pipeline_metrics import SchedulerMetrics
 from radixserve.telemetry.tracing import get_tracer
@@ -67,6 +92,13 @@ log = logging.getLogger(__name__)
 
 SERVICE = "scheduler"
 ENV_MAX_MIGRATIONS = "RADIXSERVE_MAX_MIGRATIONS"
+ENV_HA_LEASE = "RADIXSERVE_HA_LEASE"
+ENV_HA_LEASE_TTL_S = "RADIXSERVE_HA_LEASE_TTL_S"
+STANDBY = "standby"  # its ServiceHeartbeat status while another replica serves
+DEFAULT_HA_LEASE_TTL_S = 3.0  # a SIGKILL'd active one replaced within TTL * 7/6: 3.5 s
+# On SIGTERM, from the standby's winning the lease to this one's unsubscribing: the
+# winner's subscriptions (milliseconds) are in place first.
+HANDOVER_GRACE_S = 0.2
 _tracer = get_tracer(SERVICE)
 # The status NATS puts on a reply when nobody listens on the subject (a header).
 NO_RESPONDERS = "503"
@@ -84,6 +116,9 @@ class SchedulerSettings:
     routing: str = "cache_aware"  # or least_load (routing.ROUTING_POLICIES)
     # Re-routes of a request whose worker dies (with the tokens it generated); then 503.
     max_migrations: int = 2
+    # Active/standby replicas: the holder of a Redis lease serves (None: no lease, one
+    # scheduler, no Redis). A standby takes over within the TTL of the active's end.
+    ha_lease_ttl_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.max_pending_requests < 1:
@@ -98,6 +133,8 @@ class SchedulerSettings:
             raise ValueError("--max-migrations must be >= 0")
         if self.routing not in ROUTING_POLICIES:
             raise ValueError(f"--routing must be one of {', '.join(ROUTING_POLICIES)}")
+        if self.ha_lease_ttl_s is not None and not self.ha_lease_ttl_s >= 0.3:
+            raise ValueError(f"--ha-lease-ttl-s must be >= 0.3, got {self.ha_lease_ttl_s}")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -137,9 +174,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="cache_aware: the worker caching the longest prefix of the prompt (from its KV "
         "events) while loads are balanced, else the least loaded; least_load: load only",
     )
+    parser.add_argument(
+        "--ha-lease",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="run as one of several replicas: the one holding a lease in Redis serves, the "
+        "others stand by and take over once it ends (default $" + ENV_HA_LEASE + " or off: "
+        "one scheduler, no Redis)",
+    )
+    parser.add_argument(
+        "--ha-lease-ttl-s",
+        type=float,
+        default=None,
+        help="with --ha-lease: a lease not renewed for this long is taken by a standby; "
+        f"renewed every third of it (default ${ENV_HA_LEASE_TTL_S} or "
+        f"{DEFAULT_HA_LEASE_TTL_S:g})",
+    )
 
 
 def settings_from(ns: argparse.Namespace) -> SchedulerSettings:
+    ha_lease = ns.ha_lease if ns.ha_lease is not None else flag_from_env(os.environ, ENV_HA_LEASE)
+    ttl_s = ns.ha_lease_ttl_s
+    if ttl_s is None:
+        ttl_s = seconds_from_env(os.environ, ENV_HA_LEASE_TTL_S, DEFAULT_HA_LEASE_TTL_S)
     return SchedulerSettings(
         service=settings_from_args(SERVICE, ns),
         max_pending_requests=ns.max_pending_requests,
@@ -148,6 +205,28 @@ def settings_from(ns: argparse.Namespace) -> SchedulerSettings:
         worker_ack_timeout_s=ns.worker_ack_timeout_s,
         routing=ns.routing,
         max_migrations=ns.max_migrations,
+        ha_lease_ttl_s=ttl_s if ha_lease else None,
+    )
+
+
+def lease_keeper(
+    service: ServiceSettings,
+    ttl_s: float,
+    metrics: SchedulerMetrics,
+    *,
+    on_won: Callable[[], Awaitable[None]],
+    on_lost: Callable[[str], Awaitable[None]],
+) -> LeaseKeeper:
+    """The keeper of this deployment's scheduler lease (one per subject prefix). Redis is
+    not waited for: a claim that fails is counted, and tried again."""
+    lease = Lease(
+        Store(service.store_settings()),
+        f"{service.subject_prefix}:{SERVICE}",
+        holder=service.instance_id,
+        ttl_s=ttl_s,
+    )
+    return LeaseKeeper(
+        lease, on_won=on_won, on_lost=on_lost, on_error=lambda exc: metrics.lease_errors.inc()
     )
 
 
@@ -293,7 +372,10 @@ async def start(ctx: ServiceContext, settings: SchedulerSettings) -> None:
         beat = decode_or_drop(msg, Heartbeat, log)
         if beat is None:
             return
-        await settle(dispatcher.on_heartbeat(beat, time.monotonic()))
+        if keeper is None or keeper.held:
+            await settle(dispatcher.on_heartbeat(beat, time.monotonic()))
+        else:  # a standby: its requests are the active scheduler's
+            dispatcher.observe_heartbeat(beat, time.monotonic())
 
     async def on_stats(msg: BusMsg) -> None:
         stats = decode_or_drop(msg, WorkerStats, log)
@@ -361,9 +443,13 @@ async def start(ctx: ServiceContext, settings: SchedulerSettings) -> None:
 
     async def on_ack(msg: BusMsg) -> None:
         sent = acks.acked(msg.subject.rsplit(".", 1)[-1])
-        if sent is not None and msg.headers.get("Status") == NO_RESPONDERS:
-            rid, worker_id = sent
+        if sent is None:
+            return
+        rid, worker_id = sent
+        if msg.headers.get("Status") == NO_RESPONDERS:
             await lose(rid, worker_id, f"worker {worker_id} does not listen for requests")
+        elif refused := msg.headers.get(RUN_REFUSED_HEADER):
+            await lose(rid, worker_id, f"worker {worker_id} refused the request ({refused})")
 
     async def expire_workers() -> None:
         interval_s = min(1.0, settings.worker_timeout_s / 4, settings.worker_ack_timeout_s / 4)
@@ -378,6 +464,49 @@ async def start(ctx: ServiceContext, settings: SchedulerSettings) -> None:
                 await lose(rid, worker_id, why)
             update_load()
 
+    serving: list[BusSubscription] = []
+
+    async def serve() -> None:
+        """Take the queue group's subjects: from now on this instance routes."""
+        for subject, handler in (
+            (subjects.schedule, on_schedule),
+            (subjects.abort, on_abort),
+            (subjects.flush_cache, on_flush),
+            (subjects.scheduler_inflight, on_inflight),
+        ):
+            serving.append(await bus.subscribe(subject, handler, queue=QueueGroups.SCHEDULER))
+        ctx.status = "ready"
+        metrics.active.set(1)
+
+    async def stop_serving() -> None:
+        """Route what is queued and take nothing new (the first one is `schedule`)."""
+        subscriptions = serving[:]
+        serving.clear()
+        for subscription in subscriptions:
+            await subscription.drain()
+
+    async def take_over() -> None:
+        if ctx.status == STANDBY:
+            metrics.failovers.inc()
+            log.warning("took over: this scheduler is the active one now")
+        await serve()
+
+    async def step_down(holder: str) -> None:
+        await stop_serving()
+        dispatcher.hand_over()  # the new active one adopts them from the heartbeats
+        ctx.status = STANDBY
+        metrics.active.set(0)
+        update_load()
+
+    keeper: LeaseKeeper | None = None
+    if settings.ha_lease_ttl_s is not None:
+        keeper = lease_keeper(
+            settings.service,
+            settings.ha_lease_ttl_s,
+            metrics,
+            on_won=take_over,
+            on_lost=step_down,
+        )
     # Worker state first, so the first requests already see the workers.
     await bus.subscribe(subjects.heartbeat_all, on_heartbeat)
     await bus.subscribe(subjects.stats_all, on_stats)
@@ -385,13 +514,28 @@ async def start(ctx: ServiceContext, settings: SchedulerSettings) -> None:
     await bus.subscribe(subjects.detok, on_step_outputs)
     await bus.subscribe(subjects.gateway_errors_all, on_request_error)
     await bus.subscribe(subjects.scheduler_acks(scheduler_id), on_ack)
-    schedule = await bus.subscribe(subjects.schedule, on_schedule, queue=QueueGroups.SCHEDULER)
-    await bus.subscribe(subjects.abort, on_abort, queue=QueueGroups.SCHEDULER)
-    await bus.subscribe(subjects.flush_cache, on_flush, queue=QueueGroups.SCHEDULER)
-    await bus.subscribe(subjects.scheduler_inflight, on_inflight, queue=QueueGroups.SCHEDULER)
+    if keeper is None:
+        await serve()
+    else:
+        holder = await keeper.step()  # free (a lone replica, a first start): serve at once
+        if not keeper.held:
+            log.info("standing by; the lease is held by %s", holder or "? (Redis unreachable)")
+            ctx.status = STANDBY
+            metrics.active.set(0)
+        ctx.spawn(keeper.run(), "lease")
     ctx.spawn(expire_workers(), "expire-workers")
 
     async def drain() -> None:
-        await schedule.drain()  # route what is queued; take nothing new
+        if keeper is None:
+            await serving[0].drain()  # route what is queued; take nothing new
+            return
+        # Keep serving until a standby holds the lease: no request finds no scheduler.
+        await keeper.release()
+        taker = await keeper.wait_taken(keeper.lease.ttl_s)
+        log.info("handed over to %s", taker or "nobody (no standby took the lease)")
+        if taker is not None:
+            await asyncio.sleep(HANDOVER_GRACE_S)
+        await stop_serving()
+        await keeper.lease.store.close()
 
     ctx.on_drain(drain)

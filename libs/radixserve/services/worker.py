@@ -1,6 +1,8 @@
 """worker: owns the engine (model, KV pool, radix cache) and runs routed requests.
 
-Subscribes `{p}.worker.{id}.>` (run, abort, flush_cache, kv_snapshot); the engine runs
+Subscribes `{p}.worker.{id}.>` (run, abort, flush_cache, kv_snapshot) and
+`{p}.detok_resync` (a detokenizer that lost its state gets the asked requests' whole
+output in the next batch's `resent`, finished ones of the last 30 s too); the engine runs
 in its own thread (`radixserve.worker.driver`) and hands back one `StepOutputBatch` per
 step, published on `{p}.detok`. Publishes `Heartbeat` ("starting" while the model loads,
 then "ready") and `WorkerStats` every second, and its radix cache's changes as
@@ -127,7 +129,10 @@ class WorkerService:
             max_running_requests=0, max_total_num_tokens=0, max_context_len=0
         )
         self.model_name = ""
-        self.outbox: asyncio.Queue[tuple[int, list[protocol.StepOutput]]] = asyncio.Queue()
+        # (step, outputs, resent): one StepOutputBatch each
+        self.outbox: asyncio.Queue[
+            tuple[int, list[protocol.StepOutput], list[protocol.StepOutput]]
+        ] = asyncio.Queue()
         self.kv_outbox: asyncio.Queue[list[protocol.KvEvent]] = asyncio.Queue()
         self.kv_event_seq = -1  # the last KvEventBatch numbered (published or not)
         self.driver: Any = None
@@ -157,7 +162,10 @@ class WorkerService:
         self.driver = EngineDriver(
             engine,
             on_step=lambda step, outs: self._from_thread(
-                loop, self.outbox.put_nowait, (step, outs)
+                loop, self.outbox.put_nowait, (step, outs, [])
+            ),
+            on_resent=lambda step, resent: self._from_thread(
+                loop, self.outbox.put_nowait, (step, [], resent)
             ),
             on_reject=lambda error, gateway: self._from_thread(
                 loop, self._spawn_reject, error, gateway
@@ -181,6 +189,7 @@ class WorkerService:
         self.ctx.spawn(self._stats(), "stats")
         self.ctx.spawn(self._watch_engine(), "watch-engine")
         await self.ctx.bus.subscribe(self.subjects.worker_all(self.worker_id), self._on_message)
+        await self.ctx.bus.subscribe(self.subjects.detok_resync, self._on_resync)
         metrics = self.telemetry.metrics
         metrics.start_duration.labels(**metrics.label()).set(time.monotonic() - started)
         self.status = protocol.WorkerStatus.READY
@@ -197,15 +206,15 @@ class WorkerService:
     async def _on_message(self, msg: BusMsg) -> None:
         kind = msg.subject.rsplit(".", 1)[-1]
         if kind == "run":
+            if self.status is not protocol.WorkerStatus.READY:
+                # Sent before the scheduler heard this worker is draining: refused in the
+                # acknowledgement, so the scheduler re-routes it to another worker.
+                log.info("run refused: draining")
+                await self.ctx.bus.acknowledge(msg, {protocol.RUN_REFUSED_HEADER: "draining"})
+                return
             await self.ctx.bus.acknowledge(msg)  # received: the scheduler stops waiting
             routed = decode_or_drop(msg, protocol.RoutedRequest, log, level=logging.ERROR)
             if routed is None:
-                return
-            if self.status is not protocol.WorkerStatus.READY:
-                error = protocol.retry_later_error(
-                    routed.rid, "worker_draining", "the worker is shutting down; retry", SERVICE
-                )
-                await self._reject(error, routed.request.gateway_id)
                 return
             log.debug("run", extra={"rid": routed.rid})
             self.telemetry.received(routed)  # in the scheduler's trace context
@@ -238,6 +247,14 @@ class WorkerService:
                 return
             log.info("KV snapshot asked for: %s", snapshot.reason or "no reason given")
             self.driver.kv_snapshot()  # answered on kv_events, in sequence
+
+    async def _on_resync(self, msg: BusMsg) -> None:
+        """A detokenizer lost these requests' state: their history goes out with the next
+        batch (only from the worker holding them)."""
+        resync = decode_or_drop(msg, protocol.DetokResync, log)
+        if resync is not None:
+            log.info("detokenizer resync: %s", len(resync.rids) or "every request")
+            self.driver.resync(tuple(resync.rids))
 
     async def _flush_cache(self, msg: BusMsg, request: protocol.FlushCacheRequest) -> None:
         try:
@@ -320,8 +337,10 @@ class WorkerService:
     # -- background tasks -------------------------------------------------------------------
     async def _publish_steps(self) -> None:
         while True:
-            step, outputs = await self.outbox.get()
-            batch = protocol.StepOutputBatch(worker_id=self.worker_id, step=step, outputs=outputs)
+            step, outputs, resent = await self.outbox.get()
+            batch = protocol.StepOutputBatch(
+                worker_id=self.worker_id, step=step, outputs=outputs, resent=resent
+            )
             # Each request's own span context for the detokenizer (the batch mixes requests).
             headers = self.telemetry.batch_headers(outputs)
             try:

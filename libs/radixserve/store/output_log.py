@@ -8,7 +8,12 @@ One Redis Stream per request (`<prefix>out:<rid>`): the detokenizer appends each
 with its number in the request (`seq`, from 0), the stream's TTL renewed on every write;
 a gateway resuming a client's stream reads the entries after an id, blocking for more.
 A number that does not follow its predecessor marks a hole (a write that was dropped):
-the reader refuses to resume such a stream rather than send text with a hole.
+the reader refuses to resume such a stream rather than send text with a hole. One
+exception: a restarted detokenizer numbers a request it rebuilt from the worker's
+history (its delta marked `resent`, holding the choice from its start) from the log's
+last number plus `RESYNC_SEQ_GAP`, more than the old one could have numbered without
+writing; so an event id the old one gave out for a delta that never reached the log
+falls in the gap, which the reader refuses, and never on a number the new one gives.
 
 `OutputLogWriter` is the detokenizer's side: a bounded queue drained by one task, so a
 slow or absent Redis never delays a delta (a dropped write is counted and logged).
@@ -30,6 +35,11 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TTL_S = 120.0
 DEFAULT_MAX_ENTRIES = 65536  # a request's deltas kept at most (the oldest trimmed)
+DEFAULT_MAX_PENDING = 4096  # batches of entries the writer queues at most
+# Numbers skipped after a detokenizer restart: above what a writer can hold unwritten
+# (its queue and the batch it writes, each at most DEFAULT_MAX_PENDING lists of at most
+# one entry per choice of a request, n <= 128).
+RESYNC_SEQ_GAP = 4 * DEFAULT_MAX_PENDING * 128
 _LOG_EVERY_S = 10.0
 
 
@@ -98,6 +108,17 @@ class OutputLog:
     async def exists(self, rid: str) -> bool:
         return int(await self.store.redis.exists(self.key(rid))) == 1
 
+    async def last_seqs(self, rids: Sequence[str]) -> dict[str, int]:
+        """Each request's last entry number (-1: no entry), in one round trip."""
+        async with self.store.redis.pipeline(transaction=False) as pipe:
+            for rid in rids:
+                pipe.xrevrange(self.key(rid), count=1)
+            replies = await pipe.execute()
+        return {
+            rid: int(rows[0][1]["s"]) if rows else -1
+            for rid, rows in zip(rids, cast("list[Any]", replies), strict=True)
+        }
+
 
 class OutputLogWriter:
     """The deltas of resumable requests, numbered per request and written off the path
@@ -108,7 +129,7 @@ class OutputLogWriter:
         output_log: OutputLog,
         *,
         on_dropped: Callable[[int], Any],
-        max_pending: int = 4096,
+        max_pending: int = DEFAULT_MAX_PENDING,
         write_timeout_s: float = 2.0,
         max_requests: int = DEFAULT_MAX_ENTRIES,
     ) -> None:
@@ -120,9 +141,8 @@ class OutputLogWriter:
         self._max_requests = max_requests
         self._last_log = 0.0
 
-    def put(self, deltas: Sequence[tuple[str, str]]) -> None:
-        """(rid, delta JSON) pairs, in the order they were published; never waits."""
-        entries = [LogEntry(rid, self._number(rid), delta) for rid, delta in deltas]
+    def put(self, entries: list[LogEntry]) -> None:
+        """Entries numbered by `number`, in the order they were published; never waits."""
         if not entries:
             return
         try:
@@ -130,12 +150,21 @@ class OutputLogWriter:
         except asyncio.QueueFull:
             self._dropped(len(entries), "the output log's queue is full (Redis slow or down?)")
 
-    def _number(self, rid: str) -> int:
+    def number(self, rid: str) -> int:
+        """The next entry number of `rid` (from 0, or after `continue_after`)."""
         seq = self._next_seq.pop(rid, 0)
         self._next_seq[rid] = seq + 1
         if len(self._next_seq) > self._max_requests:
             self._next_seq.popitem(last=False)
         return seq
+
+    def knows(self, rid: str) -> bool:
+        return rid in self._next_seq
+
+    def continue_after(self, rid: str, last_seq: int) -> None:
+        """Number `rid`'s next entry after the log's `last_seq`, past the gap a restart
+        leaves (RESYNC_SEQ_GAP)."""
+        self._next_seq[rid] = max(last_seq + 1 + RESYNC_SEQ_GAP, self._next_seq.get(rid, 0))
 
     @property
     def pending(self) -> int:

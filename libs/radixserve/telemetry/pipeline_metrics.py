@@ -92,6 +92,24 @@ class SchedulerMetrics:
             ["worker"],
             registry=r,
         )
+        # With --ha-lease: which replica serves, and how the Redis lease is doing.
+        self.active = Gauge(
+            PREFIX + "scheduler_active",
+            "1 while this scheduler holds the lease and serves (always 1 without "
+            "--ha-lease), 0 while it stands by",
+            registry=r,
+        )
+        self.failovers = Counter(
+            PREFIX + "scheduler_failovers",
+            "Times this scheduler took over from another (won the lease after standing by)",
+            registry=r,
+        )
+        self.lease_errors = Counter(
+            PREFIX + "scheduler_lease_errors",
+            "Lease claims or releases that failed (Redis unreachable or slow): the active "
+            "one keeps serving, a standby cannot take over",
+            registry=r,
+        )
 
     def observe_routed(self, worker: str, expected_cached_tokens: int = 0) -> None:
         self.routed.labels(worker=worker).inc()

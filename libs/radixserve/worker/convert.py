@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -47,15 +50,31 @@ def submit_request(
     return params
 
 
+RECENT_S = 30.0  # how long a finished choice's history is kept for a detokenizer resync
+RECENT_MAX = 4096  # finished choices' histories kept at most (the oldest dropped)
+
+
 @dataclass
 class OutputBuilder:
     """Turns the engine's `ChoiceOutput`s into `StepOutput`s, remembering per request
-    which gateway owns it and which choices have already sent their `DetokParams`."""
+    which gateway owns it and which choices have already sent their `DetokParams`.
+
+    It also answers a detokenizer that lost its state (`history`): each announced choice's
+    `Req` is kept while it runs, and a finished choice's last `StepOutput`, with its whole
+    output, for `recent_s` (at most `recent_max` of them), so what finished while the
+    detokenizer was away is not lost either.
+    """
 
     gateways: dict[str, str] = field(default_factory=dict)  # rid -> gateway id
     unfinished: dict[str, int] = field(default_factory=dict)  # rid -> choices still running
-    announced: set[tuple[str, int]] = field(default_factory=set)
+    announced: dict[tuple[str, int], Req] = field(default_factory=dict)  # running choices
     resumable: set[str] = field(default_factory=set)  # rids whose deltas the detokenizer logs
+    recent: OrderedDict[tuple[str, int], tuple[float, protocol.StepOutput]] = field(
+        default_factory=OrderedDict
+    )
+    recent_s: float = RECENT_S
+    recent_max: int = RECENT_MAX
+    clock: Callable[[], float] = time.monotonic
 
     def track(self, rid: str, gateway_id: str, n: int, *, resumable: bool = False) -> None:
         self.gateways[rid] = gateway_id
@@ -71,7 +90,8 @@ class OutputBuilder:
         self.gateways.pop(rid, None)
         self.unfinished.pop(rid, None)
         self.resumable.discard(rid)
-        self.announced = {key for key in self.announced if key[0] != rid}
+        for key in [key for key in self.announced if key[0] == rid]:
+            del self.announced[key]
 
     def build(self, out: ChoiceOutput) -> protocol.StepOutput | None:
         gateway_id = self.gateways.get(out.rid)
@@ -81,10 +101,8 @@ class OutputBuilder:
         key = (out.rid, out.index)
         detok = prompt = None
         if key not in self.announced:
-            self.announced.add(key)
-            detok = detok_params(req.params)
-            if out.rid in self.resumable:
-                detok = msgspec.structs.replace(detok, resumable=True)
+            self.announced[key] = req
+            detok = self._detok_params(req)
             prompt = prompt_logprobs(req)
         reason = req.finish_reason
         token_logprobs = top_logprobs = None
@@ -95,7 +113,8 @@ class OutputBuilder:
             if len(token_logprobs) != len(out.new_token_ids):  # an abort carries no tokens
                 token_logprobs = top_logprobs = None
         if reason is not None:
-            self.announced.discard(key)
+            self._keep_recent(key, self._history(req, key, gateway_id))
+            self.announced.pop(key, None)
             self.unfinished[out.rid] -= 1
             if self.unfinished[out.rid] <= 0:
                 del self.unfinished[out.rid]
@@ -106,13 +125,7 @@ class OutputBuilder:
             gateway_id=gateway_id,
             new_token_ids=protocol.pack_tokens(out.new_token_ids),
             index=out.index,
-            finish_reason=None
-            if reason is None
-            else protocol.FinishReason(
-                kind=reason.kind,  # type: ignore[arg-type]
-                matched=reason.matched,
-                message=reason.message,
-            ),
+            finish_reason=wire_finish(req),
             prompt_tokens=len(req.origin_input_ids),
             completion_tokens=len(req.output_ids),
             cached_tokens=req.cached_tokens,
@@ -121,6 +134,72 @@ class OutputBuilder:
             detok=detok,
             prompt_logprobs=prompt,
         )
+
+    def history(self, rids: Collection[str] = ()) -> list[protocol.StepOutput]:
+        """The whole output so far of each choice of `rids` (every request when empty)
+        that has sent an output: running ones, and those finished in the last `recent_s`
+        (with their finish). For `StepOutputBatch.resent`; called between steps."""
+        self._expire_recent()
+        wanted = set(rids)
+        outputs = [
+            self._history(req, key, self.gateways[key[0]])
+            for key, req in self.announced.items()
+            if not wanted or key[0] in wanted
+        ]
+        outputs += [out for key, (_, out) in self.recent.items() if not wanted or key[0] in wanted]
+        outputs.sort(key=lambda out: (out.rid, out.index))
+        return outputs
+
+    def _detok_params(self, req: Req) -> protocol.DetokParams:
+        detok = detok_params(req.params)
+        if req.rid in self.resumable:
+            detok = msgspec.structs.replace(detok, resumable=True)
+        return detok
+
+    def _history(self, req: Req, key: tuple[str, int], gateway_id: str) -> protocol.StepOutput:
+        token_logprobs = top_logprobs = None
+        # Logprobs only where every id has one (a resumed request's first ids came from
+        # another worker, which sent their logprobs).
+        if req.params.return_logprob and len(req.logprobs) == len(req.output_ids):
+            token_logprobs = [lp.logprob for lp in req.logprobs]
+            if req.params.top_logprobs_num > 0:
+                top_logprobs = wire_top(req.logprobs)
+        return protocol.StepOutput(
+            rid=key[0],
+            gateway_id=gateway_id,
+            new_token_ids=protocol.pack_tokens(req.output_ids),
+            index=key[1],
+            finish_reason=wire_finish(req),
+            prompt_tokens=len(req.origin_input_ids),
+            completion_tokens=len(req.output_ids),
+            cached_tokens=req.cached_tokens,
+            token_logprobs=token_logprobs,
+            top_logprobs=top_logprobs,
+            detok=self._detok_params(req),
+            prompt_logprobs=prompt_logprobs(req),
+        )
+
+    def _keep_recent(self, key: tuple[str, int], out: protocol.StepOutput) -> None:
+        self.recent[key] = (self.clock(), out)
+        self.recent.move_to_end(key)
+        while len(self.recent) > self.recent_max:
+            self.recent.popitem(last=False)
+
+    def _expire_recent(self) -> None:
+        oldest = self.clock() - self.recent_s
+        while self.recent and next(iter(self.recent.values()))[0] < oldest:
+            self.recent.popitem(last=False)
+
+
+def wire_finish(req: Req) -> protocol.FinishReason | None:
+    reason = req.finish_reason
+    if reason is None:
+        return None
+    return protocol.FinishReason(
+        kind=reason.kind,  # type: ignore[arg-type]
+        matched=reason.matched,
+        message=reason.message,
+    )
 
 
 def prompt_logprobs(req: Req) -> protocol.PromptLogprobs | None:

@@ -4,6 +4,8 @@ The asyncio side (the worker service) never waits on the engine: `submit`, `abor
 and `flush_cache` put a command in a thread-safe inbox and return; the engine thread
 applies the commands between steps, runs `engine.step()`, and hands one list of
 `StepOutput`s per step to `on_step` (which the service forwards to its event loop).
+`resync` has it hand a detokenizer that lost its state the whole output of the asked
+requests (`on_resent`, between steps, numbered in the same sequence as the steps).
 With `on_kv_events`, the prefix cache's changes go the same way after each step (and a
 snapshot of the whole cache when `kv_snapshot` asks), for the scheduler's mirror.
 A snapshot of the engine's load is refreshed after every step for stats, and the
@@ -37,6 +39,7 @@ RejectCallback = Callable[[protocol.RequestError, str], None]  # (error, gateway
 KvEventsCallback = Callable[[list[protocol.KvEvent]], None]  # in the cache's order
 
 LOAD_REFRESH_S = 0.1  # stats go out every second; a fresher load is never read
+RESENT_BATCH_BYTES = 512 * 1024  # a history batch's outputs, under NATS's 1 MiB default
 _PARAM_RE = re.compile(r"sampling parameter '(\w+)'")
 
 
@@ -56,6 +59,11 @@ class _Gone:
 @dataclass(frozen=True)
 class _Abort:
     rid: str
+
+
+@dataclass(frozen=True)
+class _Resync:
+    rids: tuple[str, ...]  # empty: every request with output
 
 
 @dataclass(frozen=True)
@@ -84,9 +92,11 @@ class EngineDriver:
         idle_wait_s: float = 0.05,
         telemetry: WorkerTelemetry | None = None,
         on_kv_events: KvEventsCallback | None = None,
+        on_resent: StepCallback | None = None,
     ) -> None:
         self.engine = engine
         self.on_step = on_step
+        self.on_resent = on_resent
         self.on_reject = on_reject
         self.on_kv_events = on_kv_events
         self.idle_wait_s = idle_wait_s
@@ -99,9 +109,9 @@ class EngineDriver:
         self.load: EngineLoad = engine.load()
         self._load_at = time.monotonic()
         self.generated_tokens = 0  # for throughput in stats
-        self._inbox: queue.SimpleQueue[_Submit | _Gone | _Abort | _Flush | _Snapshot | _HandOff] = (
-            queue.SimpleQueue()
-        )
+        self._inbox: queue.SimpleQueue[
+            _Submit | _Gone | _Abort | _Flush | _Snapshot | _HandOff | _Resync
+        ] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._step_started: float | None = None  # monotonic, while a step runs
@@ -122,6 +132,11 @@ class EngineDriver:
 
     def abort(self, rid: str) -> None:
         self._inbox.put(_Abort(rid))
+
+    def resync(self, rids: tuple[str, ...] = ()) -> None:
+        """Send the whole output so far of `rids` (every request when empty) that run here
+        or finished lately, through `on_resent`; nothing when none is here."""
+        self._inbox.put(_Resync(rids))
 
     def hand_off(self) -> concurrent.futures.Future[list[str]]:
         """Stop every request here without a word on the outputs (no abort finish): the
@@ -210,6 +225,11 @@ class EngineDriver:
                 self.engine.abort(command.rid)
             elif isinstance(command, _Snapshot):
                 self._send_kv_events(self.engine.kv_snapshot())
+            elif isinstance(command, _Resync):
+                if self.on_resent is not None:
+                    for resent in history_batches(self.builder.history(command.rids)):
+                        self.steps += 1
+                        self.on_resent(self.steps, resent)
             elif isinstance(command, _HandOff):
                 rids = list(self.builder.gateways)
                 for rid in rids:
@@ -304,6 +324,23 @@ class EngineDriver:
             )
             for index in range(request.sampling.n)
         ]
+
+
+def history_batches(
+    outputs: list[protocol.StepOutput], max_bytes: int = RESENT_BATCH_BYTES
+) -> list[list[protocol.StepOutput]]:
+    """`outputs` in batches of at most `max_bytes` encoded (one larger output alone):
+    a long history of many requests must not pass the bus's payload limit."""
+    batches: list[list[protocol.StepOutput]] = []
+    size = max_bytes
+    for out in outputs:
+        cost = len(protocol.encode(out))
+        if size + cost > max_bytes:
+            batches.append([])
+            size = 0
+        batches[-1].append(out)
+        size += cost
+    return batches
 
 
 def resumed_tokens(routed: protocol.RoutedRequest) -> int:

@@ -46,6 +46,7 @@ from radixserve.engine.attention.triton_ops.shared_prefix import (
     shared_prefix_attention,
 )
 from radixserve.engine.forward_batch import ForwardBatch, ForwardMode, SharedPrefix
+from radixserve.engine.kvcache.fp8 import UNIT_SCALE, KVScale
 from radixserve.engine.transfer import upload, upload_int64, upload_into
 
 # A split of the prefix shorter than this costs more to merge than it adds in parallelism.
@@ -93,6 +94,7 @@ def _attend(
     mid_lse: torch.Tensor,  # -inf wherever neither part writes
     prefix_splits: int,
     out: torch.Tensor | None = None,  # [bs, num_heads, head_dim], else a new tensor
+    kv_scale: KVScale = UNIT_SCALE,  # an FP8 pool's scales for this layer
 ) -> torch.Tensor:
     q = q if q.stride(-1) == 1 else q.contiguous()  # the kernels assume dense head_dim
     split = prefix_splits
@@ -107,6 +109,7 @@ def _attend(
         mid_out[:, :, :split],
         mid_lse[:, :, :split],
         scale,
+        kv_scale=kv_scale,
     )
     if out is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -123,9 +126,12 @@ def _attend(
             mid_lse[:, :, :split],
             scale,
             overlap_writer=True,
+            kv_scale=kv_scale,
         )
         return out
-    decode_partials(*suffix, *tables, mid_out[:, :, split:], mid_lse[:, :, split:], scale)
+    decode_partials(
+        *suffix, *tables, mid_out[:, :, split:], mid_lse[:, :, split:], scale, kv_scale=kv_scale
+    )
     merge_splits(mid_out, mid_lse, out)
     return out
 
@@ -192,11 +198,13 @@ class CascadeDecode:
         v_buffer: torch.Tensor,
         scale: float,
         out: torch.Tensor | None = None,  # where to write [rows, num_heads, head_dim]
+        kv_scale: KVScale = UNIT_SCALE,
     ) -> torch.Tensor:
         mid_out, mid_lse, prefix_splits = self.prepare(q, k_buffer.shape[1])
         return _attend(
-            self._tables, q, k_buffer, v_buffer, scale, mid_out, mid_lse, prefix_splits, out
-        )
+            self._tables, q, k_buffer, v_buffer, scale, mid_out, mid_lse, prefix_splits, out,
+            kv_scale,
+        )  # fmt: skip
 
     def prepare(self, q: torch.Tensor, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """The pass's tiles and scratch, made at the first layer (on the current stream:
@@ -380,12 +388,20 @@ class CascadeGraphPass:
         self._scratch: tuple[torch.Tensor, torch.Tensor, int] | None = None
 
     def forward(
-        self, q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, scale: float
+        self,
+        q: torch.Tensor,
+        k_buffer: torch.Tensor,
+        v_buffer: torch.Tensor,
+        scale: float,
+        kv_scale: KVScale = UNIT_SCALE,
     ) -> torch.Tensor:
         if self._scratch is None:
             self._scratch = self._first_layer(q, k_buffer.shape[1])
         mid_out, mid_lse, prefix_splits = self._scratch
-        return _attend(self._tables, q, k_buffer, v_buffer, scale, mid_out, mid_lse, prefix_splits)
+        return _attend(
+            self._tables, q, k_buffer, v_buffer, scale, mid_out, mid_lse, prefix_splits,
+            kv_scale=kv_scale,
+        )  # fmt: skip
 
     def _first_layer(
         self, q: torch.Tensor, num_kv_heads: int

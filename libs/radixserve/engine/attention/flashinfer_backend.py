@@ -38,6 +38,12 @@ capture: plan copies host memory), and re-planned before each replay from the
 lengths the graph runner puts in the static batch: the plan writes the new tables and
 work split into the fixed buffers the captured kernels read.
 
+An FP8 pool (e4m3 codes) is planned with `kv_data_type` float8_e4m3fn beside 16-bit
+queries; each layer's run takes its K/V scales (FlashInfer folds k_scale into the
+softmax scale and multiplies the output by v_scale). Decode then runs on tensor cores
+whatever the head group, as SGLang does for FP8 caches. The SM90 prefill is off for
+them: its kernels take FP8 K/V only beside FP8 queries.
+
 Kernels are JIT-compiled by FlashInfer on first use (nvcc; cached under
 $FLASHINFER_WORKSPACE_BASE/.cache/flashinfer). Prefill passes run FA2's kernels, or on
 Hopper the SM90 (fa3) ones where long prompts dominate the pass (attention/
@@ -74,6 +80,7 @@ from radixserve.engine.attention.sm90_prefill import (
 from radixserve.engine.attention.triton_backend import DecodeRows
 from radixserve.engine.attention.triton_ops.indices import build_kv_indices
 from radixserve.engine.forward_batch import ForwardMode
+from radixserve.engine.kernels.fp8_format import FP8_DTYPE
 
 if TYPE_CHECKING:
     from radixserve.engine.forward_batch import ForwardBatch
@@ -107,6 +114,7 @@ class _Layout:
     head_dim: int
     dtype: torch.dtype
     scale: float
+    kv_dtype: torch.dtype  # the pool's: dtype, or FP8 codes
 
 
 @dataclass
@@ -326,15 +334,22 @@ class FlashInferAttentionBackend(AttentionBackend):
         if step is None and self._cascade is None:
             raise RuntimeError("init_forward_metadata must run before the first layer")
         num_tokens, num_heads, head_dim = q.shape
-        layout = _Layout(num_heads, k.shape[1], head_dim, q.dtype, scale)
+        pool = batch.kv_pool
+        layout = _Layout(num_heads, k.shape[1], head_dim, q.dtype, scale, pool.dtype)
         if layout != self._layout:
-            self._check_layout(layout, batch)
+            self._check_layout(layout)
         if not kv_stored:
-            batch.kv_pool.set_kv(layer_id, batch.out_cache_loc, k, v)
-        k_buffer = batch.kv_pool.k_buffers[layer_id]
-        v_buffer = batch.kv_pool.v_buffers[layer_id]
+            pool.set_kv(layer_id, batch.out_cache_loc, k, v)
+        k_buffer = pool.k_buffers[layer_id]
+        v_buffer = pool.v_buffers[layer_id]
+        kv_scale = pool.scales[layer_id]
+        # None where 1.0: no output multiply (FlashInfer's v_scale is a kernel of its own).
+        run_scales = {
+            "k_scale": None if kv_scale.k == 1.0 else kv_scale.k,
+            "v_scale": None if kv_scale.v == 1.0 else kv_scale.v,
+        }
         if self._cascade is not None and step is None:
-            return self._cascade.forward(q, k_buffer, v_buffer, scale)
+            return self._cascade.forward(q, k_buffer, v_buffer, scale, kv_scale=kv_scale)
         assert step is not None
         if not step.wrappers:
             self._plan(step, layout)
@@ -343,9 +358,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         first = step.first
         paged = (k_buffer.unsqueeze(1), v_buffer.unsqueeze(1))  # pages of one slot (NHD)
         if not isinstance(self._cascade, CascadeDecode):
-            wrapper.run(q[first:], paged, out=out[first:])
+            wrapper.run(q[first:], paged, out=out[first:], **run_scales)
             if self._decoders is not None:
-                self._decoders.forward(q, k_buffer, v_buffer, out, scale)
+                self._decoders.forward(q, k_buffer, v_buffer, out, scale, kv_scale)
             return out
         # A mixed batch: the decoders' cascade (memory-bound) runs on a side stream beside
         # the prompts' prefill (compute-bound) on this one, launched after it (its small
@@ -357,9 +372,11 @@ class FlashInferAttentionBackend(AttentionBackend):
         main = torch.cuda.current_stream(self.device)
         side = self._side_stream()
         side.wait_stream(main)
-        wrapper.run(q[first:], paged, out=out[first:])
+        wrapper.run(q[first:], paged, out=out[first:], **run_scales)
         with torch.cuda.stream(side):
-            self._cascade.forward(q[:first], k_buffer, v_buffer, scale, out=out[:first])
+            self._cascade.forward(
+                q[:first], k_buffer, v_buffer, scale, out=out[:first], kv_scale=kv_scale
+            )
         main.wait_stream(side)
         return out
 
@@ -371,22 +388,24 @@ class FlashInferAttentionBackend(AttentionBackend):
             self._stream = torch.cuda.Stream(self.device)
         return self._stream
 
-    def _check_layout(self, layout: _Layout, batch: ForwardBatch) -> None:
+    def _check_layout(self, layout: _Layout) -> None:
         """The first layer fixes the layout every plan is made for; later ones must match."""
         if self._layout is not None:
             raise ValueError(
                 f"a layer's attention {layout} differs from the first's {self._layout}"
             )
-        if layout.dtype not in DTYPES or batch.kv_pool.dtype != layout.dtype:
+        if layout.dtype not in DTYPES or layout.kv_dtype not in (layout.dtype, FP8_DTYPE):
             raise ValueError(
-                f"the flashinfer attention backend runs float16 or bfloat16 q and KV of one "
-                f"dtype, not q {layout.dtype} over KV {batch.kv_pool.dtype}"
+                f"the flashinfer attention backend runs float16 or bfloat16 q over KV of the "
+                f"same dtype or FP8, not q {layout.dtype} over KV {layout.kv_dtype}"
             )
         if layout.num_heads % layout.num_kv_heads:
             raise ValueError(
                 f"{layout.num_heads} query heads do not split over {layout.num_kv_heads} KV heads"
             )
         self._layout = layout
+        if layout.kv_dtype == FP8_DTYPE:
+            self._sm90_wanted = False  # FP8 K/V only beside FP8 queries there
         # Where the runner did not start them (a backend used on its own).
         self.start_kernel_builds(
             layout.num_heads, layout.num_kv_heads, layout.head_dim, layout.dtype
@@ -421,7 +440,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         shape = (layout.num_heads, layout.num_kv_heads, layout.head_dim, 1)  # page size 1
         options = {
             "q_data_type": layout.dtype,
-            "kv_data_type": layout.dtype,
+            "kv_data_type": layout.kv_dtype,
             # FlashInfer's window counts the keys left of the query's own.
             "window_left": -1 if kind.window is None else kind.window - 1,
             "logits_soft_cap": kind.soft_cap,
@@ -458,7 +477,10 @@ class FlashInferAttentionBackend(AttentionBackend):
         return wrapper
 
     def _decode_wrapper(self, layout: _Layout, graph_bs: int | None, kind: LayerAttention) -> Any:
-        tensor_cores = layout.num_heads // layout.num_kv_heads >= TENSOR_CORE_GROUP
+        tensor_cores = (
+            layout.num_heads // layout.num_kv_heads >= TENSOR_CORE_GROUP
+            or layout.kv_dtype == FP8_DTYPE
+        )
         wrapper_cls = self._fi.BatchDecodeWithPagedKVCacheWrapper
         if graph_bs is None:
             if kind not in self._decode:

@@ -11,6 +11,9 @@ and unpads.
 GQA without repeating K/V: the G query heads that share a KV head are folded
 into the query-length axis ([bs, kv_heads, G * q_len, d]), which every torch
 version's SDPA supports.
+
+An FP8 pool's gathered codes are widened to q's dtype by the layer's scales
+(kvcache/fp8.widen), so this is the reference for the kernels on FP8 pools too.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from radixserve.engine.attention.base import AttentionBackend, LayerAttention, check_batch
+from radixserve.engine.kvcache.fp8 import KVScale, widen
 
 if TYPE_CHECKING:
     from radixserve.engine.forward_batch import ForwardBatch
@@ -109,13 +113,14 @@ class TorchAttentionBackend(AttentionBackend):
         k_buffer = batch.kv_pool.k_buffers[layer_id]
         v_buffer = batch.kv_pool.v_buffers[layer_id]
         layer = self.layer(layer_id)
+        kv_scale = batch.kv_pool.scales[layer_id]
         if len(self._groups) == 1 and self._groups[0].token_index is None:
-            return self._attend(self._groups[0], q, k_buffer, v_buffer, scale, layer)
+            return self._attend(self._groups[0], q, k_buffer, v_buffer, kv_scale, scale, layer)
         out = torch.empty_like(q)
         for group in self._groups:
             assert group.token_index is not None
             out[group.token_index] = self._attend(
-                group, q[group.token_index], k_buffer, v_buffer, scale, layer
+                group, q[group.token_index], k_buffer, v_buffer, kv_scale, scale, layer
             )
         return out
 
@@ -126,6 +131,7 @@ class TorchAttentionBackend(AttentionBackend):
         q: torch.Tensor,  # [group tokens, heads, d]
         k_buffer: torch.Tensor,
         v_buffer: torch.Tensor,
+        kv_scale: KVScale,
         scale: float,
         layer: LayerAttention,
     ) -> torch.Tensor:
@@ -134,8 +140,9 @@ class TorchAttentionBackend(AttentionBackend):
         group_size = num_heads // num_kv_heads
         bs, max_q = group.kv_index.shape[0], group.max_q
         # [bs, max_kv, kv_heads, d] -> [bs, kv_heads, max_kv, d]
-        keys = self._gather("k", k_buffer, group.kv_index).to(q.dtype).transpose(1, 2)
-        values = self._gather("v", v_buffer, group.kv_index).to(q.dtype).transpose(1, 2)
+        keys = widen(self._gather("k", k_buffer, group.kv_index), kv_scale.k, q.dtype)
+        values = widen(self._gather("v", v_buffer, group.kv_index), kv_scale.v, q.dtype)
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)
         if group.pad_index is None:  # decode: one query per request, no padding
             grid = q
         else:

@@ -15,7 +15,10 @@ extend kernel would fill one row of a 64-row query tile and read its KV once per
 query head instead of once per KV head.
 
 Each layer writes its new K/V into the pool, exactly as the torch backend does,
-before it attends.
+before it attends. Over an FP8 pool the kernels widen the codes they read by the
+layer's scales (KV_FP8, a constexpr: 16-bit pools compile the kernels as before), and
+the extend kernel's new tokens are handed over as the pool stores them, so every key
+is the same value whichever kernel reads it.
 
 CUDA graphs (engine/graphs) capture decode passes only. For them the decode tables
 live in fixed buffers (kv_indptr for max_bs + 1 requests, kv_indices for max_bs full
@@ -48,6 +51,7 @@ from radixserve.engine.attention.triton_ops.decode import (
 from radixserve.engine.attention.triton_ops.extend import extend_attention
 from radixserve.engine.attention.triton_ops.indices import build_kv_indices, gather_kv_rows
 from radixserve.engine.forward_batch import ForwardMode
+from radixserve.engine.kvcache.fp8 import UNIT_SCALE, KVScale
 from radixserve.engine.transfer import upload_int64
 
 if TYPE_CHECKING:
@@ -208,18 +212,22 @@ class TritonAttentionBackend(AttentionBackend):
             raise ValueError(f"{num_heads} query heads do not split over {k.shape[1]} KV heads")
         if not kv_stored:
             batch.kv_pool.set_kv(layer_id, batch.out_cache_loc, k, v)
-        k_buffer = batch.kv_pool.k_buffers[layer_id]
-        v_buffer = batch.kv_pool.v_buffers[layer_id]
+        pool = batch.kv_pool
+        k_buffer = pool.k_buffers[layer_id]
+        v_buffer = pool.v_buffers[layer_id]
+        kv_scale = pool.scales[layer_id]
         # The kernels take token and head strides but assume a dense head_dim.
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         if self._cascade is not None and self._extend is None:
-            return self._cascade.forward(q, k_buffer, v_buffer, scale)
+            return self._cascade.forward(q, k_buffer, v_buffer, scale, kv_scale=kv_scale)
         layer = self.layer(layer_id)
         # Each group writes its own token rows; together they cover every row.
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
         if isinstance(self._cascade, CascadeDecode):
             rows = self._cascade.rows
-            self._cascade.forward(q[:rows], k_buffer, v_buffer, scale, out=out[:rows])
+            self._cascade.forward(
+                q[:rows], k_buffer, v_buffer, scale, out=out[:rows], kv_scale=kv_scale
+            )
         if self._decode is not None:
             plan = self._decode
             shape = (plan.q_rows.shape[0], num_heads, plan.num_splits)
@@ -240,12 +248,14 @@ class TritonAttentionBackend(AttentionBackend):
                 mid_lse,
                 scale,
                 layer=layer,
+                kv_scale=kv_scale,
             )
         if self._extend is not None:
+            k_new, v_new = pool.as_stored(layer_id, k, v)
             extend_attention(
                 q,
-                k,
-                v,
+                k_new,
+                v_new,
                 out,
                 k_buffer,
                 v_buffer,
@@ -256,6 +266,7 @@ class TritonAttentionBackend(AttentionBackend):
                 self._extend.max_extend_len,
                 scale,
                 layer=layer,
+                kv_scale=kv_scale,
             )
         return out
 
@@ -311,6 +322,7 @@ class DecodeRows:
         v_buffer: torch.Tensor,
         out: torch.Tensor,  # rows [:rows] are written
         scale: float,
+        kv_scale: KVScale = UNIT_SCALE,
     ) -> None:
         plan = self._plan
         if self._scratch is None:
@@ -321,7 +333,7 @@ class DecodeRows:
             )
         decode_attention(
             q, k_buffer, v_buffer, out, plan.q_rows, plan.kv_indptr, plan.kv_indices,
-            *self._scratch, scale,
+            *self._scratch, scale, kv_scale=kv_scale,
         )  # fmt: skip
 
 

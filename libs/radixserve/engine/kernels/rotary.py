@@ -49,12 +49,13 @@ def apply_rotary(
 
 
 def apply_rotary_and_store(
-    q: torch.Tensor, k: torch.Tensor, rotation: Rotation, write: KVWrite
+    q: torch.Tensor, k: torch.Tensor, rotation: Rotation, write: KVWrite | None
 ) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """apply_rotary, and where the Triton kernels run, `write` with the rotated k in the
-    same launch: (q, k, whether it stored). Elsewhere nothing is stored (False) and
-    the caller stores k and write.v (the attention backend's set_kv)."""
-    if rotation.cos_sin is None and triton_stores(k, write.v):
+    same launch: (q, k, whether it stored). Elsewhere, or with no `write` (an FP8 pool
+    quantizes in set_kv), nothing is stored (False) and the caller stores k and v (the
+    attention backend's set_kv)."""
+    if write is not None and rotation.cos_sin is None and triton_stores(k, write.v):
         return (*_rotary_triton(q, k, rotation, write), True)
     return (*apply_rotary(q, k, rotation), False)
 

@@ -9,6 +9,11 @@ The free list lives on the pool's device (SGLang's TokenToKVPoolAllocator): an
 allocation slices page ids off its front, a free appends the freed tensor, and the
 host keeps only the count. Neither ever reads the device, so finishing a request or
 evicting from the cache costs no host round trip.
+
+An FP8 pool (dtype float8_e4m3fn, EngineConfig.kv_cache_dtype "fp8_e4m3") stores
+e4m3 codes with one K and one V scale per layer (kvcache/fp8.py): `set_kv` quantizes,
+the attention backends widen what they read by `scales[layer]`. Half the bytes of a
+16-bit pool per token, so the same memory holds twice the tokens.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from radixserve.engine.kernels.kv_store import KVWrite, store_kv
+from radixserve.engine.kvcache.fp8 import UNIT_SCALE, KVScale, is_fp8, quantize, widen
 
 
 class KVPool:
@@ -48,7 +54,10 @@ class KVPool:
         self.page_size = page_size
         self.num_pages = num_slots // page_size
         self.num_layers = num_layers
-        self.dtype = dtype
+        self.dtype = dtype  # what the buffers store: the model's dtype, or FP8 codes
+        self.quantized = is_fp8(dtype)
+        # Fixed once the model is loaded (set_scales): CUDA graphs bake them in.
+        self.scales = [UNIT_SCALE] * num_layers
         self.debug = debug
         # Canonical form ("cuda" -> "cuda:0"), so device comparisons hold.
         self.device = torch.empty(0, device=device).device
@@ -167,12 +176,42 @@ class KVPool:
             return pages.tolist()
         return (pages[:, None] * self.page_size + self._page_offsets).reshape(-1).tolist()
 
+    def set_scales(self, scales: list[KVScale]) -> None:
+        """Each layer's K/V scales (an FP8 pool's; a 16-bit pool takes only 1.0), before
+        anything is stored."""
+        if len(scales) != self.num_layers:
+            raise ValueError(f"{len(scales)} KV scales for {self.num_layers} layers")
+        if not self.quantized and any(s != UNIT_SCALE for s in scales):
+            raise ValueError(f"a {self.dtype} KV pool stores K/V unscaled")
+        self.scales = list(scales)
+
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self.quantized:
+            scale = self.scales[layer_id]
+            k, v = quantize(k, scale.k), quantize(v, scale.v)
         store_kv(self.k_buffers[layer_id], self.v_buffers[layer_id], loc, k, v)
 
-    def kv_write(self, layer_id: int, loc: torch.Tensor, v: torch.Tensor) -> KVWrite:
+    def as_stored(
+        self, layer_id: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """k and v as reading them back from the pool gives them (in k's dtype): an FP8
+        pool's codes times the scales; k and v themselves otherwise. For kernels that
+        take a pass's new K/V from the projection rather than from the pool, so that
+        they attend the values every other read sees."""
+        if not self.quantized:
+            return k, v
+        scale = self.scales[layer_id]
+        return (
+            widen(quantize(k, scale.k), scale.k, k.dtype),
+            widen(quantize(v, scale.v), scale.v, v.dtype),
+        )
+
+    def kv_write(self, layer_id: int, loc: torch.Tensor, v: torch.Tensor) -> KVWrite | None:
         """set_kv(layer_id, loc, k, v) with k still to come: for a kernel that makes k
-        and stores it in the same launch (kernels/rotary.apply_rotary_and_store)."""
+        and stores it in the same launch (kernels/rotary.apply_rotary_and_store). None
+        for an FP8 pool: that kernel casts without scaling, so set_kv stores."""
+        if self.quantized:
+            return None
         return KVWrite(self.k_buffers[layer_id], self.v_buffers[layer_id], loc, v)
 
     @staticmethod

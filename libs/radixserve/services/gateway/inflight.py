@@ -157,8 +157,9 @@ class Inflight:
             now = self.heard_at = time.monotonic()
             if not isinstance(event, TextDelta):
                 raise self._failure(event)
-            if event.rid in self.counts:
-                self.counts[event.rid] += 1
+            if event.rid in self.counts:  # as the output log numbers it, if it does
+                seq = event.seq
+                self.counts[event.rid] = self.counts[event.rid] + 1 if seq is None else seq + 1
             if event.worker_id:
                 self.state.records.update(self.rid, {"worker": event.worker_id})
             update = self.assembly.apply(event)

@@ -9,6 +9,8 @@ for more). A client that lost its connection sends that id back as `Last-Event-I
 any gateway: re-POSTed to the endpoint it used, or with `GET /v1/requests/{id}/output`.
 That gateway rebuilds the answer from the log, from the first delta (so every parser's
 state is the original's), sends what follows the offsets, and then what comes, live.
+The offsets are the deltas' numbers in the log (`TextDelta.seq`); after a detokenizer
+restart they jump past a gap (store/output_log.py), and an id inside it is refused.
 """
 
 from __future__ import annotations
@@ -193,7 +195,7 @@ class Replay:
         self.resumable = True
         self._after = dict.fromkeys(plan.rids, "0")
         self._read_count = dict.fromkeys(plan.rids, 0)
-        self._pending: list[TextDelta] = []
+        self._pending: list[tuple[int, TextDelta]] = []  # (seq, delta)
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started
@@ -208,8 +210,8 @@ class Replay:
 
     def ready_update(self) -> ChoiceUpdate | None:
         while self._pending:
-            delta = self._pending.pop(0)
-            self.counts[delta.rid] += 1
+            seq, delta = self._pending.pop(0)
+            self.counts[delta.rid] = seq + 1
             update = self.assembly.apply(delta)
             if update is not None:
                 self.replaying = self.counts[delta.rid] <= self.offsets[delta.rid]
@@ -226,13 +228,20 @@ class Replay:
         )
         for rid, entries in found.items():
             for entry in entries:
-                if entry.seq != self._read_count[rid]:
-                    raise _incomplete(self.plan.response_id)
-                self._read_count[rid] += 1
                 try:
-                    self._pending.append(decode_json(entry.delta, TextDelta))
+                    delta = decode_json(entry.delta, TextDelta)
                 except ProtocolError as exc:
                     raise _incomplete(self.plan.response_id) from exc
+                expected = self._read_count[rid]
+                # Only a restarted detokenizer's rebuilt choice may jump (past its gap),
+                # and not past the client's offset: it has deltas the log never got.
+                jumped = delta.resent and entry.seq > expected
+                if entry.seq != expected and not jumped:
+                    raise _incomplete(self.plan.response_id)
+                if jumped and expected < self.offsets[rid] <= entry.seq:
+                    raise _incomplete(self.plan.response_id)
+                self._read_count[rid] = entry.seq + 1
+                self._pending.append((entry.seq, delta))
                 self._after[rid] = entry.entry_id
         if not found:
             await self._check_alive(after)

@@ -10,6 +10,7 @@ import triton.language as tl
 from triton import knobs
 
 from radixserve.engine.kernels.dispatch import GEMV_MAX_ROWS
+from radixserve.engine.kernels.fp8_format import FP8_DTYPE
 
 # Scores are kept in base 2 (exp2 is one instruction; exp is exp2 plus a multiply), so
 # the softmax scale is folded with log2(e) once on the host.
@@ -154,6 +155,20 @@ def cap_scores(qk, cap_log2, SOFT_CAP: tl.constexpr):
     return qk
 
 
+def kv_fp8(buffer: torch.Tensor) -> bool:
+    """Whether a KV buffer holds FP8 codes (the kernels' KV_FP8)."""
+    return buffer.dtype == FP8_DTYPE
+
+
+@triton.jit
+def widen_kv(x, scale, KV_FP8: tl.constexpr):
+    """Loaded K or V values: e4m3 codes widened to float32 times `scale` where KV_FP8,
+    else as loaded (a 16-bit pool's kernels compile as before)."""
+    if KV_FP8:
+        x = x.to(tl.float32) * scale
+    return x
+
+
 @triton.jit
 def attend_paged_range(
     q,
@@ -175,15 +190,20 @@ def attend_paged_range(
     acc,
     row_lo,
     cap_log2,
+    k_scale,
+    v_scale,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     WINDOWED: tl.constexpr,
     SOFT_CAP: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Keys [lo, hi) read through the slot table `kv_indices`, BLOCK_N at a time, folded
     into the running softmax: the loop the decode, extend and shared-prefix kernels
     share (an empty range leaves m_i, l_i and acc as they are). WINDOWED: row r sees
-    only keys from row_lo[r] on (its sliding window's first); SOFT_CAP: cap_scores."""
+    only keys from row_lo[r] on (its sliding window's first); SOFT_CAP: cap_scores.
+    KV_FP8: the buffers hold e4m3 codes, read as code * k_scale (v_scale), as
+    kvcache/fp8.widen reads them."""
     for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < hi
@@ -195,7 +215,8 @@ def attend_paged_range(
             K_Buffer + slots[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
             mask=kv_mask,
             other=0.0,
-        ).to(q.dtype)
+        )
+        k = widen_kv(k, k_scale, KV_FP8).to(q.dtype)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale_log2
         qk = cap_scores(qk, cap_log2, SOFT_CAP)
         visible = n_mask[None, :]
@@ -206,6 +227,7 @@ def attend_paged_range(
             V_Buffer + slots[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
             mask=kv_mask,
             other=0.0,
-        ).to(q.dtype)
+        )
+        v = widen_kv(v, v_scale, KV_FP8).to(q.dtype)
         m_i, l_i, acc = online_softmax_step(qk, v, m_i, l_i, acc, DOT_PRECISION)
     return m_i, l_i, acc

@@ -36,9 +36,11 @@ from radixserve.engine.attention.triton_ops.common import (
     attend_paged_range,
     dot_precision,
     fold_partial,
+    kv_fp8,
     num_sms,
     programmatic_launch,
 )
+from radixserve.engine.kvcache.fp8 import UNIT_SCALE, KVScale
 
 # tl.dot needs at least 16 rows; a GQA group smaller than this leaves rows masked.
 _BLOCK_H = 16
@@ -116,6 +118,8 @@ def _decode_split_kernel(
     num_splits,
     window,  # > 0: only the last `window` keys of each request (its sliding window)
     cap_log2,  # the soft-cap times log2(e), where SOFT_CAP
+    k_scale,  # where KV_FP8: stored codes times these are K and V
+    v_scale,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -139,6 +143,7 @@ def _decode_split_kernel(
     MERGE_SPLITS: tl.constexpr,  # with DIRECT: fold Mid_O/Mid_Lse splits [0, MERGE_SPLITS) in
     WAIT_TO_MERGE: tl.constexpr,  # launched as a programmatic dependent of their writer
     SOFT_CAP: tl.constexpr,
+    KV_FP8: tl.constexpr,  # the buffers hold e4m3 codes
 ):
     req = tl.program_id(0)
     head_block = tl.program_id(1)
@@ -191,10 +196,13 @@ def _decode_split_kernel(
         acc,
         0,
         cap_log2,
+        k_scale,
+        v_scale,
         BLOCK_N,
         DOT_PRECISION,
         False,  # one query position per request: the range is its window
         SOFT_CAP,
+        KV_FP8,
     )
 
     if DIRECT:
@@ -282,11 +290,12 @@ def _launch_split_kernel(
     merged: tuple[torch.Tensor, torch.Tensor] | None = None,
     overlap_writer: bool = False,
     layer: LayerAttention = FULL_ATTENTION,
+    kv_scale: KVScale = UNIT_SCALE,
 ) -> None:
     """Stage 1 into `partials` (mid_out, mid_lse), or else in one split straight into `out`,
     folding in the `merged` (mid_out, mid_lse) partials first where given; with
     `overlap_writer`, launched as a programmatic dependent of the kernel just before it
-    (see decode_merged). `layer`: its window and soft-cap."""
+    (see decode_merged). `layer`: its window and soft-cap; `kv_scale`: an FP8 pool's."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_buffer.shape[1]
     group_size = num_heads // num_kv_heads
@@ -324,6 +333,8 @@ def _launch_split_kernel(
         num_splits,
         layer.window or 0,
         (layer.soft_cap or 1.0) * LOG2E,
+        kv_scale.k,
+        kv_scale.v,
         q.stride(0),
         q.stride(1),
         k_buffer.stride(0),
@@ -341,6 +352,7 @@ def _launch_split_kernel(
         MERGE_SPLITS=0 if merged is None else merged[0].shape[2],
         WAIT_TO_MERGE=dependent,
         SOFT_CAP=layer.soft_cap is not None,
+        KV_FP8=kv_fp8(k_buffer),
         launch_pdl=dependent,
         num_warps=options.num_warps,
         num_stages=options.num_stages,
@@ -360,13 +372,14 @@ def decode_partials(
     *,
     options: LaunchOptions | None = None,
     layer: LayerAttention = FULL_ATTENTION,
+    kv_scale: KVScale = UNIT_SCALE,
 ) -> None:
     """Stage 1 alone: each (request, head, split)'s partial output and lse in mid_out and
     mid_lse (splits past a short sequence's last are not written). `options` default to
     `launch_options`; others are for lab/probes/decode_attention.py's sweep."""
     _launch_split_kernel(
         q, k_buffer, v_buffer, q_rows, kv_indptr, kv_indices, scale, options,
-        (mid_out, mid_lse), None, layer=layer,
+        (mid_out, mid_lse), None, layer=layer, kv_scale=kv_scale,
     )  # fmt: skip
 
 
@@ -384,6 +397,7 @@ def decode_merged(
     *,
     options: LaunchOptions | None = None,
     overlap_writer: bool = False,
+    kv_scale: KVScale = UNIT_SCALE,
 ) -> None:
     """One split over each request's KV, merged with the partials already in mid_out /
     mid_lse (e.g. a shared prefix's), written to `out`: attention over both parts.
@@ -395,7 +409,7 @@ def decode_merged(
     """
     _launch_split_kernel(
         q, k_buffer, v_buffer, q_rows, kv_indptr, kv_indices, scale, options, None, out,
-        (mid_out, mid_lse), overlap_writer,
+        (mid_out, mid_lse), overlap_writer, kv_scale=kv_scale,
     )  # fmt: skip
 
 
@@ -445,17 +459,19 @@ def decode_attention(
     *,
     options: LaunchOptions | None = None,
     layer: LayerAttention = FULL_ATTENTION,
+    kv_scale: KVScale = UNIT_SCALE,
 ) -> None:
     """Both stages; with one split (mid_out.shape[2] == 1), stage 1 alone writing `out`
-    (the scratch is then not used). `layer`: its window and soft-cap."""
+    (the scratch is then not used). `layer`: its window and soft-cap; `kv_scale`: an
+    FP8 pool's scales for this layer."""
     if mid_out.shape[2] == 1:
         _launch_split_kernel(
             q, k_buffer, v_buffer, q_rows, kv_indptr, kv_indices, scale, options, None, out,
-            layer=layer,
+            layer=layer, kv_scale=kv_scale,
         )  # fmt: skip
         return
     decode_partials(
         q, k_buffer, v_buffer, q_rows, kv_indptr, kv_indices, mid_out, mid_lse, scale,
-        options=options, layer=layer,
+        options=options, layer=layer, kv_scale=kv_scale,
     )  # fmt: skip
     decode_reduce(mid_out, mid_lse, out, q_rows, kv_indptr, layer.window)

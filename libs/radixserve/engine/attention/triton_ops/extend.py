@@ -9,7 +9,8 @@ attention: the group's heads share every K/V block read, rather than each readin
    so only the prefix length masks;
 2. over the request's new tokens, whose K/V are read straight from the (contiguous)
    k/v inputs of this pass, with the causal mask; keys past the block's last query
-   are never visible, so the loop stops there.
+   are never visible, so the loop stops there. Over an FP8 pool the caller hands
+   them over as the pool stores them (KVPool.as_stored), so every key is read alike.
 
 With a sliding window (WINDOWED) new token i at position p = prefix + i sees only keys
 j > p - window: both loops start at the block's first row's window and mask per row.
@@ -32,8 +33,10 @@ from radixserve.engine.attention.triton_ops.common import (
     attend_paged_range,
     cap_scores,
     dot_precision,
+    kv_fp8,
     online_softmax_step,
 )
+from radixserve.engine.kvcache.fp8 import UNIT_SCALE, KVScale
 
 # Shared memory a block may use (opt-in) from which the larger tiles fit: A100 and H100
 # have 163 and 227 KiB; Ada and consumer Ampere ~99 KiB, where they would not compile.
@@ -80,6 +83,8 @@ def _extend_kernel(
     sm_scale_log2,
     window,  # where WINDOWED: keys a query sees, its own included
     cap_log2,  # where SOFT_CAP: the cap times log2(e)
+    k_scale,  # where KV_FP8: the pool's codes times these are K and V
+    v_scale,
     stride_qt,
     stride_qh,
     stride_knt,
@@ -101,6 +106,7 @@ def _extend_kernel(
     DOT_PRECISION: tl.constexpr,
     WINDOWED: tl.constexpr,
     SOFT_CAP: tl.constexpr,
+    KV_FP8: tl.constexpr,  # the pool holds e4m3 codes (the new tokens' K/V do not)
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -162,10 +168,13 @@ def _extend_kernel(
         acc,
         row_lo,
         cap_log2,
+        k_scale,
+        v_scale,
         BLOCK_N,
         DOT_PRECISION,
         WINDOWED,
         SOFT_CAP,
+        KV_FP8,
     )
 
     # 2) the new tokens, causal: query i sees new keys j <= i (and, windowed, from its
@@ -216,10 +225,12 @@ def extend_attention(
     scale: float,
     blocks: tuple[int, int, int, int] | None = None,
     layer: LayerAttention = FULL_ATTENTION,
+    kv_scale: KVScale = UNIT_SCALE,
 ) -> None:
     """`blocks`: (BLOCK_M, BLOCK_N, num_warps, num_stages), for a sweep
     (lab/probes/prefill_kernels.py); by default `_blocks`' choice for the pass.
-    `layer`: its window and soft-cap."""
+    `layer`: its window and soft-cap; `kv_scale`: an FP8 pool's scales (k and v are
+    then as the pool stores them, KVPool.as_stored)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     group_size = num_heads // k.shape[1]
     bs = q_starts.shape[0]
@@ -243,6 +254,8 @@ def extend_attention(
         scale * LOG2E,
         layer.window or 0,
         (layer.soft_cap or 1.0) * LOG2E,
+        kv_scale.k,
+        kv_scale.v,
         q.stride(0),
         q.stride(1),
         k.stride(0),
@@ -264,6 +277,7 @@ def extend_attention(
         DOT_PRECISION=dot_precision(q.dtype),
         WINDOWED=layer.window is not None,
         SOFT_CAP=layer.soft_cap is not None,
+        KV_FP8=kv_fp8(k_buffer),
         num_warps=num_warps,
         num_stages=num_stages,
     )

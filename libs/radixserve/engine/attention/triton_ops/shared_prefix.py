@@ -32,9 +32,11 @@ from radixserve.engine.attention.triton_ops.common import (
     attend_paged_range,
     dot_precision,
     fold_partial,
+    kv_fp8,
     programmatic_launch,
 )
 from radixserve.engine.attention.triton_ops.decode import LaunchOptions
+from radixserve.engine.kvcache.fp8 import UNIT_SCALE, KVScale
 
 _BLOCK_M = 64  # query rows per tile: members x query heads of one KV head
 # Keys per loop step and launch options of the prefix kernel: the best of
@@ -80,6 +82,8 @@ def _shared_prefix_kernel(
     Mid_Lse,  # [bs, num_heads, num_splits] fp32
     sm_scale_log2,
     num_splits,
+    k_scale,  # where KV_FP8: the pool's codes times these are K and V
+    v_scale,
     stride_qt,
     stride_qh,
     stride_kt,
@@ -99,6 +103,7 @@ def _shared_prefix_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     RELEASE: tl.constexpr,  # let a programmatic dependent (decode_merged) launch now
+    KV_FP8: tl.constexpr,  # the pool holds e4m3 codes
 ):
     if RELEASE:
         # Its programs attend over their own suffixes while this kernel's last ones run,
@@ -155,10 +160,13 @@ def _shared_prefix_kernel(
         acc,
         0,
         1.0,
+        k_scale,
+        v_scale,
         BLOCK_N,
         DOT_PRECISION,
         False,  # cascade runs full attention only (base.AttentionBackend.set_layers)
         False,
+        KV_FP8,
     )
 
     if hi > lo:
@@ -217,10 +225,12 @@ def shared_prefix_attention(
     scale: float,
     *,
     options: LaunchOptions | None = None,
+    kv_scale: KVScale = UNIT_SCALE,
 ) -> None:
     """Each tile's members attend over their group's prefix: partial outputs into
     mid_out/mid_lse (`prefix_tiles` cuts the groups into tiles). `options` default to
-    PREFIX_OPTIONS; others are for lab/probes/cascade_attention.py's sweep."""
+    PREFIX_OPTIONS; others are for lab/probes/cascade_attention.py's sweep. `kv_scale`:
+    an FP8 pool's scales for this layer."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_buffer.shape[1]
     group_size = num_heads // num_kv_heads
@@ -243,6 +253,8 @@ def shared_prefix_attention(
         mid_lse,
         scale * LOG2E,
         num_splits,
+        kv_scale.k,
+        kv_scale.v,
         q.stride(0),
         q.stride(1),
         k_buffer.stride(0),
@@ -262,6 +274,7 @@ def shared_prefix_attention(
         BLOCK_N=options.block_n,
         DOT_PRECISION=dot_precision(q.dtype),
         RELEASE=programmatic_launch(q.device),
+        KV_FP8=kv_fp8(k_buffer),
         num_warps=options.num_warps,
         num_stages=options.num_stages,
     )
