@@ -277,7 +277,7 @@ def test_converted_folder_is_readable_by_other_users(
 
     from radixserve.model_files import gguf_convert
 
-    def write_folder(gguf_path: Path, out: Path) -> None:
+    def write_folder(gguf_path: Path, out: Path, weights: str) -> None:
         (out / "config.json").write_text("{}")
 
     # The conversion itself is tested on the real GGUF above; this is the folder's mode

@@ -22,6 +22,10 @@ class EngineConfig:
     # fp8: a 16-bit checkpoint's projections quantized to FP8 on load (per output row;
     # activations per token). None: as the checkpoint is (an FP8 one is read as FP8).
     quantization: str | None = None
+    # A GGUF model: "quantized" keeps its projections' blocks (model_files/gguf_quantized.py),
+    # "dequantized" converts it to float32. None: quantized on CUDA, dequantized on the CPU
+    # (where dequantizing every call is slower than reading float32 weights).
+    gguf_weights: str | None = None
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     # auto: on CUDA FlashInfer's prefill with Triton's decode for float16/bfloat16 when
     # flashinfer is installed, else triton; torch on the CPU. flashinfer and triton run
@@ -117,6 +121,10 @@ class EngineConfig:
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"quantization must be fp8 (or unset), got {self.quantization!r}")
+        if self.gguf_weights not in (None, "quantized", "dequantized"):
+            raise ValueError(
+                f"gguf_weights must be quantized or dequantized (or unset), got {self.gguf_weights!r}"
+            )
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(
                 f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}"

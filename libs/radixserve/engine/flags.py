@@ -24,6 +24,8 @@ _UNSET_HELP = {
     "cuda_graph_max_bs": "default: as max_running_requests",
     "quantization": "fp8: quantize a 16-bit checkpoint's projections on load "
     "(default: as the checkpoint is)",
+    "gguf_weights": "a .gguf model: quantized (its blocks kept) or dequantized (float32) "
+    "(default: quantized on CUDA, dequantized on the CPU)",
     "context_length": "default: the model's max_position_embeddings",
     "prefill_attention_backend": "torch, triton or flashinfer (default: as --attention-backend)",
     "decode_attention_backend": "torch, triton or flashinfer (default: as --attention-backend; "

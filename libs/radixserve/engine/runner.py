@@ -197,7 +197,10 @@ class ModelRunner:
         self.max_running_requests, self.cuda_graph_max_bs = resolve_batch_limits(
             config, self.device
         )
-        self.model_path = resolve_model_path(config.model_path)
+        gguf_weights = config.gguf_weights or (
+            "quantized" if self.device.type == "cuda" else "dequantized"
+        )
+        self.model_path = resolve_model_path(config.model_path, gguf_weights=gguf_weights)
         model_config = ModelConfig.from_pretrained(self.model_path)
         self.dtype = resolve_dtype(config.dtype, self.device, model_config)
         if self.device.type == "cuda":

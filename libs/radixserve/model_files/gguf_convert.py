@@ -1,10 +1,15 @@
-"""GGUF file -> Hugging Face folder (config, float32 safetensors, tokenizer, generation config).
+"""GGUF file -> Hugging Face folder (config, safetensors, tokenizer, generation config).
 
 transformers' GGUF reader does the hard parts: dequantization, llama.cpp's q/k
 row permutation, the tokenizer and its chat template. We call its checkpoint
 reader directly rather than `from_pretrained(gguf_file=...)`, which insists on
 `accelerate` only to place weights. The folder is cached by the file's content
 digest and written atomically, so a second start costs a directory lookup.
+
+Two kinds of folder (GGUF_WEIGHTS): "dequantized" holds float32 weights (4 bytes a
+parameter; transformers reads it too), "quantized" keeps the decoder's projections in
+the file's blocks (gguf_quantized.py; radixserve's loader reads them as block-quantized
+layers: engine/model/quantization.py). Each has its own cache folder.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from radixserve.model_files.gguf_quantized import QUANTIZATION_CONFIG, block_tensors
+
 if TYPE_CHECKING:
     import torch
 
@@ -28,6 +35,8 @@ EMBEDDED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The dtype "auto" resolves to on a GPU; the original SmolLM2 weights are bfloat16.
 # The folder itself stores the dequantized weights in float32.
 CONVERTED_DTYPE = "bfloat16"
+QUANTIZED, DEQUANTIZED = "quantized", "dequantized"
+GGUF_WEIGHTS = (QUANTIZED, DEQUANTIZED)
 
 
 def embedded_gguf_path() -> Path:
@@ -79,9 +88,14 @@ def file_digest(path: Path, cache_dir: Path) -> str:
     return digest
 
 
-def converted_dir(gguf_path: Path, cache_dir: Path) -> Path:
-    """Where the conversion of a file with these exact bytes lives."""
-    return cache_dir / "models" / f"{gguf_path.stem}-{file_digest(gguf_path, cache_dir)[:16]}"
+def converted_dir(gguf_path: Path, cache_dir: Path, weights: str = DEQUANTIZED) -> Path:
+    """Where the conversion of a file with these exact bytes lives. A quantized folder's
+    name carries its format's version: no float32 folder (named as before) nor one of
+    an older block format is read as one."""
+    name = f"{gguf_path.stem}-{file_digest(gguf_path, cache_dir)[:16]}"
+    if weights == QUANTIZED:
+        name += f"-blocks{QUANTIZATION_CONFIG['version']}"
+    return cache_dir / "models" / name
 
 
 def _remove_stale_staging(models: Path, stem: str, older_than_s: float = 86400.0) -> None:
@@ -97,12 +111,17 @@ def _remove_stale_staging(models: Path, stem: str, older_than_s: float = 86400.0
             continue
 
 
-def convert_gguf(gguf_path: str | Path, cache_dir: Path | None = None) -> Path:
-    """The Hugging Face folder converted from `gguf_path`, converting on first use."""
+def convert_gguf(
+    gguf_path: str | Path, cache_dir: Path | None = None, weights: str = DEQUANTIZED
+) -> Path:
+    """The Hugging Face folder converted from `gguf_path`, converting on first use;
+    `weights`: one of GGUF_WEIGHTS."""
     gguf_path = Path(gguf_path)
+    if weights not in GGUF_WEIGHTS:
+        raise ValueError(f"gguf_weights must be one of {GGUF_WEIGHTS}, got {weights!r}")
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
-    target = converted_dir(gguf_path, cache_dir or default_cache_dir())
+    target = converted_dir(gguf_path, cache_dir or default_cache_dir(), weights)
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -113,7 +132,7 @@ def convert_gguf(gguf_path: str | Path, cache_dir: Path | None = None) -> Path:
     # (an image's non-root services, a shared cache), like any folder mkdir makes.
     staging.chmod(0o755)
     try:
-        _write_hf_folder(gguf_path, staging)
+        _write_hf_folder(gguf_path, staging, weights)
         try:
             staging.rename(target)
         except OSError:
@@ -125,7 +144,7 @@ def convert_gguf(gguf_path: str | Path, cache_dir: Path | None = None) -> Path:
     return target
 
 
-def _write_hf_folder(gguf_path: Path, out: Path) -> None:
+def _write_hf_folder(gguf_path: Path, out: Path, weights: str = DEQUANTIZED) -> None:
     # torch only here: a service that finds the conversion cached never imports it.
     import torch
     from safetensors.torch import save_file
@@ -145,11 +164,13 @@ def _write_hf_folder(gguf_path: Path, out: Path) -> None:
     )
     tensors = {k: v.to(torch.float32).contiguous() for k, v in parsed["tensors"].items()}
     _check_complete(skeleton, tensors, bool(config.tie_word_embeddings))
+    if weights == QUANTIZED:
+        tensors = block_tensors(gguf_path, skeleton, config, tensors)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
 
     config.architectures = [type(skeleton).__name__]
     config.save_pretrained(out)
-    _patch_dtype(out / "config.json")
+    _patch_config(out / "config.json", weights)
     tokenizer.save_pretrained(out)
     eos = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else config.eos_token_id
     GenerationConfig(
@@ -170,8 +191,10 @@ def _check_complete(
         raise ValueError(f"GGUF conversion produced no tensor for {missing[:8]}")
 
 
-def _patch_dtype(config_file: Path) -> None:
+def _patch_config(config_file: Path, weights: str) -> None:
     # transformers 5 writes "dtype", older readers look for "torch_dtype": write both.
     raw = json.loads(config_file.read_text())
     raw["torch_dtype"] = raw["dtype"] = CONVERTED_DTYPE
+    if weights == QUANTIZED:
+        raw["quantization_config"] = QUANTIZATION_CONFIG
     config_file.write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")

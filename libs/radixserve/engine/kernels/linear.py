@@ -17,7 +17,9 @@ kernel then cuBLAS, and on the CPU the torch reference. The GEMVs sum in float32
 another order than cuBLAS, so outputs may differ from the unfused path by an ulp of the
 output dtype in a few elements.
 An FP8 weight (kernels/fp8.py's Fp8Weight, held by FP8 layers: model/quantization.py)
-takes fp8.py's kernels instead, chosen here from the weight's type.
+takes fp8.py's kernels instead, and a block-quantized one (a GGUF's blocks:
+kernels/block_quant.py's BlockQuantWeight) block_quant.py's, chosen here from the
+weight's type.
 """
 
 from __future__ import annotations
@@ -27,6 +29,11 @@ import torch.nn.functional as F
 
 from radixserve.engine.kernels import dispatch
 from radixserve.engine.kernels.activation import silu_and_mul
+from radixserve.engine.kernels.block_quant import (
+    BlockQuantWeight,
+    add_norm_linear_block_quant,
+    linear_block_quant,
+)
 from radixserve.engine.kernels.dispatch import GEMV_MAX_ROWS, GEMV_WIDE_RATIO
 from radixserve.engine.kernels.fp8 import Fp8Weight, add_norm_linear_fp8, linear_fp8
 from radixserve.engine.kernels.norm import fused_add_rms_norm, rms_norm
@@ -89,7 +96,7 @@ def add_norm_linear(
     residual: torch.Tensor | None,
     norm_weight: torch.Tensor,
     eps: float,
-    weight: torch.Tensor | Fp8Weight,
+    weight: torch.Tensor | Fp8Weight | BlockQuantWeight,
     bias: torch.Tensor | None,
     out: torch.Tensor | None = None,
     *,
@@ -101,6 +108,10 @@ def add_norm_linear(
     result is silu(gate) * up of the projection [gate | up]."""
     if isinstance(weight, Fp8Weight):
         return add_norm_linear_fp8(x, residual, norm_weight, eps, weight, bias, out, gated=gated)
+    if isinstance(weight, BlockQuantWeight):
+        return add_norm_linear_block_quant(
+            x, residual, norm_weight, eps, weight, bias, out, gated=gated
+        )
     if _use_gemv(x, weight) and not (gated and weight.shape[0] % 2):
         # The one-token GEMV with the norm (and the residual add) folded into its read.
         from radixserve.engine.kernels.triton_ops import gemv
@@ -128,12 +139,16 @@ def add_norm_linear(
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor | Fp8Weight, bias: torch.Tensor | None
+    x: torch.Tensor,
+    weight: torch.Tensor | Fp8Weight | BlockQuantWeight,
+    bias: torch.Tensor | None,
 ) -> torch.Tensor:
     """x @ weight.T (+ bias), a GEMV for up to GEMV_MAX_ROWS tokens on CUDA (no split-K
     reduce kernel)."""
     if isinstance(weight, Fp8Weight):
         return linear_fp8(x, weight, bias)
+    if isinstance(weight, BlockQuantWeight):
+        return linear_block_quant(x, weight, bias)
     if _use_gemv(x, weight):
         from radixserve.engine.kernels.triton_ops import gemv
 

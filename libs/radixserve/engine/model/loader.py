@@ -17,9 +17,11 @@ from radixserve.engine.model.llama import LlamaForCausalLM
 from radixserve.engine.model.moe import MOE_ARCHITECTURES
 from radixserve.engine.model.moe_models import MoEForCausalLM
 from radixserve.engine.model.quantization import (
+    checkpoint_block_layouts,
     checkpoint_fp8_layers,
     plan_quantization,
     quantize_projections,
+    use_block_layers,
     use_fp8_layers,
 )
 from radixserve.model_files.config import GEMMA_ARCHITECTURES, ModelConfig
@@ -76,7 +78,7 @@ def load_model(
     (benchmarks of a model's shape: the folder needs only config.json). With `tp` of
     more than one rank, this rank's shard (model/llama.py). FP8 projections as the
     checkpoint stores them, or all of them with `quantization="fp8"` on a 16-bit one
-    (model/quantization.py).
+    (model/quantization.py); a converted GGUF's projections as its blocks.
     """
     folder = Path(path)
     config = config or ModelConfig.from_pretrained(folder)
@@ -95,6 +97,8 @@ def load_model(
     model = model.to(torch_dtype)
     if quant is not None and quant.read_fp8:  # after the cast, which would widen them
         use_fp8_layers(model, checkpoint_fp8_layers(folder, model._target_of))
+    if quant is not None and quant.read_blocks:
+        use_block_layers(model, checkpoint_block_layouts(folder, model._target_of))
     model = model.to_empty(device=device)
     model.tie_weights()
     if load_format == "dummy":

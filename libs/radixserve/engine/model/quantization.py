@@ -18,6 +18,11 @@ FP8 projections come from
   is at least as fine as a per-tensor scale;
 - `--quantization fp8` on a 16-bit checkpoint (or random weights, load_format dummy):
   every projection quantized per output row after loading.
+
+A GGUF converted with its blocks kept (model_files/gguf_quantized.py: quantization_config
+`{"quant_method": "gguf"}`) gives BlockQuantLinear projections instead: 4- or 8-bit codes
+with per-block scales and mins (kernels/block_quant.py), the layout of each read from the
+safetensors headers, as FP8 layers are.
 """
 
 from __future__ import annotations
@@ -34,10 +39,12 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from radixserve.engine.kernels.block_quant import BlockQuantWeight
 from radixserve.engine.kernels.fp8 import Fp8Weight, quantize_weight
 from radixserve.engine.kernels.fp8_format import FP8_DTYPE
 from radixserve.engine.model.weights import StoredTensor, safetensors_files
 from radixserve.model_files.config import ModelConfig
+from radixserve.model_files.gguf_quantized import CODES, MINS, SCALES
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +58,8 @@ SUPPORTED = (
     "(per-tensor or per-channel weight_scale / weight_scale_inv), and --quantization fp8 "
     "on a 16-bit checkpoint"
 )
-# Checkpoint tensors a dynamic-activation FP8 model does not read: static activation
-# scales and FP8 KV cache scales (the KV cache stays in the model's dtype).
+# Checkpoint tensors the weights' loader does not read: static activation scales, and
+# FP8 KV cache scales (model/kv_scales.py reads those, for --kv-cache-dtype fp8_e4m3).
 _UNUSED_SUFFIXES = (".input_scale", ".k_scale", ".v_scale", ".kv_scale")
 _SAFETENSORS_FP8 = "F8_E4M3"
 
@@ -60,10 +67,12 @@ _SAFETENSORS_FP8 = "F8_E4M3"
 @dataclass(frozen=True)
 class QuantizationPlan:
     """How a model gets its FP8 projections: read from the checkpoint as they are stored
-    (`read_fp8`), or quantized from the 16-bit ones after loading (`quantize_on_load`)."""
+    (`read_fp8`), or quantized from the 16-bit ones after loading (`quantize_on_load`);
+    or its block-quantized ones, read as a converted GGUF stores them (`read_blocks`)."""
 
     read_fp8: bool
     quantize_on_load: bool
+    read_blocks: bool = False
 
 
 def plan_quantization(
@@ -76,6 +85,13 @@ def plan_quantization(
     stored = config.raw.get("quantization_config") or config.raw.get("compression_config")
     if stored is None:
         return None if requested is None else QuantizationPlan(False, True)
+    if stored.get("quant_method") == "gguf":
+        if requested is not None:
+            raise ValueError(
+                f"--quantization {requested} takes a 16-bit checkpoint; this is a GGUF's "
+                "blocks (convert it with --gguf-weights dequantized to quantize it so)"
+            )
+        return None if load_format == "dummy" else QuantizationPlan(False, False, True)
     check_checkpoint_scheme(stored)
     if requested is not None:
         log.info("the checkpoint is FP8 already: --quantization %s reads it as it is", requested)
@@ -132,7 +148,7 @@ def _check_compressed_tensors(stored: dict[str, Any]) -> None:
         if group.get("output_activations"):
             raise ValueError(f"quantized output activations are not supported; {SUPPORTED}")
     if stored.get("kv_cache_scheme"):
-        log.warning("the checkpoint's FP8 KV cache scales are not used: the KV cache stays 16-bit")
+        log.info("the checkpoint has FP8 KV cache scales: used with --kv-cache-dtype fp8_e4m3 only")
 
 
 def _scheme_text(args: dict[str, Any] | None) -> str:
@@ -177,11 +193,122 @@ class Fp8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8"
 
 
-def weight_of(layer: nn.Linear | Fp8Linear) -> torch.Tensor | Fp8Weight:
-    """What the kernels take for a projection: its 16-bit weight or its FP8 one."""
+@dataclass(frozen=True)
+class BlockLayout:
+    """How a projection's blocks are stored (the same for every part of a fused one)."""
+
+    codes_dtype: torch.dtype  # uint8: 4-bit, two a byte; int8: 8-bit
+    block: int
+    scales_dtype: torch.dtype
+    has_mins: bool
+
+
+class BlockQuantLinear(nn.Module):
+    """A projection with a block-quantized weight (kernels/block_quant.py): `codes`,
+    `block_scales` and, with mins, `block_mins`; `bias` in the model's dtype."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        layout: BlockLayout,
+        bias: torch.Tensor | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        if in_features % layout.block:
+            raise ValueError(f"rows of {in_features} are not blocks of {layout.block}")
+        self.in_features = in_features
+        self.out_features = out_features
+        width = in_features // 2 if layout.codes_dtype == torch.uint8 else in_features
+        blocks = (out_features, in_features // layout.block)
+
+        def frozen(shape: tuple[int, int], dtype: torch.dtype) -> nn.Parameter:
+            return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), False)
+
+        self.codes = frozen((out_features, width), layout.codes_dtype)
+        self.block_scales = frozen(blocks, layout.scales_dtype)
+        self.block_mins = frozen(blocks, layout.scales_dtype) if layout.has_mins else None
+        self.bias = bias if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def block_weight(self) -> BlockQuantWeight:
+        return BlockQuantWeight(self.codes, self.block_scales, self.block_mins)
+
+    def extra_repr(self) -> str:
+        weight = self.block_weight()
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"{weight.bits}-bit blocks of {weight.block}"
+        )
+
+
+def weight_of(
+    layer: nn.Linear | Fp8Linear | BlockQuantLinear,
+) -> torch.Tensor | Fp8Weight | BlockQuantWeight:
+    """What the kernels take for a projection: its 16-bit weight, its FP8 one or its
+    blocks."""
     if isinstance(layer, Fp8Linear):
         return layer.fp8_weight()
+    if isinstance(layer, BlockQuantLinear):
+        return layer.block_weight()
     return layer.weight
+
+
+_SAFETENSORS_DTYPES = {
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "F16": torch.float16,
+    "F32": torch.float32,
+}
+
+
+def checkpoint_block_layouts(
+    folder: str | Path, target_of: Callable[[str], tuple[str, int]]
+) -> dict[str, BlockLayout]:
+    """The model's projections the checkpoint stores as blocks, with their layouts, from
+    the safetensors headers (nothing read); `target_of` as for checkpoint_fp8_layers.
+    Raises where the parts of a fused projection differ (the converter writes them
+    alike)."""
+    found: dict[str, dict[str, tuple[str, list[int]]]] = defaultdict(dict)
+    for path in safetensors_files(folder):
+        with safe_open(str(path), framework="pt", device="cpu") as shard:
+            for name in shard.keys():
+                stored = shard.get_slice(name)
+                found[name.rpartition(".")[0]][name.rpartition(".")[2]] = (
+                    stored.get_dtype(),
+                    stored.get_shape(),
+                )
+    layouts: dict[str, BlockLayout] = {}
+    for module, tensors in found.items():
+        if CODES not in tensors:
+            continue
+        (codes_dtype, codes_shape), (scales_dtype, scales_shape) = tensors[CODES], tensors[SCALES]
+        k = codes_shape[1] * (2 if codes_dtype == "U8" else 1)
+        layout = BlockLayout(
+            _SAFETENSORS_DTYPES[codes_dtype],
+            k // scales_shape[1],
+            _SAFETENSORS_DTYPES[scales_dtype],
+            MINS in tensors,
+        )
+        target = target_of(f"{module}.{CODES}")[0].removesuffix(f".{CODES}")
+        if layouts.setdefault(target, layout) != layout:
+            raise ValueError(f"the parts of {target} are stored in different block layouts")
+    return layouts
+
+
+def use_block_layers(model: nn.Module, layouts: dict[str, BlockLayout]) -> None:
+    """Swap each named nn.Linear (on the meta device, before loading) for a
+    BlockQuantLinear of its shape and the layout; biases stay in their dtype."""
+    for name, layout in sorted(layouts.items()):
+        if name.rsplit(".", 1)[-1] not in PROJECTIONS:
+            raise ValueError(f"{name} is stored as blocks; only projections may be")
+        parent, leaf = _parent_of(model, name)
+        linear = getattr(parent, leaf)
+        bias = None if linear.bias is None else torch.empty_like(linear.bias, device="meta")
+        blocks = BlockQuantLinear(
+            linear.in_features, linear.out_features, layout, bias, device="meta"
+        )
+        setattr(parent, leaf, blocks)
 
 
 def projection_names(model: nn.Module) -> list[str]:
