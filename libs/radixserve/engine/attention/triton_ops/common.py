@@ -49,6 +49,13 @@ if INTERPRETED:
     _let_interpreter_loop_to_loaded_bounds()
 
 
+def interpreted_rows(block_n: int, n: int) -> int:
+    """BLOCK_N under Triton's interpreter: it runs each program as a numpy pass, so a
+    wide block (up to 256 of the n rows) costs about what a narrow one does and a head's
+    12288 four-row programs would take minutes. Compiled, `block_n` as chosen."""
+    return max(block_n, min(256, triton.next_power_of_2(n))) if INTERPRETED else block_n
+
+
 @functools.cache
 def num_sms(device: torch.device) -> int:
     """Streaming multiprocessors the split counts are sized for; under the interpreter any

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.engine.attention.triton_ops.common import INTERPRETED
+from radixserve.engine.attention.triton_ops.common import INTERPRETED, interpreted_rows
 from radixserve.engine.kernels.block_format import BlockQuantWeight
 from radixserve.engine.kernels.dispatch import TENSOR_CORE_DTYPES
 
@@ -107,7 +107,7 @@ def gemv_triton(
     if x.shape[0] != 1:
         raise ValueError(f"gemv takes one token, got {tuple(x.shape)}")
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    block_n = 4
+    block_n = interpreted_rows(4, n)
     block_j = min(512, triton.next_power_of_2(weight.codes.shape[1]))
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x,
@@ -205,7 +205,7 @@ def gemv_rows_triton(
     if x.dtype not in TENSOR_CORE_DTYPES:
         raise ValueError(f"gemv_rows takes bfloat16 or float16 rows, got {x.dtype}")
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    block_n = 32 if n >= 2048 else 16
+    block_n = interpreted_rows(32 if n >= 2048 else 16, n)
     # At least 16 code columns (the dot's depth), at most 128 a step.
     block_j = max(16, min(128, triton.next_power_of_2(weight.codes.shape[1])))
     _gemv_rows_kernel[(triton.cdiv(n, block_n),)](
@@ -272,7 +272,7 @@ def dequantize_triton(weight: BlockQuantWeight, dtype: torch.dtype) -> torch.Ten
     if not all(t is None or t.is_contiguous() for t in weight):
         raise ValueError("dequantize takes contiguous codes, scales and mins")
     out = torch.empty((n, k), dtype=dtype, device=weight.codes.device)
-    block_n, block_j = 16, 128
+    block_n, block_j = interpreted_rows(16, n), 128
     grid = (triton.cdiv(n, block_n), triton.cdiv(weight.codes.shape[1], block_j))
     _dequantize_kernel[grid](
         *_blocks(weight),

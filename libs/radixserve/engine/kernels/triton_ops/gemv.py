@@ -27,7 +27,11 @@ import torch
 import triton
 import triton.language as tl
 
-from radixserve.engine.attention.triton_ops.common import INTERPRETED, programmatic_launch
+from radixserve.engine.attention.triton_ops.common import (
+    INTERPRETED,
+    interpreted_rows,
+    programmatic_launch,
+)
 from radixserve.engine.kernels.dispatch import GEMV_MAX_ROWS, TENSOR_CORE_DTYPES
 from radixserve.engine.kernels.fp8_format import FP8_DTYPE
 from radixserve.engine.kernels.triton_ops.activation import silu_mul
@@ -208,6 +212,8 @@ def gemv_triton(
         raise ValueError(f"gemv writes a contiguous [1, {n}] {x.dtype} row")
     pdl = programmatic_launch(x.device)
     block_n, block_k, warps, stages = config or _config(k, prologue, gated)
+    if config is None:
+        block_n = interpreted_rows(block_n, n)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x,
         x if residual is None else residual,
@@ -354,6 +360,8 @@ def gemv_rows_triton(
         raise ValueError(f"gemv_rows writes [{m}, {n}] {x.dtype} rows with unit stride")
     pdl = programmatic_launch(x.device)
     block_n, block_k, warps, stages = config or _rows_config(n, k, m)
+    if config is None:
+        block_n = interpreted_rows(block_n, n)
     _gemv_rows_kernel[(triton.cdiv(n, block_n),)](
         x,
         weight,
