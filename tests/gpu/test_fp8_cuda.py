@@ -19,6 +19,7 @@ pytest.importorskip("triton", reason="triton is not installed")
 from radixserve import Engine
 from radixserve.engine.attention.triton_ops.common import INTERPRETED
 from radixserve.engine.kernels import linear as linear_ops
+from radixserve.engine.kernels.dispatch import GEMV_WIDE_RATIO
 from radixserve.engine.kernels.fp8 import dequantize, quantize_rows, quantize_weight
 from radixserve.engine.kernels.triton_ops.fp8 import quantize_tokens_triton
 from tests.helpers import fused_kernel_cases as cases
@@ -67,9 +68,9 @@ def test_projection_paths_match_the_dequantized_product(n: int, k: int) -> None:
         x = cases.randn((tokens, k), torch.bfloat16, DEVICE, seed=tokens)
         got = linear_ops.linear(x, fp8, None)
         assert got.shape == (tokens, n) and got.dtype == torch.bfloat16
-        if tokens <= 32:  # activations kept in bfloat16: the GEMVs
+        if tokens == 1 and n < GEMV_WIDE_RATIO * k:  # the one-token GEMV: bfloat16 in
             ref = (x.double() @ wide.t()).to(torch.bfloat16)
-        else:  # activations quantized per token, then cuBLASLt's FP8 GEMM
+        else:  # activations quantized per token: the W8A8 GEMV or cuBLASLt's FP8 GEMM
             codes, scale = quantize_rows(x)
             ref = ((codes.double() * scale.double()[:, None]) @ wide.t()).to(torch.bfloat16)
         cases.assert_close_projection(got, ref)
@@ -77,8 +78,8 @@ def test_projection_paths_match_the_dequantized_product(n: int, k: int) -> None:
 
 @pytest.mark.parametrize("tokens", [1, 5, 64])
 def test_add_norm_gated_over_fp8(tokens: int) -> None:
-    """gate_up after the norm (folded into the one-token GEMV) with SiLU x mul, against
-    the torch ops over the dequantized weight (FP8 activations past 32 tokens)."""
+    """gate_up after the norm with SiLU x mul, against the torch ops over the dequantized
+    weight (a wide weight: FP8 activations at every token count)."""
     n, k = 14336, 4096
     fp8 = quantize_weight(_weight(2 * n, k, seed=2))
     x = cases.randn((tokens, k), torch.bfloat16, DEVICE, seed=3)
@@ -89,11 +90,8 @@ def test_add_norm_gated_over_fp8(tokens: int) -> None:
     torch.testing.assert_close(summed, normed, rtol=0, atol=0)
     rms = normed.float() * torch.rsqrt(normed.float().pow(2).mean(-1, keepdim=True) + 1e-5)
     inputs = rms.to(torch.bfloat16)
-    if tokens > 32:
-        codes, scale = quantize_rows(inputs)
-        inputs_wide = codes.double() * scale.double()[:, None]
-    else:
-        inputs_wide = inputs.double()
+    codes, scale = quantize_rows(inputs)
+    inputs_wide = codes.double() * scale.double()[:, None]
     gate_up = inputs_wide @ dequantize(fp8, torch.float64).t()
     gate, up = gate_up.split(n, dim=-1)
     ref = torch.nn.functional.silu(gate) * up
@@ -103,10 +101,10 @@ def test_add_norm_gated_over_fp8(tokens: int) -> None:
 
 def test_scaled_mm_path_replays_in_a_cuda_graph() -> None:
     fp8 = quantize_weight(_weight(4096, 4096))
-    x = cases.randn((64, 4096), torch.bfloat16, DEVICE, seed=5)
+    x = cases.randn((96, 4096), torch.bfloat16, DEVICE, seed=5)
     eager = linear_ops.linear(x, fp8, None)
     graph, (out,) = cases.capture(lambda: (linear_ops.linear(x, fp8, None),))
-    x.copy_(cases.randn((64, 4096), torch.bfloat16, DEVICE, seed=6))
+    x.copy_(cases.randn((96, 4096), torch.bfloat16, DEVICE, seed=6))
     graph.replay()
     torch.testing.assert_close(out, linear_ops.linear(x, fp8, None), rtol=0, atol=0)
     assert not torch.equal(out, eager)

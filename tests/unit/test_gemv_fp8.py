@@ -1,8 +1,9 @@
 """The GEMVs over FP8 weights (engine/kernels/triton_ops/gemv.py with weight_scale) under
 the Triton interpreter on the CPU (compiled on CUDA): float8_e4m3fn rows times their
 scales against the float64 projection over the dequantized weight (kernels/fp8.py),
-with the norm prologues and the gated epilogue of the one-token GEMV and the
-few-token GEMV's rows; odd shapes exercise the masks."""
+with the norm prologues and the gated epilogue of the one-token GEMV, and the few-token
+W8A8 GEMV (tokens quantized per row) against the projection of the dequantized tokens;
+odd shapes exercise the masks."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed (the dev extra brings it on Linux)")
 
 from radixserve.engine.kernels.activation import silu_and_mul_torch
-from radixserve.engine.kernels.fp8 import Fp8Weight, dequantize, quantize_weight
+from radixserve.engine.kernels.fp8 import Fp8Weight, dequantize, quantize_tokens, quantize_weight
 from radixserve.engine.kernels.norm import fused_add_rms_norm_torch, rms_norm_torch
 from radixserve.engine.kernels.triton_ops import gemv
 from tests.helpers import fused_kernel_cases as cases
@@ -94,12 +95,20 @@ def test_one_token_norm() -> None:
 @pytest.mark.parametrize(("n", "k"), SHAPES)
 @pytest.mark.parametrize("m", [2, 16, 27])
 @pytest.mark.parametrize("bias", [False, True])
-def test_rows(dtype: torch.dtype, n: int, k: int, m: int, bias: bool) -> None:
+def test_rows_w8a8(dtype: torch.dtype, n: int, k: int, m: int, bias: bool) -> None:
+    """The tokens quantized per row, codes x codes, both scales: against the float64
+    projection of the dequantized tokens over the dequantized weight."""
     weight = _fp8_weight(n, k)
     x = cases.randn((m, k), dtype, DEVICE, seed=8)
+    # Tokens of unlike magnitudes: a scale applied to the wrong token shows.
+    x *= torch.linspace(0.2, 5.0, m, device=DEVICE, dtype=dtype)[:, None]
     b = cases.randn((n,), dtype, DEVICE, seed=3) if bias else None
-    out = gemv.gemv_rows_triton(x, weight.data, b, weight_scale=weight.scale)
-    cases.assert_close_projection(out, _reference(x, weight, b))
+    codes, scale = quantize_tokens(x)
+    out = gemv.gemv_rows_fp8_triton(codes, scale, weight.data, weight.scale, b, dtype)
+    assert out.dtype == dtype
+    tokens = Fp8Weight(codes, scale.view(-1))  # the same row-times-scale form
+    ref = _reference(dequantize(tokens, torch.float64), weight, b).to(dtype)
+    cases.assert_close_projection(out, ref)
 
 
 def test_scales_must_come_with_fp8_weights() -> None:
@@ -109,7 +118,14 @@ def test_scales_must_come_with_fp8_weights() -> None:
         gemv.gemv_triton(x, weight.data, None)
     with pytest.raises(ValueError, match=r"float32 \[37\]"):
         gemv.gemv_triton(x, weight.data, None, weight_scale=weight.scale[:36])
+    codes, scale = quantize_tokens(torch.cat([x, x]))
     with pytest.raises(ValueError, match="goes with an FP8 weight"):
-        gemv.gemv_rows_triton(
-            torch.cat([x, x]), dequantize(weight, torch.bfloat16), None, weight_scale=weight.scale
+        gemv.gemv_rows_fp8_triton(
+            codes, scale, dequantize(weight, torch.bfloat16), weight.scale, None, torch.bfloat16
         )
+    with pytest.raises(ValueError, match="e4m3 token codes"):
+        gemv.gemv_rows_fp8_triton(
+            torch.cat([x, x]), scale, weight.data, weight.scale, None, torch.bfloat16
+        )
+    with pytest.raises(ValueError, match="a weight of theirs"):
+        gemv.gemv_rows_triton(torch.cat([x, x]), weight.data, None)

@@ -6,15 +6,18 @@ layer holds (model/quantization.py builds those layers). Row i of the weight is
 data[i] * scale[i] (per-channel; a per-tensor checkpoint scale is broadcast on load).
 
 On CUDA, by the tokens of the pass:
-- one token: the one-token Triton GEMV over the FP8 rows (the norm before qkv and
-  gate_up folded into its read, SiLU x mul into gate_up's output, as the 16-bit path);
-- up to GEMV_MAX_ROWS tokens: the op's own kernel, then the few-token GEMV over the FP8
-  rows. Both keep the activations in 16 bits and widen the weights in registers
-  (triton_ops/gemv.py): at a few tokens a projection is a stream over its weight;
-- more: per-token dynamic quantization of the activations (a Triton kernel: row absmax
-  -> scale, cast to e4m3), then `torch._scaled_mm` with row-wise scales (the tokens'
-  and the weight rows'), bfloat16 out. Other dtypes, and shapes cuBLASLt's FP8 GEMM
-  does not take (k or n not a multiple of 16), multiply the dequantized weight.
+- one token over a weight of fewer than GEMV_WIDE_RATIO x k rows (qkv, o, down): the
+  one-token Triton GEMV over the FP8 rows (the norm before qkv folded into its read, as
+  the 16-bit path), activations in 16 bits, each code widened in registers;
+- up to FP8_GEMV_MAX_ROWS tokens, and one over a wide weight (gate_up): the op's own
+  kernel, per-token dynamic quantization of the activations (a Triton kernel: row
+  absmax -> scale, cast to e4m3), then the few-token GEMV on the FP8 tensor cores
+  (triton_ops/gemv.py `gemv_rows_fp8_triton`, W8A8, both scales on the float32 sums).
+  Widening each code costs the one-token GEMV as much time as the 16-bit stream; the
+  tensor cores read the codes as they are (lab/notebook/2026-12-02-fp8-few-token-w8a8.md);
+- more: the same quantization, then `torch._scaled_mm` with row-wise scales (the
+  tokens' and the weight rows'), bfloat16 out. Other dtypes, and shapes cuBLASLt's FP8
+  GEMM does not take (k or n not a multiple of 16), multiply the dequantized weight.
 Elsewhere (the CPU) the weight is dequantized to the activations' dtype for each call:
 correctness only.
 """
@@ -34,6 +37,9 @@ from radixserve.engine.kernels.norm import fused_add_rms_norm, rms_norm
 # FP8 weights of fewer rows run cuBLASLt past one token: the few-token GEMV leaves most
 # SMs idle on them (as the 16-bit path's limit, kernels/linear.py; not measured for FP8).
 GEMV_ROWS_MIN_N = 1024
+# Up to this many tokens the W8A8 few-token GEMV streams the weight faster than
+# cuBLASLt's FP8 GEMM (lab/notebook/2026-12-02-fp8-few-token-w8a8.md).
+FP8_GEMV_MAX_ROWS = 64
 
 
 class Fp8Weight(NamedTuple):
@@ -137,7 +143,8 @@ def _project(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None) -> t
     if _few_token_gemv(x, weight):
         from radixserve.engine.kernels.triton_ops import gemv
 
-        return gemv.gemv_rows_triton(x, weight.data, bias, weight_scale=weight.scale)
+        codes, scale = quantize_tokens(x)
+        return gemv.gemv_rows_fp8_triton(codes, scale, weight.data, weight.scale, bias, x.dtype)
     if _scaled_mm_operands(x, weight):
         codes, scale = quantize_tokens(x)
         y = torch._scaled_mm(
@@ -162,13 +169,19 @@ def _gemv_operands(x: torch.Tensor, weight: Fp8Weight) -> bool:
 
 
 def _one_token_gemv(x: torch.Tensor, weight: Fp8Weight) -> bool:
-    return x.dim() == 2 and x.shape[0] == 1 and _gemv_operands(x, weight)
+    n, k = weight.shape
+    return (
+        x.dim() == 2
+        and x.shape[0] == 1
+        and n < dispatch.GEMV_WIDE_RATIO * k
+        and _gemv_operands(x, weight)
+    )
 
 
 def _few_token_gemv(x: torch.Tensor, weight: Fp8Weight) -> bool:
     return (
         x.dim() == 2
-        and 2 <= x.shape[0] <= dispatch.GEMV_MAX_ROWS
+        and 1 <= x.shape[0] <= FP8_GEMV_MAX_ROWS
         and weight.shape[0] >= GEMV_ROWS_MIN_N
         and x.dtype in dispatch.TENSOR_CORE_DTYPES
         and _gemv_operands(x, weight)

@@ -14,11 +14,12 @@ Hopper each GEMV is launched as a programmatic dependent: it waits for the kerne
 before it, and releases the next one as soon as its own loop is done (the few-token
 GEMV of up to EARLY_TRIGGER_MAX_ROWS tokens as soon as its programs have waited).
 
-FP8 weights (kernels/fp8.py: float8_e4m3fn rows with a float32 scale each): both
-kernels take them with `weight_scale`, widen each weight tile in registers (to float32
-for the one-token GEMV, to the activations' 16-bit dtype for the tensor cores) and
-scale each row's sum once; the activations stay 16-bit. The 16-bit kernels compile
-as before (the scale is a constexpr switch).
+FP8 weights (kernels/fp8.py: float8_e4m3fn rows with a float32 scale each): the
+one-token GEMV takes them with `weight_scale`, widens each weight tile to float32 in
+registers and scales each row's sum once (the activations stay 16-bit);
+`gemv_rows_fp8_triton` takes the tokens quantized per row too and multiplies codes by
+codes on the FP8 tensor cores (W8A8), both scales applied to the float32 sums. The
+16-bit kernels compile as before (constexpr switches).
 """
 
 from __future__ import annotations
@@ -244,9 +245,10 @@ def gemv_triton(
 
 @triton.jit
 def _gemv_rows_kernel(
-    X,
+    X,  # [M, K] 16-bit tokens, or with FP8 their e4m3 codes
+    XScale,  # with FP8: float32 per token
     W,
-    WScale,  # with W_SCALE: float32 per row of W (FP8 weights)
+    WScale,  # with FP8: float32 per row of W
     Bias,
     Out,
     M,
@@ -255,7 +257,7 @@ def _gemv_rows_kernel(
     stride_out,
     K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    W_SCALE: tl.constexpr,
+    FP8: tl.constexpr,  # W8A8: codes x codes on the FP8 tensor cores, both scales after
     BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -289,15 +291,13 @@ def _gemv_rows_kernel(
             w = w.to(tl.float32)
             x = x.to(tl.float32)
             acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
-        elif W_SCALE:
-            # FP8 rows widened to the activations' dtype (exact: e4m3 fits in 16 bits).
-            acc = tl.dot(w.to(X.dtype.element_ty), tl.trans(x), acc)
         else:
             acc = tl.dot(w, tl.trans(x), acc)
     if PDL and not EARLY_TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
-    if W_SCALE:
+    if FP8:
         acc *= tl.load(WScale + rows, mask=rmask, other=0.0)[:, None]
+        acc *= tl.load(XScale + toks, mask=tmask, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(Bias + rows, mask=rmask, other=0.0).to(tl.float32)[:, None]
     out = Out + toks[None, :] * stride_out + rows[:, None]
@@ -330,16 +330,71 @@ def gemv_rows_triton(
     bias: torch.Tensor | None,
     *,
     out: torch.Tensor | None = None,
-    weight_scale: torch.Tensor | None = None,
     config: tuple[int, int, int, int] | None = None,
     early_trigger: bool | None = None,
 ) -> torch.Tensor:
     """x @ weight.T (+ bias) for a few tokens x [m, k] of a 16-bit dtype -> [m, n], written
-    into `out` when given; with `weight_scale` (float32, one per row) weight holds FP8
-    rows, each times its scale. `config` and `early_trigger` (default: up to
+    into `out` when given. `config` and `early_trigger` (default: up to
     EARLY_TRIGGER_MAX_ROWS tokens) override the launch options (benchmarks). Each
     program holds all m tokens' sums, so this pays for small m only (kernels/linear.py
     decides)."""
+    m, n, k = _rows_shape(x, weight)
+    if x.dtype not in TENSOR_CORE_DTYPES or weight.dtype != x.dtype:
+        raise ValueError(
+            f"gemv_rows takes bfloat16 or float16 rows and a weight of theirs, "
+            f"got {x.dtype} and {weight.dtype}"
+        )
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    elif out.shape != (m, n) or out.stride(-1) != 1 or out.dtype != x.dtype:
+        raise ValueError(f"gemv_rows writes [{m}, {n}] {x.dtype} rows with unit stride")
+    config = config or _rows_config(n, k, m)
+    _launch_rows(x, None, weight, None, bias, out, config, early_trigger)
+    return out
+
+
+def gemv_rows_fp8_triton(
+    codes: torch.Tensor,
+    x_scale: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    *,
+    config: tuple[int, int, int, int] | None = None,
+) -> torch.Tensor:
+    """(codes * x_scale) @ (weight * weight_scale).T (+ bias) -> [m, n] in `out_dtype`,
+    for a few tokens quantized per row (triton_ops/fp8.py: e4m3 codes [m, k], float32
+    scales [m] or [m, 1]) over FP8 rows: W8A8 on the FP8 tensor cores, as cuBLASLt's
+    path past kernels/fp8.FP8_GEMV_MAX_ROWS tokens computes it. Widening the codes to
+    bfloat16 instead costs as much as the 16-bit stream (no direct e4m3 -> bfloat16
+    conversion)."""
+    m, n, _ = _rows_shape(codes, weight)
+    _check_scale(weight, weight_scale)
+    if codes.dtype != FP8_DTYPE or not (
+        x_scale.dtype == torch.float32 and x_scale.numel() == m and x_scale.is_contiguous()
+    ):
+        raise ValueError(
+            f"gemv_rows_fp8 takes e4m3 token codes with a float32 scale each, got "
+            f"{codes.dtype} and {x_scale.dtype} {tuple(x_scale.shape)}"
+        )
+    out = torch.empty((m, n), dtype=out_dtype, device=codes.device)
+    config = config or _rows_fp8_config(n, m)
+    _launch_rows(codes, x_scale, weight, weight_scale, bias, out, config, None)
+    return out
+
+
+def _rows_fp8_config(n: int, m: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, stages) of the W8A8 few-token GEMV over `m` tokens: from
+    lab/probes/gemv_fp8_dot.py on the H200 (Llama-3.1-8B shapes, 1 to 64 tokens),
+    64 rows x 256 (gate_up, the widest, x 128, in three stages past 32 tokens); smaller
+    weights take fewer rows, so that at least 64 programs share the read."""
+    if n >= 16384:
+        return 64, 128, 4, (3 if m > 32 else 4)
+    return (64 if n >= 64 * 64 else 32 if n >= 64 * 32 else 16), 256, 4, 4
+
+
+def _rows_shape(x: torch.Tensor, weight: torch.Tensor) -> tuple[int, int, int]:
     m, width = x.shape
     n, k = weight.shape
     if not (m >= 1 and width == k and x.stride(-1) == 1 and weight.is_contiguous()):
@@ -347,23 +402,26 @@ def gemv_rows_triton(
             f"gemv_rows takes rows [m, {k}] with unit stride and a contiguous weight, "
             f"got {tuple(x.shape)} and {tuple(weight.shape)}"
         )
-    _check_scale(weight, weight_scale)
-    weight_dtype = x.dtype if weight_scale is None else FP8_DTYPE
-    if x.dtype not in TENSOR_CORE_DTYPES or weight.dtype != weight_dtype:
-        raise ValueError(
-            f"gemv_rows takes bfloat16 or float16 rows and a weight of theirs (or FP8 with "
-            f"weight_scale), got {x.dtype} and {weight.dtype}"
-        )
-    if out is None:
-        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    elif out.shape != (m, n) or out.stride(-1) != 1 or out.dtype != x.dtype:
-        raise ValueError(f"gemv_rows writes [{m}, {n}] {x.dtype} rows with unit stride")
+    return m, n, k
+
+
+def _launch_rows(
+    x: torch.Tensor,
+    x_scale: torch.Tensor | None,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    config: tuple[int, int, int, int],
+    early_trigger: bool | None,
+) -> None:
+    m, n = out.shape
     pdl = programmatic_launch(x.device)
-    block_n, block_k, warps, stages = config or _rows_config(n, k, m)
-    if config is None:
-        block_n = interpreted_rows(block_n, n)
+    block_n, block_k, warps, stages = config
+    block_n = interpreted_rows(block_n, n)
     _gemv_rows_kernel[(triton.cdiv(n, block_n),)](
         x,
+        weight if x_scale is None else x_scale,
         weight,
         weight if weight_scale is None else weight_scale,
         weight if bias is None else bias,
@@ -372,9 +430,9 @@ def gemv_rows_triton(
         n,
         x.stride(0),
         out.stride(0),
-        K=k,
+        K=weight.shape[1],
         HAS_BIAS=bias is not None,
-        W_SCALE=weight_scale is not None,
+        FP8=weight_scale is not None,
         BLOCK_T=max(16, triton.next_power_of_2(m)),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -385,7 +443,6 @@ def gemv_rows_triton(
         num_warps=warps,
         num_stages=stages,
     )
-    return out
 
 
 def _check_scale(weight: torch.Tensor, weight_scale: torch.Tensor | None) -> None:
