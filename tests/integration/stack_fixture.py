@@ -3,11 +3,14 @@ processes (`radixserve.stack.Stack`, the code `radixserve up` runs), one model."
 
 from __future__ import annotations
 
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -67,6 +70,47 @@ def running_stack(
         yield RunningStack(stack, spec.url, "test-model", prefix, nats_url)
     finally:
         stack.stop()
+
+
+def own_stack(
+    logs: str,
+    worker_args: list[str] = CPU_WORKER_ARGS,
+    extra_args: dict[str, list[str]] | None = None,
+    context_length: int = 512,
+    workers: int = 1,
+) -> Any:
+    """A module's fixture (`two_workers = own_stack("rolling_logs", workers=2)`): a stack
+    of its own on the tiny model, for a module that kills or restarts its services, which
+    the shared `tiny_stack`'s users must not see; its logs in a folder named `logs`."""
+
+    @pytest.fixture(scope="module")
+    def fixture(
+        nats_url: str,
+        redis_url: str,
+        tiny_model_dir: Path,
+        tmp_path_factory: pytest.TempPathFactory,
+    ) -> Iterator[RunningStack]:
+        with running_stack(
+            nats_url,
+            redis_url,
+            tiny_model_dir,
+            tmp_path_factory.mktemp(logs),
+            worker_args,
+            extra_args=extra_args,
+            context_length=context_length,
+            workers=workers,
+        ) as running:
+            yield running
+
+    return fixture
+
+
+def supervise(running: RunningStack, stop: threading.Event) -> None:
+    """Restart the stack's dead children until `stop`, as `radixserve up` does (run in a
+    thread beside the test's event loop)."""
+    while not stop.is_set():
+        running.stack.supervise_once()
+        time.sleep(0.2)
 
 
 # A tiny random-weight Llama served on the CPU, for modules that compare the stack with

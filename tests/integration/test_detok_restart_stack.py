@@ -13,18 +13,15 @@ after the restart and resumes with Last-Event-ID gets exactly the rest of the te
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from collections.abc import Callable
 
 import httpx
 import pytest
 
-from tests.integration.stack_fixture import CPU_WORKER_ARGS, RunningStack, running_stack
+from tests.integration.stack_fixture import RunningStack, own_stack, supervise
+from tests.integration.stack_load import Events, body, read_events
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -33,65 +30,8 @@ MAX_TOKENS = 160
 PROMPTS = [f"Restart {i}: the numbers go" for i in range(CLIENTS)]
 
 
-@pytest.fixture(scope="module")
-def stack(
-    nats_url: str, redis_url: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[RunningStack]:
-    # A stack of its own: its detokenizer is killed.
-    with running_stack(
-        nats_url,
-        redis_url,
-        tiny_model_dir,
-        tmp_path_factory.mktemp("detok_restart_logs"),
-        CPU_WORKER_ARGS,
-        context_length=512,
-    ) as running:
-        yield running
-
-
-@dataclass
-class Events:
-    texts: list[str] = field(default_factory=list)
-    last_id: str | None = None
-    usage: dict[str, Any] | None = None
-    done: bool = False
-    rid: str = ""
-
-    @property
-    def text(self) -> str:
-        return "".join(self.texts)
-
-
-def body(prompt: str) -> dict[str, Any]:
-    return {
-        "model": "test-model",
-        "prompt": prompt,
-        "max_tokens": MAX_TOKENS,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-
-
-async def read(
-    response: httpx.Response, events: Events, cut: Callable[[Events], bool] | None = None
-) -> Events:
-    """The SSE answer into `events`, until [DONE], or until `cut` says to hang up."""
-    async for line in response.aiter_lines():
-        if line.startswith("id: "):
-            events.last_id = line[4:]
-        elif line == "data: [DONE]":
-            events.done = True
-        elif line.startswith("data: "):
-            chunk = json.loads(line[6:])
-            assert "error" not in chunk, chunk
-            if chunk.get("usage"):
-                events.usage = chunk["usage"]
-            events.texts += [c["text"] for c in chunk["choices"] if c.get("text")]
-            if cut is not None and cut(events):
-                return events
-    return events
+# A stack of its own: its detokenizer is killed.
+stack = own_stack("detok_restart_logs")
 
 
 async def stream(
@@ -100,23 +40,18 @@ async def stream(
     events: Events,
     cut: Callable[[Events], bool] | None = None,
 ) -> Events:
-    async with http.stream("POST", "/v1/completions", json=body(prompt)) as response:
+    request = body(prompt, MAX_TOKENS)
+    async with http.stream("POST", "/v1/completions", json=request) as response:
         assert response.status_code == 200, await response.aread()
         events.rid = response.headers["x-request-id"]
-        return await read(response, events, cut)
+        return await read_events(response.aiter_lines(), events, cut)
 
 
 async def resume(http: httpx.AsyncClient, rid: str, last_id: str) -> Events:
     path = f"/v1/requests/{rid}/output"
     async with http.stream("GET", path, headers={"Last-Event-ID": last_id}) as response:
         assert response.status_code == 200, await response.aread()
-        return await read(response, Events(rid=rid))
-
-
-def supervise(running: RunningStack, stop: threading.Event) -> None:
-    while not stop.is_set():
-        running.stack.supervise_once()
-        time.sleep(0.2)
+        return await read_events(response.aiter_lines(), Events(rid=rid))
 
 
 def test_streams_go_on_across_a_detokenizer_restart(stack: RunningStack) -> None:

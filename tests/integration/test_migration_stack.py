@@ -6,7 +6,8 @@ Each request is sent twice: once with both workers up (the reference), then agai
 worker-0 killed (SIGKILL) once every stream has its first tokens. The scheduler sees it
 silent after `--worker-timeout-s`, re-routes its requests to worker-1 with the tokens
 they had generated, and worker-1 continues them: the same text, token for token, and
-usage counting each token once.
+usage counting each token once. Requests of n > 1 choices go on the same way, each
+choice after its own tokens.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ WORKER_ARGS = ["--device", "cpu", "--dtype", BATCH_EXACT_DTYPE, "--max-total-tok
 SCHEDULER_METRICS_PORT = free_port()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture  # each test kills a worker of its own pair
 def two_workers(
     nats_url: str, redis_url: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[RunningStack]:
@@ -96,24 +97,33 @@ def requests() -> list[dict[str, object]]:
     return greedy + seeded
 
 
+# Each choice's text by index, the completion tokens of the usage, the chunks with text.
+Streamed = tuple[tuple[str, ...], int, int]
+
+
 async def stream_all(
     running: RunningStack,
     first_tokens: asyncio.Event | None = None,
     max_tokens: int = MAX_TOKENS,
-) -> list[tuple[str, int, int]]:
-    """Every request streamed at once: (text, completion tokens, chunks with text).
-    `first_tokens` is set once every stream has had a token."""
+    bodies: list[dict[str, object]] | None = None,
+    chunks_first: int = 1,
+) -> list[Streamed]:
+    """Every request of `bodies` (`requests()`) streamed at once. `first_tokens` is set
+    once every choice of every stream has had `chunks_first` chunks with text."""
+    bodies = requests() if bodies is None else bodies
     started = 0
     async with openai.AsyncOpenAI(
         base_url=running.url + "/v1", api_key="unused", max_retries=0, timeout=120
     ) as client:
 
-        async def one(body: dict[str, object]) -> tuple[str, int, int]:
+        async def one(body: dict[str, object]) -> Streamed:
             nonlocal started
-            parts: list[str] = []
-            usage = 0
-            seen_first = False
             fields = dict(body)
+            n = fields.get("n", 1)
+            assert isinstance(n, int)
+            parts: list[list[str]] = [[] for _ in range(n)]
+            usage = chunks = 0
+            seen_first = False
             extra = {"ignore_eos": True, **fields.pop("extra", {})}  # type: ignore[dict-item]
             stream = await client.completions.create(
                 model=running.model,
@@ -126,16 +136,18 @@ async def stream_all(
             async for chunk in stream:
                 if chunk.usage is not None:
                     usage = chunk.usage.completion_tokens
-                if chunk.choices and chunk.choices[0].text:
-                    parts.append(chunk.choices[0].text)
-                    if not seen_first:
-                        seen_first = True
-                        started += 1
-                        if first_tokens is not None and started == STREAMS:
-                            first_tokens.set()
-            return "".join(parts), usage, len(parts)
+                for choice in chunk.choices:
+                    if choice.text:
+                        parts[choice.index].append(choice.text)
+                        chunks += 1
+                if not seen_first and all(len(p) >= chunks_first for p in parts):
+                    seen_first = True
+                    started += 1
+                    if first_tokens is not None and started == len(bodies):
+                        first_tokens.set()
+            return tuple("".join(p) for p in parts), usage, chunks
 
-        return await asyncio.gather(*(one(body) for body in requests()))
+        return await asyncio.gather(*(one(body) for body in bodies))
 
 
 def worker(running: RunningStack, index: int) -> object:
@@ -143,26 +155,65 @@ def worker(running: RunningStack, index: int) -> object:
     return item
 
 
+async def with_a_kill(
+    running: RunningStack, bodies: list[dict[str, object]] | None = None, chunks_first: int = 1
+) -> list[Streamed]:
+    """`stream_all`, with worker-0 killed (SIGKILL) once every choice has had
+    `chunks_first` chunks with text."""
+    first_tokens = asyncio.Event()
+    run = asyncio.create_task(
+        stream_all(running, first_tokens, bodies=bodies, chunks_first=chunks_first)
+    )
+    await asyncio.wait_for(first_tokens.wait(), 60)
+    worker(running, 0).process.kill()  # type: ignore[attr-defined]
+    return await asyncio.wait_for(run, 120)
+
+
 def test_a_killed_workers_streams_finish_on_the_other_worker(two_workers: RunningStack) -> None:
     reference = asyncio.run(stream_all(two_workers))
     json_index = requests().index(JSON_REQUEST)
-    jsonschema.validate(json.loads(reference[json_index][0]), COLORS)
-
-    async def with_a_kill() -> list[tuple[str, int, int]]:
-        first_tokens = asyncio.Event()
-        run = asyncio.create_task(stream_all(two_workers, first_tokens))
-        await asyncio.wait_for(first_tokens.wait(), 60)
-        worker(two_workers, 0).process.kill()  # type: ignore[attr-defined]
-        return await asyncio.wait_for(run, 120)
-
-    faulted = asyncio.run(with_a_kill())
+    jsonschema.validate(json.loads(reference[json_index][0][0]), COLORS)
+    faulted = asyncio.run(with_a_kill(two_workers))
     for i, ((text, usage, _), (expected, usage_then, _)) in enumerate(
         zip(faulted, reference, strict=True)
     ):
         assert text == expected, f"request {i} differs from its fault-free run"
         assert usage == usage_then, f"request {i}: usage counts {usage} tokens, not {usage_then}"
         assert i == json_index or usage == MAX_TOKENS
-    jsonschema.validate(json.loads(faulted[json_index][0]), COLORS)
+    jsonschema.validate(json.loads(faulted[json_index][0][0]), COLORS)
+    assert migrated(SCHEDULER_METRICS_PORT, "worker_lost") >= 1  # worker-0 held some
+
+
+def choice_requests() -> list[dict[str, object]]:
+    """Seeded requests of 2 and 3 choices (choice i draws with seed + i), top_k 5 as in
+    `requests()`. No two prompts share a first word: the cache-aware router would keep
+    prompts of one prefix on one worker, and both workers are to hold some, of each n
+    (routed in turn, so n goes 2, 2, 3, 3, ...)."""
+    words = ["Apples", "Rivers", "Seven", "Quietly", "Marble", "Winter", "Copper", "Lately"]
+    return [
+        {
+            "prompt": f"{word} {i}: far away",
+            "n": 2 + i // 2 % 2,
+            "temperature": 1.0,
+            "seed": 200 + i,
+            "extra": {"top_k": 5},
+        }
+        for i, word in enumerate(words)
+    ]
+
+
+def test_a_killed_workers_n_choice_streams_go_on_per_choice(two_workers: RunningStack) -> None:
+    bodies = choice_requests()
+    reference = asyncio.run(stream_all(two_workers, bodies=bodies))
+    # Killed a few tokens in, each choice cut where its stream had got to.
+    faulted = asyncio.run(with_a_kill(two_workers, bodies, chunks_first=8))
+    for i, ((texts, usage, _), (expected, usage_then, _), body) in enumerate(
+        zip(faulted, reference, bodies, strict=True)
+    ):
+        assert len(set(expected)) == body["n"], f"request {i}: its choices drew alike"
+        for index, (text, then) in enumerate(zip(texts, expected, strict=True)):
+            assert text == then, f"request {i} choice {index} differs from its fault-free run"
+        assert usage == usage_then == body["n"] * MAX_TOKENS, f"request {i}: usage {usage}"
     assert migrated(SCHEDULER_METRICS_PORT, "worker_lost") >= 1  # worker-0 held some
 
 
@@ -199,7 +250,7 @@ def test_a_draining_worker_hands_its_streams_to_the_other(draining_pair: Running
     of its drain timeout goes on on the other worker, the same text."""
     reference = asyncio.run(stream_all(draining_pair, max_tokens=DRAIN_MAX_TOKENS))
 
-    async def with_a_drain() -> list[tuple[str, int, int]]:
+    async def with_a_drain() -> list[Streamed]:
         first_tokens = asyncio.Event()
         run = asyncio.create_task(stream_all(draining_pair, first_tokens, DRAIN_MAX_TOKENS))
         await asyncio.wait_for(first_tokens.wait(), 60)

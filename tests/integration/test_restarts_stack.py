@@ -17,12 +17,10 @@ that ends while it is down or coming back finishes with the reference text.
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,19 +28,24 @@ import httpx
 import pytest
 
 from radixserve.infra import NatsServer, RedisServer
-from tests.integration.stack_fixture import BATCH_EXACT_DTYPE, RunningStack, running_stack
+from tests.integration.stack_fixture import (
+    CPU_WORKER_ARGS,
+    RunningStack,
+    running_stack,
+    supervise,
+)
+from tests.integration.stack_load import Load, body, one_request
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 CLIENTS = 6
 MAX_TOKENS = 40
-PROMPTS = [f"Load {i}: the numbers go" for i in range(CLIENTS)]
+BODIES = [body(f"Load {i}: the numbers go", MAX_TOKENS, usage=False) for i in range(CLIENTS)]
 REQUEST_DEADLINE_S = 60.0  # a request unanswered this long is lost
 # From a restart to the first request that succeeds after it: a loose bound (it includes
 # the service's start-up on a loaded machine); the figures measured go in the docs.
 RECOVERY_S = 30.0
 FAULTS = ("scheduler", "detokenizer", "tokenizer", "gateway", "nats-server", "redis-server")
-WORKER_ARGS = ["--device", "cpu", "--dtype", BATCH_EXACT_DTYPE, "--max-total-tokens", "16384"]
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +63,7 @@ def stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
             redis.url,
             tiny_model_dir,
             tmp_path_factory.mktemp("restart_logs"),
-            WORKER_ARGS,
+            CPU_WORKER_ARGS,
             extra_args={
                 "gateway": ["--request-timeout-s", "30", "--lost-check-s", "5"],
                 "scheduler": ["--worker-timeout-s", "3"],
@@ -69,82 +72,6 @@ def stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         ) as running:
             running.stack.adopt([nats, redis])
             yield running
-
-
-@dataclass
-class Outcome:
-    prompt: int
-    kind: str  # finished, failed, lost
-    text: str = ""
-    code: str = ""
-    ended_at: float = 0.0
-    started_at: float = 0.0
-
-
-@dataclass
-class Load:
-    url: str
-    outcomes: list[Outcome] = field(default_factory=list)
-    stop: asyncio.Event = field(default_factory=asyncio.Event)
-
-    async def run(self) -> None:
-        async with httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(30.0)) as http:
-            await asyncio.gather(*(self._client(http, i) for i in range(CLIENTS)))
-
-    async def _client(self, http: httpx.AsyncClient, prompt: int) -> None:
-        while not self.stop.is_set():
-            started_at = time.monotonic()
-            outcome = await one_request(http, prompt)
-            outcome.started_at = started_at
-            self.outcomes.append(outcome)
-            if outcome.kind == "failed":
-                await asyncio.sleep(0.5)  # as a client honouring Retry-After would
-
-
-async def one_request(http: httpx.AsyncClient, prompt: int) -> Outcome:
-    body = {
-        "model": "test-model",
-        "prompt": PROMPTS[prompt],
-        "max_tokens": MAX_TOKENS,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-    }
-    deadline = time.monotonic() + REQUEST_DEADLINE_S
-    texts: list[str] = []
-    last_id: str | None = None
-    while time.monotonic() < deadline:
-        headers = {} if last_id is None else {"Last-Event-ID": last_id}
-        try:
-            async with http.stream("POST", "/v1/completions", json=body, headers=headers) as r:
-                if r.status_code != 200:
-                    error = json.loads(await r.aread())["error"]
-                    return Outcome(prompt, "failed", code=error["code"], ended_at=time.monotonic())
-                async for line in r.aiter_lines():
-                    if line.startswith("id: "):
-                        last_id = line[4:]
-                    elif line == "data: [DONE]":
-                        return Outcome(
-                            prompt, "finished", "".join(texts), ended_at=time.monotonic()
-                        )
-                    elif line.startswith("data: "):
-                        chunk = json.loads(line[6:])
-                        if "error" in chunk:
-                            code = chunk["error"]["code"]
-                            return Outcome(prompt, "failed", code=code, ended_at=time.monotonic())
-                        texts += [c["text"] for c in chunk["choices"] if c.get("text")]
-        except httpx.TransportError:
-            pass  # the gateway went away mid-stream or is not back yet
-        if last_id is None and texts:
-            return Outcome(prompt, "lost", "".join(texts), "cut, not resumable")
-        await asyncio.sleep(0.3)
-    return Outcome(prompt, "lost", "".join(texts), "no answer by the deadline")
-
-
-def supervise(running: RunningStack, stop: threading.Event) -> None:
-    while not stop.is_set():
-        running.stack.supervise_once()
-        time.sleep(0.2)
 
 
 def process_of(running: RunningStack, name: str) -> Any:
@@ -158,7 +85,10 @@ def test_each_service_and_server_restarted_under_load_loses_no_request(
 ) -> None:
     async def reference() -> list[str]:
         async with httpx.AsyncClient(base_url=stack.url, timeout=60) as http:
-            results = [await one_request(http, i) for i in range(CLIENTS)]
+            results = [
+                await one_request(http, BODIES[i], i, REQUEST_DEADLINE_S, resume=True)
+                for i in range(CLIENTS)
+            ]
         assert all(r.kind == "finished" for r in results), results
         return [r.text for r in results]
 
@@ -171,7 +101,8 @@ def test_each_service_and_server_restarted_under_load_loses_no_request(
     windows: dict[str, tuple[float, float]] = {}  # from the kill to the next fault
 
     async def with_faults() -> Load:
-        load = Load(stack.url)
+        # Each client resumes a stream its gateway's death cut, as a resuming client does.
+        load = Load(stack.url, BODIES, CLIENTS, REQUEST_DEADLINE_S, resume=True, retry_pause_s=0.5)
         task = asyncio.create_task(load.run())
         await asyncio.sleep(3)
         for name in FAULTS:
@@ -214,7 +145,7 @@ def test_each_service_and_server_restarted_under_load_loses_no_request(
     assert around_detokenizer and all(o.kind == "finished" for o in around_detokenizer), [
         o for o in around_detokenizer if o.kind != "finished"
     ]
-    wrong = [o for o in load.outcomes if o.kind == "finished" and o.text != expected[o.prompt]]
+    wrong = [o for o in load.outcomes if o.kind == "finished" and o.text != expected[o.index]]
     assert wrong == []
     assert kinds["finished"] > len(FAULTS) * CLIENTS
     assert worker.restarts == 0, "the worker died (its KV invariant is checked every step)"

@@ -10,11 +10,9 @@ log in Redis: the events that follow, exactly, and nothing twice.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -22,6 +20,7 @@ import pytest
 
 from tests.fixtures.gateway import WAIT_S, Gateway, start_gateway
 from tests.integration.stack_fixture import RunningStack
+from tests.integration.stack_load import Events, body, read_events
 
 MAX_TOKENS = 200
 CUT_AFTER = 8  # text events the first connection gets
@@ -38,56 +37,6 @@ def other_gateway(
     )
 
 
-@dataclass
-class Events:
-    """An SSE answer as read: each data event's text (None for the usage chunk), the
-    last id seen, the usage, whether [DONE] came."""
-
-    texts: list[str] = field(default_factory=list)
-    ids: list[str | None] = field(default_factory=list)
-    usage: dict[str, Any] | None = None
-    done: bool = False
-
-    @property
-    def text(self) -> str:
-        return "".join(self.texts)
-
-
-async def read_events(
-    lines: AsyncIterator[str], events: Events, stop_after: int | None = None
-) -> Events:
-    event_id: str | None = None
-    async for line in lines:
-        if line.startswith("id: "):
-            event_id = line[4:]
-        elif line == "data: [DONE]":
-            events.done = True
-        elif line.startswith("data: "):
-            chunk = json.loads(line[6:])
-            assert "error" not in chunk, chunk
-            if chunk.get("usage"):
-                events.usage = chunk["usage"]
-            for choice in chunk["choices"]:
-                if choice.get("text"):
-                    events.texts.append(choice["text"])
-                    events.ids.append(event_id)
-            if stop_after is not None and len(events.texts) >= stop_after:
-                return events
-    return events
-
-
-def body(prompt: str) -> dict[str, Any]:
-    return {
-        "model": "test-model",
-        "prompt": prompt,
-        "max_tokens": MAX_TOKENS,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-
-
 async def stream_whole(url: str, request: dict[str, Any]) -> Events:
     async with httpx.AsyncClient(base_url=url, timeout=60) as http:
         async with http.stream("POST", "/v1/completions", json=request) as response:
@@ -101,7 +50,10 @@ async def stream_cut(url: str, request: dict[str, Any]) -> tuple[str, Events]:
         async with http.stream("POST", "/v1/completions", json=request) as response:
             assert response.status_code == 200
             rid = response.headers["x-request-id"]
-            return rid, await read_events(response.aiter_lines(), Events(), CUT_AFTER)
+            events = read_events(
+                response.aiter_lines(), Events(), lambda e: len(e.texts) >= CUT_AFTER
+            )
+            return rid, await events
 
 
 async def resume(
@@ -117,7 +69,7 @@ async def resume(
 async def test_a_dropped_stream_resumes_at_another_gateway(
     tiny_stack: RunningStack, other_gateway: Gateway
 ) -> None:
-    request = body("Resume me: the numbers go")
+    request = body("Resume me: the numbers go", MAX_TOKENS)
     reference = await stream_whole(tiny_stack.url, request)
     assert reference.done and len(reference.texts) > CUT_AFTER + 10
 
@@ -149,8 +101,7 @@ async def test_a_dropped_stream_resumes_at_another_gateway(
 async def test_a_non_streaming_request_sent_resumable_outlives_its_client(
     tiny_stack: RunningStack, other_gateway: Gateway
 ) -> None:
-    request = {**body("Wait for me: once upon"), "stream": False}
-    request.pop("stream_options")
+    request = body("Wait for me: once upon", MAX_TOKENS, usage=False, stream=False)
     async with httpx.AsyncClient(base_url=tiny_stack.url, timeout=60) as http:
         reference = (await http.post("/v1/completions", json=request)).json()
     rid = f"client-chosen-{uuid.uuid4().hex}"
@@ -184,8 +135,7 @@ async def test_resumes_that_cannot_be_answered_say_why(
     tiny_stack: RunningStack, other_gateway: Gateway
 ) -> None:
     async with httpx.AsyncClient(base_url=other_gateway.base_url, timeout=30) as http:
-        plain = {**body("not resumable"), "stream": False, "max_tokens": 4}
-        plain.pop("stream_options")
+        plain = body("not resumable", 4, usage=False, stream=False)
         done = await http.post("/v1/completions", json=plain)
         rid = done.headers["x-request-id"]
         cases = [

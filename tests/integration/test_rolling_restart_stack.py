@@ -13,14 +13,10 @@ stack), usage counting each token once: with drain and migration nothing may fai
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import time
-from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from collections.abc import Awaitable, Callable
 
 import httpx
 import pytest
@@ -28,7 +24,8 @@ import pytest
 from radixserve.bus import BusSettings
 from radixserve.infra import free_port
 from radixserve.services.health import HealthReport, probe
-from tests.integration.stack_fixture import BATCH_EXACT_DTYPE, RunningStack, running_stack
+from tests.integration.stack_fixture import BATCH_EXACT_DTYPE, RunningStack, own_stack
+from tests.integration.stack_load import Load, Outcome, body, one_request
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -45,90 +42,22 @@ SCHEDULER_METRICS_PORT = free_port()
 # Greedy, and seeded among the top 5 (the random model's distributions are nearly flat:
 # among all its tokens a draw would turn on the last bits of a sum, see
 # test_migration_stack), each with its own prompt.
-BODIES: list[dict[str, Any]] = [
-    *({"prompt": f"Rolling {i}: the numbers go", "temperature": 0} for i in range(6)),
+BODIES = [
+    *(body(f"Rolling {i}: the numbers go", MAX_TOKENS) for i in range(6)),
     *(
-        {"prompt": f"Seeded {i}: once upon", "temperature": 1.0, "seed": 200 + i, "top_k": 5}
+        body(f"Seeded {i}: once upon", MAX_TOKENS, temperature=1.0, seed=200 + i, top_k=5)
         for i in range(2)
     ),
 ]
 
 
-@pytest.fixture(scope="module")
-def two_workers(
-    nats_url: str, redis_url: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[RunningStack]:
-    with running_stack(
-        nats_url,
-        redis_url,
-        tiny_model_dir,
-        tmp_path_factory.mktemp("rolling_logs"),
-        WORKER_ARGS,
-        extra_args={"scheduler": ["--metrics-port", str(SCHEDULER_METRICS_PORT)]},
-        context_length=1024,
-        workers=2,
-    ) as running:
-        yield running
-
-
-@dataclass
-class Outcome:
-    body: int
-    kind: str  # finished, failed, lost
-    text: str = ""
-    usage: int = 0
-    code: str = ""
-
-
-async def one_request(http: httpx.AsyncClient, index: int) -> Outcome:
-    """One streamed completion of BODIES[index], read to its end or its error."""
-    body = {
-        "model": "test-model",
-        "max_tokens": MAX_TOKENS,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        **BODIES[index],
-    }
-    parts: list[str] = []
-    usage = 0
-    try:
-        async with http.stream("POST", "/v1/completions", json=body) as reply:
-            if reply.status_code != 200:
-                error = json.loads(await reply.aread())["error"]
-                return Outcome(index, "failed", code=error["code"])
-            async for line in reply.aiter_lines():
-                if line == "data: [DONE]":
-                    return Outcome(index, "finished", "".join(parts), usage)
-                if not line.startswith("data: "):
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    return Outcome(index, "failed", "".join(parts), code=chunk["error"]["code"])
-                if chunk.get("usage"):
-                    usage = chunk["usage"]["completion_tokens"]
-                parts += [c["text"] for c in chunk["choices"] if c.get("text")]
-    except httpx.HTTPError as exc:
-        return Outcome(index, "lost", "".join(parts), code=type(exc).__name__)
-    return Outcome(index, "lost", "".join(parts), code="stream ended without [DONE]")
-
-
-@dataclass
-class Load:
-    url: str
-    outcomes: list[Outcome] = field(default_factory=list)
-    stop: asyncio.Event = field(default_factory=asyncio.Event)
-
-    async def run(self) -> None:
-        timeout = httpx.Timeout(REQUEST_DEADLINE_S)
-        async with httpx.AsyncClient(base_url=self.url, timeout=timeout) as http:
-            await asyncio.gather(*(self._client(http, c) for c in range(CLIENTS)))
-
-    async def _client(self, http: httpx.AsyncClient, client: int) -> None:
-        index = client
-        while not self.stop.is_set():
-            self.outcomes.append(await one_request(http, index % len(BODIES)))
-            index += CLIENTS
+two_workers = own_stack(
+    "rolling_logs",
+    WORKER_ARGS,
+    extra_args={"scheduler": ["--metrics-port", str(SCHEDULER_METRICS_PORT)]},
+    context_length=1024,
+    workers=2,
+)
 
 
 async def heartbeats(running: RunningStack) -> HealthReport:
@@ -180,13 +109,16 @@ def test_a_rolling_restart_of_both_workers_under_load_loses_no_request(
 ) -> None:
     async def reference() -> list[Outcome]:
         async with httpx.AsyncClient(base_url=two_workers.url, timeout=120) as http:
-            return list(await asyncio.gather(*(one_request(http, i) for i in range(len(BODIES)))))
+            sent = (one_request(http, b, i, REQUEST_DEADLINE_S) for i, b in enumerate(BODIES))
+            return list(await asyncio.gather(*sent))
 
     expected = asyncio.run(reference())
     assert all(o.kind == "finished" and o.usage == MAX_TOKENS for o in expected), expected
 
     async def with_restarts() -> Load:
-        load = Load(two_workers.url)
+        load = Load(
+            two_workers.url, BODIES, CLIENTS, REQUEST_DEADLINE_S, read_timeout_s=REQUEST_DEADLINE_S
+        )
         task = asyncio.create_task(load.run())
         for name in ("worker-0", "worker-1"):
             await rolling_restart(two_workers, name)
@@ -199,8 +131,8 @@ def test_a_rolling_restart_of_both_workers_under_load_loses_no_request(
     not_finished = [o for o in load.outcomes if o.kind != "finished"]
     assert not_finished == [], "with drain and migration no request may fail"
     for outcome in load.outcomes:
-        reference_run = expected[outcome.body]
-        assert outcome.text == reference_run.text, f"body {outcome.body} differs from its run"
-        assert outcome.usage == MAX_TOKENS, f"body {outcome.body}: usage {outcome.usage}"
+        reference_run = expected[outcome.index]
+        assert outcome.text == reference_run.text, f"body {outcome.index} differs from its run"
+        assert outcome.usage == MAX_TOKENS, f"body {outcome.index}: usage {outcome.usage}"
     assert len(load.outcomes) >= 2 * CLIENTS
     assert migrated("worker_drained") >= 1, "no drain handed a request over"

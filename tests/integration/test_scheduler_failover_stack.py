@@ -16,15 +16,13 @@ active scheduler routed is measured (its /metrics), printed, and held to a loose
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 
 import httpx
 import pytest
@@ -32,19 +30,19 @@ import redis
 
 from radixserve.infra import free_port
 from radixserve.infra.process import ManagedProcess
-from tests.integration.stack_fixture import BATCH_EXACT_DTYPE, RunningStack, running_stack
+from tests.integration.stack_fixture import RunningStack, own_stack
+from tests.integration.stack_load import Load, body, one_request
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 CLIENTS = 4
 MAX_TOKENS = 40
-PROMPTS = [f"Failover {i}: the numbers go" for i in range(CLIENTS)]
+BODIES = [body(f"Failover {i}: the numbers go", MAX_TOKENS, usage=False) for i in range(CLIENTS)]
 REQUEST_DEADLINE_S = 60.0  # a request unanswered this long is lost
 TTL_S = 3.0
 # Kill to the first request the standby routed: the TTL, a claim interval and the
 # clients' retry pause; a loose bound for a loaded 2-core machine.
 FAILOVER_BOUND_S = 10.0
-WORKER_ARGS = ["--device", "cpu", "--dtype", BATCH_EXACT_DTYPE, "--max-total-tokens", "16384"]
 SCHEDULER_ARGS = ["--ha-lease", "--ha-lease-ttl-s", str(TTL_S), "--worker-timeout-s", "3"]
 METRICS_PORTS = {"scheduler-0": free_port(), "scheduler-1": free_port()}
 # One client for every poll: a new one per poll costs more than the interval measured.
@@ -82,29 +80,25 @@ def scheduler_process(running: RunningStack, instance: str) -> ManagedProcess:
     return ManagedProcess(instance, argv, log_path, spec.instance_env(instance))
 
 
+failover_stack = own_stack(
+    "failover_logs",
+    extra_args={
+        "scheduler": [*SCHEDULER_ARGS, "--metrics-port", str(METRICS_PORTS["scheduler-0"])],
+        "gateway": ["--request-timeout-s", "30", "--lost-check-s", "5"],
+    },
+)
+
+
 @pytest.fixture(scope="module")
-def schedulers(
-    nats_url: str, redis_url: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Schedulers]:
-    with running_stack(
-        nats_url,
-        redis_url,
-        tiny_model_dir,
-        tmp_path_factory.mktemp("failover_logs"),
-        WORKER_ARGS,
-        extra_args={
-            "scheduler": [*SCHEDULER_ARGS, "--metrics-port", str(METRICS_PORTS["scheduler-0"])],
-            "gateway": ["--request-timeout-s", "30", "--lost-check-s", "5"],
-        },
-        context_length=512,
-    ) as running:
-        (first,) = [s.process for s in running.stack.services if s.name == "scheduler-0"]
-        second = scheduler_process(running, "scheduler-1")
-        second.start()
-        try:
-            yield Schedulers(running, first, second, redis_url)
-        finally:
-            second.stop(timeout_s=15)
+def schedulers(failover_stack: RunningStack, redis_url: str) -> Iterator[Schedulers]:
+    running = failover_stack
+    (first,) = [s.process for s in running.stack.services if s.name == "scheduler-0"]
+    second = scheduler_process(running, "scheduler-1")
+    second.start()
+    try:
+        yield Schedulers(running, first, second, redis_url)
+    finally:
+        second.stop(timeout_s=15)
 
 
 def scheduler_metrics(instance: str) -> tuple[float, float] | None:
@@ -148,72 +142,6 @@ async def first_routed(instance: str, since: float, before: float) -> tuple[floa
     raise AssertionError(f"{instance} routed nothing within {2 * FAILOVER_BOUND_S:g} s")
 
 
-@dataclass
-class Outcome:
-    prompt: int
-    kind: str  # finished, failed, lost
-    text: str = ""
-    code: str = ""
-    started_at: float = 0.0
-    ended_at: float = 0.0
-
-
-@dataclass
-class Load:
-    url: str
-    outcomes: list[Outcome] = field(default_factory=list)
-    stop: asyncio.Event = field(default_factory=asyncio.Event)
-
-    async def run(self) -> None:
-        async with httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(30.0)) as http:
-            await asyncio.gather(*(self._client(http, i) for i in range(CLIENTS)))
-
-    async def _client(self, http: httpx.AsyncClient, prompt: int) -> None:
-        while not self.stop.is_set():
-            outcome = await one_request(http, prompt)
-            self.outcomes.append(outcome)
-            if outcome.kind == "failed":
-                await asyncio.sleep(0.3)  # as a client honouring Retry-After would
-
-    def succeeded_after(self, moment: float) -> bool:
-        return any(o.kind == "finished" and o.started_at > moment for o in self.outcomes)
-
-
-async def one_request(http: httpx.AsyncClient, prompt: int) -> Outcome:
-    body = {
-        "model": "test-model",
-        "prompt": PROMPTS[prompt],
-        "max_tokens": MAX_TOKENS,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-    }
-    started = time.monotonic()
-    texts: list[str] = []
-
-    def ended(kind: str, code: str = "") -> Outcome:
-        return Outcome(prompt, kind, "".join(texts), code, started, time.monotonic())
-
-    try:
-        async with asyncio.timeout(REQUEST_DEADLINE_S):
-            async with http.stream("POST", "/v1/completions", json=body) as response:
-                if response.status_code != 200:
-                    return ended("failed", json.loads(await response.aread())["error"]["code"])
-                async for line in response.aiter_lines():
-                    if line == "data: [DONE]":
-                        return ended("finished")
-                    if line.startswith("data: "):
-                        chunk = json.loads(line[6:])
-                        if "error" in chunk:
-                            return ended("failed", chunk["error"]["code"])
-                        texts += [c["text"] for c in chunk["choices"] if c.get("text")]
-    except TimeoutError:
-        return ended("lost", "no answer by the deadline")
-    except httpx.TransportError as exc:
-        return ended("lost", f"connection: {exc!r}")
-    return ended("lost", "the stream ended without [DONE]")
-
-
 def failed_during(load: Load, since: float, seconds: float) -> int:
     return sum(
         o.kind == "failed" and since <= o.started_at <= since + seconds for o in load.outcomes
@@ -227,7 +155,9 @@ def test_a_standby_scheduler_takes_over_from_a_killed_or_stopped_one(
 
     async def reference() -> list[str]:
         async with httpx.AsyncClient(base_url=running.url, timeout=60) as http:
-            results = [await one_request(http, i) for i in range(CLIENTS)]
+            results = [
+                await one_request(http, BODIES[i], i, REQUEST_DEADLINE_S) for i in range(CLIENTS)
+            ]
         assert all(r.kind == "finished" for r in results), results
         return [r.text for r in results]
 
@@ -242,7 +172,7 @@ def test_a_standby_scheduler_takes_over_from_a_killed_or_stopped_one(
     async def with_faults() -> Load:
         await wait_for("scheduler-0", active=True, timeout_s=30)
         await wait_for("scheduler-1", active=False, timeout_s=60)
-        load = Load(running.url)
+        load = Load(running.url, BODIES, CLIENTS, REQUEST_DEADLINE_S)
         task = asyncio.create_task(load.run())
         await asyncio.sleep(3)
         # 1. SIGKILL of the active one: its lease expires, the standby takes it.
@@ -291,7 +221,7 @@ def test_a_standby_scheduler_takes_over_from_a_killed_or_stopped_one(
     }
     print(f"outcomes {dict(kinds)}, failures by code {dict(codes)}, failover {figures}")
     assert kinds["lost"] == 0, [o for o in load.outcomes if o.kind == "lost"]
-    wrong = [o for o in load.outcomes if o.kind == "finished" and o.text != expected[o.prompt]]
+    wrong = [o for o in load.outcomes if o.kind == "finished" and o.text != expected[o.index]]
     assert wrong == []
     assert all(code for code in codes), codes  # every failure says why
     assert kinds["finished"] > 3 * CLIENTS

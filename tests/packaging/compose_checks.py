@@ -30,6 +30,8 @@ ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 INIT_SECRETS = ROOT / "docker" / "init_secrets.py"
 RADIXSERVE_IMAGES = ("${RADIXSERVE_IMAGE", "${RADIXSERVE_CUDA_IMAGE")
+# The services that use Redis (records, grammars, resumable streams' output log).
+REDIS_CLIENTS = ("gateway", "grammar", "detokenizer", "scheduler")
 # `$$` (a literal dollar), `${NAME}`, `${NAME:-default}` / `-` / `:?` / `?` / `:+` / `+`, `$NAME`.
 _VARIABLE = re.compile(
     r"\$\$|\$\{(?P<braced>[A-Za-z_][A-Za-z0-9_]*)(?:(?P<op>:?[-?+])(?P<arg>[^}]*))?\}"
@@ -245,6 +247,12 @@ def environment(service: dict[str, Any]) -> dict[str, str]:
     if isinstance(env, list):
         env = dict(item.split("=", 1) for item in env)
     return {key: "" if value is None else str(value) for key, value in env.items()}
+
+
+def init_args(model: dict[str, Any]) -> dict[str, str]:
+    """secrets-init's command line: flag -> value (its folders, by what they hold)."""
+    command = model["services"]["secrets-init"]["command"]
+    return dict(zip(command[::2], command[1::2], strict=True))
 
 
 def load_init_secrets() -> ModuleType:

@@ -5,6 +5,8 @@
     strict_errors(manifests, "1.37")        # [] when every object passes strict validation
     container_violations(manifests)         # [] when every container meets the policy
     ingress_sources(manifests, labels, port)  # who the NetworkPolicies let reach a port
+    chart = chart_copy(tmp_path)            # a copy to break on purpose
+    edit_file(chart / "templates" / "nats.yaml", "replicas: 1", 'replicas: "one"')
 
 Rendering is Helm's own engine in-process (helm-python-sdk); validation is
 kubernetes-validate's bundled OpenAPI schemas in strict mode (unknown fields are errors).
@@ -15,6 +17,7 @@ bundled schema: `crd_errors` checks the fields the chart relies on.
 from __future__ import annotations
 
 import re
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -203,6 +206,24 @@ def by_kind(manifests: list[Manifest], kind: str) -> dict[str, dict[str, Any]]:
 
 def component_of(body: dict[str, Any]) -> str:
     return str(body["metadata"]["labels"]["app.kubernetes.io/component"])
+
+
+def env_values(container: dict[str, Any]) -> dict[str, str]:
+    """A container's variables that have a value (not those read from a Secret)."""
+    return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+
+
+def chart_copy(tmp_path: Path) -> Path:
+    """A copy of the chart to break on purpose."""
+    target = tmp_path / "radixserve"
+    shutil.copytree(CHART_DIR, target, symlinks=False)  # the dashboards link, resolved
+    return target
+
+
+def edit_file(path: Path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert old in text, f"{old!r} is not in {path.name}: update the test with the template"
+    path.write_text(text.replace(old, new, 1))
 
 
 def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:

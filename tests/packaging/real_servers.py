@@ -4,6 +4,8 @@ configuration the packaging makes, for as long as a `with` block.
     with nats_server(["-c", str(conf)], tmp_path, env={...}) as url: ...   # nats://127.0.0.1:N
     with redis_server(["--aclfile", str(acl)], tmp_path) as port: ...
     redis_cli()                                                             # its redis-cli
+    await check_nats_wants(url, {"gateway": password}, wrong)     # who gets in, who not
+    await check_redis_wants(f"redis://127.0.0.1:{port}/0", user, password)
 """
 
 from __future__ import annotations
@@ -13,10 +15,14 @@ import shutil
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
+import pytest
+
+from radixserve.bus import Bus, BusAuthError, BusSettings, NatsAuth
 from radixserve.infra.binaries import find_nats_server, find_redis_server
 from radixserve.infra.probes import nats_answers, redis_answers
 from radixserve.infra.process import ManagedProcess
 from radixserve.infra.servers import free_port
+from radixserve.store import RedisAuth, Store, StoreAuthError, StoreSettings
 
 HOST = "127.0.0.1"
 START_TIMEOUT_S = 15.0
@@ -63,3 +69,30 @@ def redis_cli() -> Path:
     if found is None:
         raise FileNotFoundError("no redis-cli beside redis-server or on PATH")
     return Path(found)
+
+
+async def check_nats_wants(url: str, admitted: Mapping[str, str], wrong: NatsAuth) -> None:
+    """Each user of `admitted` (user -> password) gets in and its health answers; a
+    client without credentials, or with `wrong` ones, is refused."""
+    for user, password in admitted.items():
+        auth = NatsAuth(user=user, password=password)
+        bus = await Bus.connect(BusSettings(url=url, name=f"test-{user}", auth=auth))
+        try:
+            assert (await bus.health()).ok
+        finally:
+            await bus.close()
+    with pytest.raises(BusAuthError):
+        await Bus.connect(BusSettings(url=url, connect_attempts=3))
+    with pytest.raises(BusAuthError):
+        await Bus.connect(BusSettings(url=url, auth=wrong, connect_attempts=3))
+
+
+async def check_redis_wants(url: str, user: str, password: str) -> None:
+    """A client without credentials is refused; `user` with `password` writes a request
+    record and reads it back."""
+    with pytest.raises(StoreAuthError):
+        await Store.connect(StoreSettings(url=url, connect_attempts=2))
+    right = RedisAuth(user=user, password=password)
+    async with await Store.connect(StoreSettings(url=url, auth=right)) as store:
+        await store.put_request("r1", {"status": "queued"}, ttl_s=60)
+        assert await store.get_request("r1") == {"status": "queued"}

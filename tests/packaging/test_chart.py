@@ -1,19 +1,13 @@
-"""charts/radixserve: helm lint, rendering with the default, GPU and all-features values,
-strict schema validation of every object, the container policy on every container, what
-is exposed (API keys on by default, the Ingress's paths, who the NetworkPolicies let reach
-each port, the scraped ports), and proof that broken values, templates and manifests make
-these checks fail."""
+"""charts/radixserve: helm lint, rendering with the default, GPU, all-features and
+external-infra values, strict schema validation of every object, the container policy on
+every container, the values that follow docker-compose's variables, and proof that broken
+values and templates make these checks fail. What the chart exposes is in
+test_chart_exposure.py, its NATS and Redis credentials in test_chart_credentials.py."""
 
 from __future__ import annotations
 
 import argparse
-import base64
 import dataclasses
-import json
-import posixpath
-import shutil
-import subprocess
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -21,82 +15,26 @@ import pytest
 import yaml
 from helm_python import HelmError
 
-from radixserve.auth.keyfile import read_keys
-from radixserve.auth.keys import hash_key
-from radixserve.bus import Bus, BusAuthError, BusSettings, NatsAuth
 from radixserve.engine.config import EngineConfig
 from radixserve.engine.flags import engine_kwargs
-from radixserve.infra.nats_auth import ADMIN, ROLES, password_variable, render_authorization
-from radixserve.infra.redis_acl import DEFAULT_USER, RedisAcl
-from radixserve.infra.servers import free_port
-from radixserve.protocol.subjects import Subjects
 from radixserve.services import worker as worker_service
-from radixserve.store import RedisAuth, Store, StoreAuthError, StoreSettings
+from tests.packaging.chart_values import SERVICES, VALUE_SETS
 from tests.packaging.compose_checks import COMPOSE_FILE, variables
 from tests.packaging.kube import (
     CHART_DIR,
     GPU_VALUES,
     KUBE_VERSIONS,
-    RELEASE,
     Manifest,
     by_kind,
+    chart_copy,
     component_of,
     container_violations,
-    ingress_sources,
+    edit_file,
     lint_errors,
     load_values,
-    pod_ports,
-    pod_specs,
     render_chart,
-    render_notes,
     strict_errors,
 )
-from tests.packaging.real_servers import nats_server, redis_cli, redis_server
-
-SERVICES = ("gateway", "tokenizer", "scheduler", "grammar", "detokenizer", "worker")
-# Everything optional switched on: ingress, HPAs, KEDA, ServiceMonitor, external OTLP,
-# a model volume, an explicit context length.
-ALL_FEATURES: dict[str, Any] = {
-    "config": {"otlpEndpoint": "http://otel-collector.observability:4318", "contextLength": 4096},
-    "modelDir": {"existingClaim": "models"},
-    "gateway": {"autoscaling": {"enabled": True}},
-    "tokenizer": {"autoscaling": {"enabled": True}},
-    "worker": {"keda": {"enabled": True}},
-    "serviceMonitor": {"enabled": True},
-    "ingress": {
-        "enabled": True,
-        "className": "nginx",
-        "tls": [{"hosts": ["radixserve.local"], "secretName": "tls"}],
-    },
-    "networkPolicy": {
-        "otlpTo": [
-            {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "observability"}}}
-        ]
-    },
-}
-EXTERNAL_INFRA: dict[str, Any] = {
-    "nats": {"enabled": False, "url": "nats://nats.infra:4223"},
-    "redis": {"enabled": False, "url": "redis://redis.infra:6380/0"},
-    "natsAuth": {"existingSecret": "nats-users"},
-    "redisAuth": {"existingSecret": "redis-user"},
-}
-
-
-def _gpu_values() -> dict[str, Any]:
-    return load_values(GPU_VALUES)
-
-
-VALUE_SETS = {
-    "default": lambda: None,
-    "gpu": _gpu_values,
-    "all-features": lambda: ALL_FEATURES,
-    "external-infra": lambda: EXTERNAL_INFRA,
-}
-
-
-@pytest.fixture(scope="module")
-def rendered() -> dict[str, list[Manifest]]:
-    return {name: render_chart(CHART_DIR, make()) for name, make in VALUE_SETS.items()}
 
 
 @pytest.mark.parametrize("values", ["default", "gpu"])
@@ -360,212 +298,6 @@ def _engine_fields() -> list[str]:
     return [f.name.upper() for f in dataclasses.fields(EngineConfig) if f.name not in skip]
 
 
-# --- secure by default: API keys, what the Ingress and the policies expose ------------
-
-CLIENT_PATHS = [("/v1", "Prefix"), ("/generate", "Exact"), ("/health", "Prefix")]
-
-
-def ingress_paths(manifests: list[Manifest]) -> dict[str, list[tuple[str, str]]]:
-    """host -> (path, pathType) the Ingress routes to the gateway's API port."""
-    (ingress,) = by_kind(manifests, "Ingress").values()
-    routes: dict[str, list[tuple[str, str]]] = {}
-    for rule in ingress["spec"]["rules"]:
-        for path in rule["http"]["paths"]:
-            backend = path["backend"]["service"]
-            assert backend == {"name": "rs-radixserve-gateway", "port": {"name": "http"}}
-            routes.setdefault(rule["host"], []).append((path["path"], path["pathType"]))
-    return routes
-
-
-def test_ingress_routes_only_the_client_paths(rendered: dict[str, list[Manifest]]) -> None:
-    hosts = [{"host": "a.example"}, {"host": "b.example"}]
-    two = render_chart(CHART_DIR, {"ingress": {"enabled": True, "hosts": hosts}})
-    assert ingress_paths(rendered["all-features"]) == {"radixserve.local": CLIENT_PATHS}
-    assert ingress_paths(two) == {"a.example": CLIENT_PATHS, "b.example": CLIENT_PATHS}
-
-
-def test_ingress_paths_are_not_a_setting() -> None:
-    """A values file of the chart before (`paths: [{path: /}]`, i.e. /metrics and
-    /flush_cache too) is refused, not quietly narrowed."""
-    old = {"ingress": {"enabled": True, "hosts": [{"host": "h", "paths": [{"path": "/"}]}]}}
-    with pytest.raises(HelmError, match="schema"):
-        render_chart(CHART_DIR, old)
-
-
-def _gateway_pod(manifests: list[Manifest]) -> dict[str, Any]:
-    pod: dict[str, Any] = by_kind(manifests, "Deployment")["rs-radixserve-gateway"]["spec"][
-        "template"
-    ]["spec"]
-    return pod
-
-
-def _env(container: dict[str, Any]) -> dict[str, str]:
-    return {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
-
-
-def _keys_volume(pod: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    """(RADIXSERVE_API_KEYS_FILE, the secret volume mounted on its folder)."""
-    container = pod["containers"][0]
-    keys_file = _env(container)["RADIXSERVE_API_KEYS_FILE"]
-    (mount,) = [
-        m for m in container["volumeMounts"] if m["mountPath"] == posixpath.dirname(keys_file)
-    ]
-    assert mount["readOnly"] is True and "subPath" not in mount  # updates reach the gateway
-    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
-    name = posixpath.basename(keys_file)
-    # Only the hashed file: the admin key's clear text stays in the Secret.
-    assert volume["secret"]["items"] == [{"key": "api-keys.json", "path": name}]
-    return keys_file, volume["secret"]
-
-
-def test_auth_is_on_by_default(rendered: dict[str, list[Manifest]], tmp_path: Path) -> None:
-    """The gateway reads a keys file from the generated Secret, whose one key is the
-    hash of the admin key beside it, as the gateway's own parser reads it."""
-    for values in VALUE_SETS:
-        manifests = rendered[values]
-        pod = _gateway_pod(manifests)
-        _, secret_volume = _keys_volume(pod)
-        assert "RADIXSERVE_ALLOW_UNAUTHENTICATED" not in _env(pod["containers"][0])
-        secret = by_kind(manifests, "Secret")[secret_volume["secretName"]]
-        data = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
-        assert set(data) == {"admin-api-key", "api-keys.json"}
-        key = data["admin-api-key"]
-        assert key.startswith("rsk-") and len(key) == len("rsk-") + 43, key  # 256 random bits
-        path = tmp_path / f"{values}.json"
-        path.write_text(data["api-keys.json"])
-        (admin,) = read_keys(path)
-        assert admin.name == "admin" and admin.sha256 == hash_key(key)
-        assert admin.scopes == {"inference", "admin", "metrics"}
-        assert (admin.rpm, admin.tpm, admin.priority) == (None, None, None)
-    keys = {
-        by_kind(rendered[v], "Secret")["rs-radixserve-api-keys"]["data"]["admin-api-key"]
-        for v in VALUE_SETS
-    }
-    assert len(keys) == len(VALUE_SETS)  # random: no key shipped in the chart
-    notes = render_notes(CHART_DIR)
-    assert (
-        "kubectl -n llm get secret rs-radixserve-api-keys -o jsonpath='{.data.admin-api-key}'"
-        " | base64 -d" in notes
-    )
-
-
-def test_an_existing_secret_replaces_the_generated_one() -> None:
-    values = {"auth": {"existingSecret": "my-keys"}}
-    manifests = render_chart(CHART_DIR, values)
-    _, secret_volume = _keys_volume(_gateway_pod(manifests))
-    assert secret_volume["secretName"] == "my-keys"
-    assert "rs-radixserve-api-keys" not in by_kind(manifests, "Secret")
-    notes = render_notes(CHART_DIR, values)
-    assert "my-keys" in notes and "admin-api-key" not in notes
-
-
-def test_no_keys_needs_an_explicit_allow_unauthenticated() -> None:
-    with pytest.raises(HelmError, match=r"auth\.allowUnauthenticated"):
-        render_chart(CHART_DIR, {"auth": {"enabled": False}})
-    values = {"auth": {"enabled": False, "allowUnauthenticated": True}}
-    manifests = render_chart(CHART_DIR, values)
-    container = _gateway_pod(manifests)["containers"][0]
-    assert _env(container)["RADIXSERVE_ALLOW_UNAUTHENTICATED"] == "true"
-    assert "RADIXSERVE_API_KEYS_FILE" not in _env(container)
-    assert "rs-radixserve-api-keys" not in by_kind(manifests, "Secret")
-    assert "API keys are OFF" in render_notes(CHART_DIR, values)
-
-
-def test_prometheus_scrapes_the_metrics_ports_not_the_api(
-    rendered: dict[str, list[Manifest]],
-) -> None:
-    manifests = rendered["all-features"]
-    (monitor,) = by_kind(manifests, "ServiceMonitor").values()
-    assert [e["port"] for e in monitor["spec"]["endpoints"]] == ["metrics"]
-    services = by_kind(manifests, "Service")
-    gateway = _gateway_pod(manifests)["containers"][0]
-    metrics_port = int(_env(gateway)["RADIXSERVE_METRICS_PORT"])
-    assert {"name": "metrics", "containerPort": metrics_port, "protocol": "TCP"} in gateway["ports"]
-    scraped = services["rs-radixserve-gateway-metrics"]["spec"]
-    assert scraped["clusterIP"] == "None"
-    assert scraped["ports"] == [
-        {"name": "metrics", "port": metrics_port, "targetPort": "metrics", "protocol": "TCP"}
-    ]
-    # The Service clients use (maybe a LoadBalancer) carries the API port only.
-    assert [p["name"] for p in services["rs-radixserve-gateway"]["spec"]["ports"]] == ["http"]
-    for deployment in by_kind(manifests, "Deployment").values():
-        if component_of(deployment) in SERVICES:  # the prometheus.io/* annotations too
-            annotations = deployment["spec"]["template"]["metadata"]["annotations"]
-            assert annotations["prometheus.io/port"] == str(metrics_port), component_of(deployment)
-
-
-PROMETHEUS_PODS = [
-    {
-        "namespaceSelector": {},
-        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
-    }
-]
-
-
-@pytest.mark.parametrize("values", ["default", "all-features"])
-def test_network_policies_open_each_port_to_its_clients_only(
-    rendered: dict[str, list[Manifest]], values: str
-) -> None:
-    """NATS and Redis: the stack's service pods only; the gateway's API port: anyone
-    (gatewayFrom); the metrics ports and NATS monitoring: Prometheus (metricsFrom)."""
-    manifests = rendered[values]
-    stack = {
-        "podSelector": {
-            "matchLabels": {
-                "app.kubernetes.io/name": "radixserve",
-                "app.kubernetes.io/instance": RELEASE,
-            },
-            "matchExpressions": [
-                {"key": "app.kubernetes.io/component", "operator": "In", "values": list(SERVICES)}
-            ],
-        }
-    }
-    expected = {
-        "client": [[stack]],
-        "redis": [[stack]],
-        "http": [None],
-        "metrics": [PROMETHEUS_PODS],
-        "monitor": [PROMETHEUS_PODS],
-    }
-    seen = set()
-    for component, labels, port in pod_ports(manifests):
-        assert ingress_sources(manifests, labels, port) == expected[port["name"]], (
-            component,
-            port,
-        )
-        seen.add((component, port["name"]))
-    assert {
-        ("nats", "client"),
-        ("redis", "redis"),
-        ("gateway", "http"),
-        ("gateway", "metrics"),
-    } <= seen
-    assert {("nats", "monitor"), *((s, "metrics") for s in SERVICES)} <= seen
-
-
-def test_every_service_is_cluster_internal_but_the_gateways(
-    rendered: dict[str, list[Manifest]],
-) -> None:
-    """Nothing but the gateway's API Service may be a NodePort or LoadBalancer (and it
-    only by gateway.service.type): NATS, Redis, every metrics port stay in the cluster."""
-    exposed = render_chart(CHART_DIR, {"gateway": {"service": {"type": "LoadBalancer"}}})
-    for manifests in (*rendered.values(), exposed):
-        for name, service in by_kind(manifests, "Service").items():
-            if name != "rs-radixserve-gateway":
-                assert service["spec"].get("type", "ClusterIP") == "ClusterIP", name
-    assert by_kind(exposed, "Service")["rs-radixserve-gateway"]["spec"]["type"] == "LoadBalancer"
-
-
-def test_the_chart_sets_no_grafana_password(rendered: dict[str, list[Manifest]]) -> None:
-    """The chart ships dashboards for a Grafana of the cluster's, and no Grafana of its
-    own: no workload of it, no admin password anywhere in what it renders."""
-    for manifests in rendered.values():
-        images = [c["image"] for m in manifests for pod in pod_specs(m) for c in pod["containers"]]
-        assert not [i for i in images if "grafana" in i or "prometheus" in i or "otel" in i]
-        text = yaml.safe_dump_all([m.body for m in manifests])
-        assert "GF_SECURITY_ADMIN_PASSWORD" not in text and "admin-password" not in text
-
-
 # --- the checks fail on broken inputs ------------------------------------------------
 
 
@@ -601,21 +333,9 @@ def test_inconsistent_values_fail_with_a_clear_message() -> None:
         render_chart(CHART_DIR, {"nats": {"enabled": False}})
 
 
-def _chart_copy(tmp_path: Path) -> Path:
-    target = tmp_path / "radixserve"
-    shutil.copytree(CHART_DIR, target, symlinks=False)  # the dashboards link, resolved
-    return target
-
-
-def _edit(path: Path, old: str, new: str) -> None:
-    text = path.read_text()
-    assert old in text, f"{old!r} is not in {path.name}: update the test with the template"
-    path.write_text(text.replace(old, new, 1))
-
-
 def test_broken_template_syntax_fails_lint_and_render(tmp_path: Path) -> None:
-    chart = _chart_copy(tmp_path)
-    _edit(
+    chart = chart_copy(tmp_path)
+    edit_file(
         chart / "templates" / "gateway.yaml",
         "{{- $g := .Values.gateway }}",
         "{{- $g := .Values.gateway",
@@ -626,8 +346,8 @@ def test_broken_template_syntax_fails_lint_and_render(tmp_path: Path) -> None:
 
 
 def test_template_with_an_unknown_field_fails_strict_validation(tmp_path: Path) -> None:
-    chart = _chart_copy(tmp_path)
-    _edit(
+    chart = chart_copy(tmp_path)
+    edit_file(
         chart / "templates" / "_deployment.tpl", "revisionHistoryLimit: 5", "revisionHistoryLimt: 5"
     )
     errors = strict_errors(render_chart(chart), KUBE_VERSIONS[-1])
@@ -635,8 +355,8 @@ def test_template_with_an_unknown_field_fails_strict_validation(tmp_path: Path) 
 
 
 def test_template_with_a_wrong_type_fails_strict_validation(tmp_path: Path) -> None:
-    chart = _chart_copy(tmp_path)
-    _edit(chart / "templates" / "nats.yaml", "replicas: 1", 'replicas: "one"')
+    chart = chart_copy(tmp_path)
+    edit_file(chart / "templates" / "nats.yaml", "replicas: 1", 'replicas: "one"')
     assert strict_errors(render_chart(chart), KUBE_VERSIONS[0]) != []
 
 
@@ -657,8 +377,8 @@ def test_template_with_a_wrong_type_fails_strict_validation(tmp_path: Path) -> N
 def test_container_policy_fails_on_a_weakened_template(
     tmp_path: Path, template: str, old: str, new: str, expected: str
 ) -> None:
-    chart = _chart_copy(tmp_path)
-    _edit(chart / "templates" / template, old, new)
+    chart = chart_copy(tmp_path)
+    edit_file(chart / "templates" / template, old, new)
     try:
         manifests = render_chart(chart)
     except HelmError as exc:
@@ -670,380 +390,3 @@ def test_container_policy_fails_on_a_weakened_template(
 def test_weakened_values_fail_the_container_policy() -> None:
     weakened = render_chart(CHART_DIR, {"securityContext": {"readOnlyRootFilesystem": False}})
     assert any("writable" in p for p in container_violations(weakened))
-
-
-def test_network_policy_check_fails_when_metrics_rules_open_the_api(tmp_path: Path) -> None:
-    chart = _chart_copy(tmp_path)
-    _edit(
-        chart / "templates" / "networkpolicy.yaml",
-        "        - port: monitor\n",
-        "        - port: http\n          protocol: TCP\n        - port: monitor\n",
-    )
-    manifests = render_chart(chart)
-    gateway = [(labels, port) for c, labels, port in pod_ports(manifests) if c == "gateway"]
-    labels, http = next((labels, port) for labels, port in gateway if port["name"] == "http")
-    assert ingress_sources(manifests, labels, http) == [None, PROMETHEUS_PODS]
-
-
-def test_ingress_check_fails_on_a_catch_all_path(tmp_path: Path) -> None:
-    chart = _chart_copy(tmp_path)
-    _edit(chart / "templates" / "ingress.yaml", '"path" "/v1"', '"path" "/"')
-    routes = ingress_paths(render_chart(chart, {"ingress": {"enabled": True}}))
-    assert routes != {"radixserve.local": CLIENT_PATHS}
-
-
-# --- NATS and Redis with credentials -------------------------------------------------
-
-NATS_SECRET = "rs-radixserve-nats-auth"
-REDIS_SECRET = "rs-radixserve-redis-auth"
-# The services that use Redis (records, grammars, resumable streams' output log).
-REDIS_CLIENTS = ("gateway", "grammar", "detokenizer", "scheduler")
-# files/nats-authorization.conf: `radixserve infra nats-auth-config` for this prefix,
-# which the template replaces with config.subjectPrefix.
-STAND_IN_PREFIX = "RADIXSERVE-SUBJECT-PREFIX"
-AUTHORIZATION_FILE = CHART_DIR / "files" / "nats-authorization.conf"
-
-
-def _secret_data(manifests: list[Manifest], name: str) -> dict[str, str]:
-    data = by_kind(manifests, "Secret")[name]["data"]
-    return {key: base64.b64decode(value).decode() for key, value in data.items()}
-
-
-def _workload(manifests: list[Manifest], component: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(pod spec, its first container) of the Deployment or StatefulSet of `component`."""
-    for kind in ("Deployment", "StatefulSet"):
-        for body in by_kind(manifests, kind).values():
-            if component_of(body) == component:
-                pod = body["spec"]["template"]["spec"]
-                return pod, pod["containers"][0]
-    raise AssertionError(f"no workload of {component}")
-
-
-def _mounted_volume(pod: dict[str, Any], container: dict[str, Any], path: str) -> dict[str, Any]:
-    """The volume mounted on the folder of the file `path` (read-only)."""
-    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == posixpath.dirname(path)]
-    assert mount["readOnly"] is True, path
-    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
-    return volume
-
-
-def readable_secret_keys(pod: dict[str, Any]) -> dict[str, set[str]]:
-    """Secret name -> the keys the pod's containers can read (variables, envFrom, secret
-    volumes, projected ones); `*` for all of them."""
-    found: dict[str, set[str]] = {}
-    for container in pod.get("initContainers", []) + pod["containers"]:
-        for env in container.get("env", []):
-            ref = env.get("valueFrom", {}).get("secretKeyRef")
-            if ref:
-                found.setdefault(ref["name"], set()).add(ref["key"])
-        for source in container.get("envFrom", []):
-            if "secretRef" in source:
-                found.setdefault(source["secretRef"]["name"], set()).add("*")
-    for volume in pod.get("volumes", []):
-        secrets = [volume["secret"]] if "secret" in volume else []
-        secrets += [
-            s["secret"] for s in volume.get("projected", {}).get("sources", []) if "secret" in s
-        ]
-        for secret in secrets:
-            name = secret.get("secretName") or secret["name"]
-            keys = {item["key"] for item in secret.get("items", [])} or {"*"}
-            found.setdefault(name, set()).update(keys)
-    return found
-
-
-def test_readable_secret_keys_sees_every_way_in() -> None:
-    pod = {
-        "containers": [
-            {
-                "env": [{"name": "A", "valueFrom": {"secretKeyRef": {"name": "s", "key": "a"}}}],
-                "envFrom": [{"secretRef": {"name": "all"}}],
-            }
-        ],
-        "volumes": [
-            {"name": "v", "secret": {"secretName": "s", "items": [{"key": "b", "path": "b"}]}},
-            {"name": "p", "projected": {"sources": [{"secret": {"name": "whole"}}]}},
-        ],
-    }
-    assert readable_secret_keys(pod) == {"s": {"a", "b"}, "all": {"*"}, "whole": {"*"}}
-
-
-@pytest.mark.parametrize("prefix", ["radixserve", "prod-rs_2"])
-def test_the_nats_authorization_is_radixserves_for_the_prefix(prefix: str) -> None:
-    manifests = render_chart(CHART_DIR, {"config": {"subjectPrefix": prefix}})
-    config = by_kind(manifests, "ConfigMap")["rs-radixserve-nats-config"]["data"]["nats.conf"]
-    assert config == render_authorization(Subjects(prefix))
-
-
-def test_the_charts_permissions_file_is_radixserves() -> None:
-    assert AUTHORIZATION_FILE.read_text() == render_authorization(Subjects(STAND_IN_PREFIX)), (
-        "the NATS permissions changed: radixserve infra --subject-prefix "
-        f"{STAND_IN_PREFIX} nats-auth-config > charts/radixserve/files/nats-authorization.conf"
-    )
-
-
-def test_nats_gets_the_config_and_each_role_password(rendered: dict[str, list[Manifest]]) -> None:
-    manifests = rendered["default"]
-    pod, container = _workload(manifests, "nats")
-    args = container["args"]
-    assert "-m" in args  # monitoring, for the probes
-    assert not {"-js", "--jetstream", "-sd", "--store_dir"} & set(args)  # nothing on disk
-    assert [m["name"] for m in container["volumeMounts"]] == ["config"]
-    config = args[args.index("-c") + 1]
-    volume = _mounted_volume(pod, container, config)
-    assert volume["configMap"]["name"] == "rs-radixserve-nats-config"
-    assert posixpath.basename(config) == "nats.conf"
-    variables = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container["env"]}
-    assert variables == {password_variable(r): {"name": NATS_SECRET, "key": r} for r in ROLES}
-    passwords = _secret_data(manifests, NATS_SECRET)
-    assert set(passwords) == set(ROLES) and len(set(passwords.values())) == len(ROLES)
-    # The readiness probe is the monitoring port's: it needs no client credentials.
-    assert container["readinessProbe"]["httpGet"]["port"] == "monitor"
-
-
-@pytest.mark.parametrize("values", ["default", "external-infra"])
-def test_each_service_gets_its_own_nats_user_and_no_other_password(
-    rendered: dict[str, list[Manifest]], values: str
-) -> None:
-    manifests = rendered[values]
-    nats_secret = NATS_SECRET if values == "default" else "nats-users"
-    redis_secret = REDIS_SECRET if values == "default" else "redis-user"
-    for component in SERVICES:
-        pod, container = _workload(manifests, component)
-        env = _env(container)
-        assert env["RADIXSERVE_NATS_USER"] == component
-        password = env["RADIXSERVE_NATS_PASSWORD_FILE"]
-        secret = _mounted_volume(pod, container, password)["secret"]
-        assert secret["secretName"] == nats_secret
-        assert secret["items"] == [{"key": component, "path": posixpath.basename(password)}]
-        readable = readable_secret_keys(pod)
-        assert readable[nats_secret] == {component}, component
-        if component in REDIS_CLIENTS:
-            assert env["RADIXSERVE_REDIS_USER"] == DEFAULT_USER
-            file = env["RADIXSERVE_REDIS_PASSWORD_FILE"]
-            redis = _mounted_volume(pod, container, file)["secret"]
-            assert redis["items"] == [{"key": "password", "path": posixpath.basename(file)}]
-            assert readable[redis_secret] == {"password"}
-        else:
-            assert redis_secret not in readable, component
-            assert "RADIXSERVE_REDIS_PASSWORD_FILE" not in env
-        assert not [
-            e
-            for e in container.get("env", [])
-            if "PASSWORD" in e["name"] and "value" in e and not e["name"].endswith("_FILE")
-        ]
-
-
-def _redis_rules(args: list[str]) -> list[str]:
-    """The ACL rules of redis-server's `--user` arguments, as redis.conf lines."""
-    rules: list[list[str]] = []
-    current: list[str] | None = None
-    for arg in args[1:]:
-        if arg.startswith("--"):
-            current = [] if arg == "--user" else None
-            if current is not None:
-                rules.append(current)
-        elif current is not None:
-            current.append(arg)
-    return ["user " + " ".join(rule) for rule in rules]
-
-
-def test_redis_turns_default_off_and_has_the_one_user(rendered: dict[str, list[Manifest]]) -> None:
-    pod, container = _workload(rendered["default"], "redis")
-    password = "$(REDISCLI_AUTH)"  # the kubelet puts the Secret's value there
-    assert _redis_rules(container["args"]) == RedisAcl(DEFAULT_USER, password).config_lines()
-    (variable,) = container["env"]
-    assert variable["name"] == "REDISCLI_AUTH"
-    assert variable["valueFrom"]["secretKeyRef"] == {"name": REDIS_SECRET, "key": "password"}
-    assert readable_secret_keys(pod) == {REDIS_SECRET: {"password"}}
-
-
-async def test_the_rendered_nats_lets_each_role_in_and_nobody_else(tmp_path: Path) -> None:
-    """The chart's NATS arguments, config and Secret on a real nats-server, its variables
-    set as the Deployment sets them; its probes' path answers on the monitoring port."""
-    manifests = render_chart(CHART_DIR)
-    _, container = _workload(manifests, "nats")
-    config = tmp_path / "nats.conf"
-    config.write_text(
-        by_kind(manifests, "ConfigMap")["rs-radixserve-nats-config"]["data"]["nats.conf"]
-    )
-    passwords = _secret_data(manifests, NATS_SECRET)
-    env = {e["name"]: passwords[e["valueFrom"]["secretKeyRef"]["key"]] for e in container["env"]}
-    args = list(container["args"])
-    args[args.index("-c") + 1] = str(config)
-    monitor = free_port()  # not the pod's 8222: tests run side by side
-    args[args.index("-m") + 1] = str(monitor)
-    with nats_server(args, tmp_path, env=env) as url:
-        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            path = container[probe]["httpGet"]["path"]
-            with urllib.request.urlopen(f"http://127.0.0.1:{monitor}{path}", timeout=5) as r:
-                assert r.status == 200, probe
-        for role in ("gateway", ADMIN):
-            auth = NatsAuth(user=role, password=passwords[role])
-            bus = await Bus.connect(BusSettings(url=url, name=f"test-{role}", auth=auth))
-            try:
-                assert (await bus.health()).ok
-            finally:
-                await bus.close()
-        with pytest.raises(BusAuthError):
-            await Bus.connect(BusSettings(url=url, connect_attempts=3))
-        wrong = NatsAuth(user="gateway", password=passwords["scheduler"])
-        with pytest.raises(BusAuthError):
-            await Bus.connect(BusSettings(url=url, auth=wrong, connect_attempts=3))
-
-
-def _probe(container: dict[str, Any], port: int, password: str) -> int:
-    """The Redis readiness probe's command, run against `port` with REDISCLI_AUTH."""
-    command = container["readinessProbe"]["exec"]["command"]
-    assert command[:2] == ["sh", "-c"]
-    line = command[2].replace("redis-cli", f"{redis_cli()} -p {port}", 1)
-    done = subprocess.run(
-        ["sh", "-c", line], env={"REDISCLI_AUTH": password}, capture_output=True, timeout=30
-    )
-    return done.returncode
-
-
-async def test_the_rendered_redis_wants_its_user_and_the_probe_authenticates(
-    tmp_path: Path,
-) -> None:
-    manifests = render_chart(CHART_DIR)
-    _, container = _workload(manifests, "redis")
-    password = _secret_data(manifests, REDIS_SECRET)["password"]
-    args = [a.replace("$(REDISCLI_AUTH)", password) for a in container["args"][1:]]
-    with redis_server(args, tmp_path) as port:
-        url = f"redis://127.0.0.1:{port}/0"
-        with pytest.raises(StoreAuthError):
-            await Store.connect(StoreSettings(url=url, connect_attempts=2))
-        right = RedisAuth(user=DEFAULT_USER, password=password)
-        async with await Store.connect(StoreSettings(url=url, auth=right)) as store:
-            await store.put_request("r1", {"status": "queued"}, ttl_s=60)
-            assert await store.get_request("r1") == {"status": "queued"}
-        assert _probe(container, port, password) == 0
-        assert _probe(container, port, "not-" + password) != 0
-
-
-def test_generated_secrets_are_kept_by_lookup(tmp_path: Path) -> None:
-    """An upgrade keeps what is installed (`lookup`, here answered from a file): the API
-    key, every role's password (a role new to the chart gets one) and Redis's."""
-    chart = _chart_copy(tmp_path)
-    _edit(
-        chart / "templates" / "_helpers.tpl",
-        '(lookup "v1" "Secret" .root.Release.Namespace .name).data',
-        '(get (.root.Files.Get "installed.json" | fromJson) .name)',
-    )
-
-    def encoded(values: dict[str, str]) -> dict[str, str]:
-        return {k: base64.b64encode(v.encode()).decode() for k, v in values.items()}
-
-    kept_roles = {role: f"kept{role}" for role in ROLES if role != "worker"}
-    installed = {
-        "rs-radixserve-api-keys": encoded({"admin-api-key": "rsk-kept", "api-keys.json": "{}"}),
-        NATS_SECRET: encoded(kept_roles),
-        REDIS_SECRET: encoded({"password": "keptredis"}),
-    }
-    (chart / "installed.json").write_text(json.dumps(installed))
-    manifests = render_chart(chart)
-    assert (
-        by_kind(manifests, "Secret")["rs-radixserve-api-keys"]["data"]
-        == installed["rs-radixserve-api-keys"]
-    )
-    nats = _secret_data(manifests, NATS_SECRET)
-    assert {r: p for r, p in nats.items() if r != "worker"} == kept_roles
-    assert nats["worker"] not in kept_roles.values() and len(nats["worker"]) >= 32
-    assert _secret_data(manifests, REDIS_SECRET) == {"password": "keptredis"}
-    # Without an installed Secret (a first install): new random ones.
-    fresh = render_chart(CHART_DIR)
-    assert _secret_data(fresh, NATS_SECRET)["gateway"] != "keptgateway"
-
-
-def test_external_servers_need_a_secret_or_an_explicit_no() -> None:
-    external = {k: v for k, v in EXTERNAL_INFRA.items() if k in ("nats", "redis")}
-    with pytest.raises(HelmError, match=r"natsAuth\.existingSecret is required"):
-        render_chart(CHART_DIR, external)
-    with pytest.raises(HelmError, match=r"redisAuth\.existingSecret is required"):
-        render_chart(CHART_DIR, {**external, "natsAuth": {"enabled": False}})
-    bare = render_chart(
-        CHART_DIR, {**external, "natsAuth": {"enabled": False}, "redisAuth": {"enabled": False}}
-    )
-    for component in SERVICES:
-        pod, container = _workload(bare, component)
-        assert not [
-            n for n in _env(container) if n.startswith(("RADIXSERVE_NATS_", "RADIXSERVE_REDIS_"))
-        ]
-        assert readable_secret_keys(pod).keys() <= {"rs-radixserve-api-keys"}
-    assert "NATS credentials are OFF" in render_notes(
-        CHART_DIR, {**external, "natsAuth": {"enabled": False}, "redisAuth": {"enabled": False}}
-    )
-    assert set(by_kind(bare, "Secret")) == {"rs-radixserve-api-keys"}
-    assert not by_kind(render_chart(CHART_DIR, EXTERNAL_INFRA), "Secret").keys() - {
-        "rs-radixserve-api-keys"
-    }
-
-
-def test_an_external_nats_may_give_creds_files() -> None:
-    values = {**EXTERNAL_INFRA, "natsAuth": {"existingSecret": "nats-creds", "creds": True}}
-    manifests = render_chart(CHART_DIR, values)
-    for component in SERVICES:
-        pod, container = _workload(manifests, component)
-        env = _env(container)
-        assert "RADIXSERVE_NATS_USER" not in env
-        creds = env["RADIXSERVE_NATS_CREDS_FILE"]
-        secret = _mounted_volume(pod, container, creds)["secret"]
-        assert secret["items"] == [{"key": f"{component}.creds", "path": posixpath.basename(creds)}]
-        assert readable_secret_keys(pod)["nats-creds"] == {f"{component}.creds"}
-    with pytest.raises(HelmError, match=r"natsAuth\.creds"):
-        render_chart(CHART_DIR, {"natsAuth": {"creds": True}})
-
-
-TLS_VALUES: dict[str, Any] = {
-    "nats": {"tls": {"enabled": True, "secretName": "bus-tls"}},
-    "redis": {"tls": {"enabled": True, "secretName": "bus-tls", "verifyClients": True}},
-}
-
-
-def test_tls_mounts_the_secret_and_sets_the_variables() -> None:
-    manifests = render_chart(CHART_DIR, TLS_VALUES)
-    assert strict_errors(manifests, KUBE_VERSIONS[-1]) == []
-    config = by_kind(manifests, "ConfigMap")["rs-radixserve-config"]["data"]
-    assert config["RADIXSERVE_NATS_URL"].startswith("tls://")
-    assert config["RADIXSERVE_REDIS_URL"].startswith("rediss://")
-    pod, nats = _workload(manifests, "nats")
-    args = nats["args"]
-    for flag in ("--tlscert", "--tlskey", "--tlscacert"):
-        assert (
-            _mounted_volume(pod, nats, args[args.index(flag) + 1])["secret"]["secretName"]
-            == "bus-tls"
-        )
-    assert "--tls" in args and "--tlsverify" not in args
-    pod, redis = _workload(manifests, "redis")
-    args = redis["args"]
-    assert args[args.index("--tls-port") + 1] == "6379" and args[args.index("--port") + 1] == "0"
-    assert args[args.index("--tls-auth-clients") + 1] == "yes"
-    assert "--tls" in redis["readinessProbe"]["exec"]["command"][2]
-    for component in SERVICES:
-        pod, container = _workload(manifests, component)
-        env = _env(container)
-        files = ["RADIXSERVE_NATS_TLS_CA"]
-        assert "RADIXSERVE_NATS_TLS_CERT" not in env  # the NATS server verifies no client
-        if component in REDIS_CLIENTS:
-            files += [
-                "RADIXSERVE_REDIS_TLS_CA",
-                "RADIXSERVE_REDIS_TLS_CERT",
-                "RADIXSERVE_REDIS_TLS_KEY",
-            ]
-        for name in files:
-            volume = _mounted_volume(pod, container, env[name])
-            assert volume["secret"]["secretName"] == "bus-tls", (component, name)
-    # The same ports: the NetworkPolicies are unchanged.
-    egress = by_kind(manifests, "NetworkPolicy")["rs-radixserve-services-egress"]["spec"]["egress"]
-    assert [rule["ports"][0]["port"] for rule in egress[:2]] == [4222, 6379]
-    with pytest.raises(HelmError, match=r"nats\.tls\.secretName is required"):
-        render_chart(CHART_DIR, {"nats": {"tls": {"enabled": True}}})
-
-
-def test_notes_say_how_to_read_the_nats_admin_password() -> None:
-    notes = render_notes(CHART_DIR)
-    assert (
-        f"kubectl -n llm get secret {NATS_SECRET} -o jsonpath='{{.data.admin}}' | base64 -d"
-        in notes
-    )
-    assert "radixserve health --nats-url nats://127.0.0.1:4222 --subject-prefix radixserve" in notes

@@ -20,16 +20,15 @@ import yaml
 
 from radixserve.engine.config import EngineConfig
 from radixserve.engine.flags import engine_kwargs
-from radixserve.infra.nats_auth import ADMIN, ROLES
-from radixserve.infra.redis_acl import DEFAULT_USER
 from tests.packaging.compose_checks import (
     COMPOSE_FILE,
+    REDIS_CLIENTS,
     ROOT,
     compose_problems,
     environment,
+    init_args,
     interpolate,
     load_compose,
-    load_init_secrets,
     mounts,
     published,
     variables,
@@ -38,22 +37,15 @@ from tests.packaging.compose_checks import (
 TEXT = COMPOSE_FILE.read_text()
 RADIXSERVE_SERVICES = ("gateway", "tokenizer", "scheduler", "grammar", "detokenizer")
 WORKERS = ("worker", "worker-cpu")
-# The services that use Redis (records, grammars, resumable streams' output log).
-REDIS_CLIENTS = ("gateway", "grammar", "detokenizer", "scheduler")
 DEPLOY = ROOT / "deploy"
 
 
-@pytest.fixture(scope="module")
-def model() -> dict[str, Any]:
-    return load_compose(TEXT)
+def test_compose_file_is_valid_and_consistent(compose_model: dict[str, Any]) -> None:
+    assert compose_problems(TEXT, compose_model) == []
 
 
-def test_compose_file_is_valid_and_consistent(model: dict[str, Any]) -> None:
-    assert compose_problems(TEXT, model) == []
-
-
-def test_stack_has_every_piece(model: dict[str, Any]) -> None:
-    services = model["services"]
+def test_stack_has_every_piece(compose_model: dict[str, Any]) -> None:
+    services = compose_model["services"]
     for name in ("nats", "redis", *RADIXSERVE_SERVICES, *WORKERS, "prometheus", "grafana"):
         assert name in services, name
     assert {"otel-collector", "jaeger"} <= services.keys()
@@ -92,12 +84,12 @@ def default_profiles() -> set[str]:
 
 
 def test_plain_up_runs_the_gpu_worker_and_the_cpu_profile_no_cuda_image(
-    model: dict[str, Any],
+    compose_model: dict[str, Any],
 ) -> None:
     assert default_profiles() == {"gpu"}
-    plain = active(model, default_profiles())
+    plain = active(compose_model, default_profiles())
     assert "worker" in plain and "worker-cpu" not in plain
-    cpu = active(model, {"cpu"})
+    cpu = active(compose_model, {"cpu"})
     assert "worker-cpu" in cpu and "worker" not in cpu
     for name, service in cpu.items():  # nothing to pull or build of the CUDA image
         assert "cuda" not in service.get("image", ""), name
@@ -126,8 +118,8 @@ def test_docker_compose_config_of_the_cpu_profile_names_no_cuda_image() -> None:
     assert "worker" in plain and "worker-cpu" not in plain
 
 
-def test_every_service_waits_for_what_it_needs(model: dict[str, Any]) -> None:
-    services = model["services"]
+def test_every_service_waits_for_what_it_needs(compose_model: dict[str, Any]) -> None:
+    services = compose_model["services"]
     for name in (*RADIXSERVE_SERVICES, *WORKERS):
         assert services[name]["depends_on"]["nats"]["condition"] == "service_healthy", name
     for name in REDIS_CLIENTS:
@@ -178,27 +170,27 @@ def test_tokenizer_gets_a_context_length_only_when_one_is_set() -> None:
     assert "${RADIXSERVE_CONTEXT_LENGTH:+" in unset
 
 
-def test_gpu_worker_keeps_its_built_kernels_in_a_volume(model: dict[str, Any]) -> None:
+def test_gpu_worker_keeps_its_built_kernels_in_a_volume(compose_model: dict[str, Any]) -> None:
     """The worker's kernel caches (Triton, FlashInfer JIT) outlive its container: a named
     volume where the CUDA image points them, owned by the image's user, beside the model."""
-    mounts = model["services"]["worker"]["volumes"]
+    mounts = compose_model["services"]["worker"]["volumes"]
     assert "kernel-cache:/tmp/.cache" in mounts and "models:/models:ro" in mounts
-    assert "kernel-cache" in model["volumes"]
+    assert "kernel-cache" in compose_model["volumes"]
     dockerfile = (ROOT / "docker" / "Dockerfile.cuda").read_text()
     for variable in ("TRITON_CACHE_DIR", "FLASHINFER_WORKSPACE_BASE", "TORCHINDUCTOR_CACHE_DIR"):
         assert f"{variable}=/tmp/.cache" in dockerfile, variable
     # A new named volume copies the image folder's owner: the non-root user can write it.
     assert "install -d -o 10001 -g 10001 /tmp/.cache" in dockerfile
-    assert model["services"]["worker"]["user"] == "10001:10001"
+    assert compose_model["services"]["worker"]["user"] == "10001:10001"
 
 
 @pytest.mark.parametrize("worker", WORKERS)
 def test_worker_engine_variables_are_the_engine_defaults(
-    model: dict[str, Any], worker: str
+    compose_model: dict[str, Any], worker: str
 ) -> None:
     """Every EngineConfig option is a variable, and its compose default is the engine's,
     as the worker itself parses the environment (radixserve.engine.flags)."""
-    env = environment(model["services"][worker])
+    env = environment(compose_model["services"][worker])
     fields = {
         f.name: f for f in dataclasses.fields(EngineConfig) if f.name != "debug_check_invariants"
     }
@@ -216,13 +208,13 @@ def test_worker_engine_variables_are_the_engine_defaults(
         )
 
 
-def test_prometheus_scrapes_every_service(model: dict[str, Any]) -> None:
+def test_prometheus_scrapes_every_service(compose_model: dict[str, Any]) -> None:
     config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
     targets: dict[str, int] = {}
     for job in config["scrape_configs"]:
         for sd in job.get("dns_sd_configs", []):
             targets.update({name: sd["port"] for name in sd["names"]})
-    services = model["services"]
+    services = compose_model["services"]
     for name in (*RADIXSERVE_SERVICES, *WORKERS):
         port = environment(services[name]).get("RADIXSERVE_METRICS_PORT")
         assert port is not None, f"{name} has no /metrics port"
@@ -235,21 +227,16 @@ def test_prometheus_scrapes_every_service(model: dict[str, Any]) -> None:
     assert gateway["RADIXSERVE_HEALTH_URL"] == "http://127.0.0.1:8000/health/ready"
 
 
-def _init_args(model: dict[str, Any]) -> dict[str, str]:
-    command = model["services"]["secrets-init"]["command"]
-    return dict(zip(command[::2], command[1::2], strict=True))
-
-
-def test_auth_is_on_by_default(model: dict[str, Any]) -> None:
+def test_auth_is_on_by_default(compose_model: dict[str, Any]) -> None:
     """secrets-init (a one-shot on the radixserve image) makes the keys file in a volume
     before the gateway starts; the gateway reads that file, mounted read-only."""
-    services = model["services"]
+    services = compose_model["services"]
     init = services["secrets-init"]
     raw = yaml.safe_load(TEXT)["services"]["secrets-init"]
     assert raw["image"].startswith("${RADIXSERVE_IMAGE:-radixserve}")
     assert init["entrypoint"] == ["python", "/opt/radixserve/init_secrets.py"]
     assert init["restart"] == "no"
-    keys_dir = _init_args(model)["--keys-dir"]
+    keys_dir = init_args(compose_model)["--keys-dir"]
     volume, read_only = mounts(init)[keys_dir]
     assert not read_only
     gateway = services["gateway"]
@@ -257,18 +244,20 @@ def test_auth_is_on_by_default(model: dict[str, Any]) -> None:
     keys_file = Path(environment(gateway)["RADIXSERVE_API_KEYS_FILE"])
     assert keys_file.name == "api-keys.json"
     assert mounts(gateway)[str(keys_file.parent)] == (volume, True)
-    assert volume in model["volumes"]
+    assert volume in compose_model["volumes"]
     assert "RADIXSERVE_ALLOW_UNAUTHENTICATED" not in environment(gateway)
     assert "RADIXSERVE_ALLOW_UNAUTHENTICATED" not in TEXT
     # The documented way to read the key names the file secrets-init writes.
     assert f"docker compose exec gateway cat {keys_file.parent}/admin-api-key" in TEXT
 
 
-def test_the_image_makes_the_secrets_volumes_writable_by_its_user(model: dict[str, Any]) -> None:
+def test_the_image_makes_the_secrets_volumes_writable_by_its_user(
+    compose_model: dict[str, Any],
+) -> None:
     """A new named volume copies the owner of the image folder it is mounted on: the
     non-root secrets-init can write its volumes only if the image made them 10001's."""
     dockerfile = (ROOT / "docker" / "Dockerfile").read_text()
-    init = model["services"]["secrets-init"]
+    init = compose_model["services"]["secrets-init"]
     assert init["user"] == "10001:10001"
     assert set(mounts(init)) <= _image_secret_folders(dockerfile)
     script = init["entrypoint"][-1]
@@ -284,13 +273,15 @@ def _image_secret_folders(dockerfile: str) -> set[str]:
     return found
 
 
-def test_grafana_has_a_generated_password_and_no_anonymous_access(model: dict[str, Any]) -> None:
-    services = model["services"]
+def test_grafana_has_a_generated_password_and_no_anonymous_access(
+    compose_model: dict[str, Any],
+) -> None:
+    services = compose_model["services"]
     grafana = services["grafana"]
     env = environment(grafana)
     assert "GF_SECURITY_ADMIN_PASSWORD" not in env  # only its __FILE form
     password = Path(env["GF_SECURITY_ADMIN_PASSWORD__FILE"])
-    grafana_dir = _init_args(model)["--grafana-dir"]
+    grafana_dir = init_args(compose_model)["--grafana-dir"]
     volume, _ = mounts(services["secrets-init"])[grafana_dir]
     assert mounts(grafana)[str(password.parent)] == (volume, True)
     assert password.name == "admin-password"  # docker/init_secrets.py GRAFANA_PASSWORD_FILE
@@ -343,8 +334,10 @@ def test_published_ports_are_read_as_docker_binds_them() -> None:
     ]
 
 
-def test_grafana_provisions_the_dashboards_and_their_datasource(model: dict[str, Any]) -> None:
-    grafana = model["services"]["grafana"]
+def test_grafana_provisions_the_dashboards_and_their_datasource(
+    compose_model: dict[str, Any],
+) -> None:
+    grafana = compose_model["services"]["grafana"]
     mounts = {v.split(":")[1]: v.split(":")[0] for v in grafana["volumes"]}
     assert mounts["/var/lib/grafana/dashboards"] == "./dashboards"
     provider = yaml.safe_load(
@@ -390,8 +383,8 @@ def _datasource_uids(dashboard: Any) -> set[str]:
     return found
 
 
-def test_traces_go_through_the_collector_to_jaeger(model: dict[str, Any]) -> None:
-    endpoint = environment(model["services"]["gateway"])["RADIXSERVE_OTLP_ENDPOINT"]
+def test_traces_go_through_the_collector_to_jaeger(compose_model: dict[str, Any]) -> None:
+    endpoint = environment(compose_model["services"]["gateway"])["RADIXSERVE_OTLP_ENDPOINT"]
     assert endpoint == "http://otel-collector:4318"
     config = yaml.safe_load((DEPLOY / "otel-collector" / "config.yaml").read_text())
     assert config["receivers"]["otlp"]["protocols"]["http"]["endpoint"].endswith(":4318")
@@ -469,140 +462,3 @@ def test_interpolation_follows_compose() -> None:
     assert interpolate(text, {"X": "x", "Y": "", "W": "1"}) == "a x b  c ${Z} d set f x"
     assert interpolate(text, {}) == "a d b e c ${Z} d  f "
     assert variables(f"# ${{C}}\nk: {text}\n") == {"X": "d", "Y": "e", "W": None}
-
-
-# --- NATS and Redis with credentials (secrets-init's) --------------------------------
-
-INIT = load_init_secrets()
-# Each radixserve service -> its NATS role (radixserve.infra.nats_auth).
-NATS_ROLE = {
-    "gateway": "gateway",
-    "tokenizer": "tokenizer",
-    "scheduler": "scheduler",
-    "grammar": "grammar",
-    "detokenizer": "detokenizer",
-    "worker": "worker",
-    "worker-cpu": "worker",
-}
-
-
-def _init_volume(model: dict[str, Any], path: str) -> str:
-    """The volume secrets-init writes at `path` (mounted writable)."""
-    volume, read_only = mounts(model["services"]["secrets-init"])[path]
-    assert not read_only, path
-    return volume
-
-
-def _role_volumes(model: dict[str, Any]) -> dict[str, str]:
-    users_dir = _init_args(model)["--nats-users-dir"]
-    return {role: _init_volume(model, f"{users_dir}/{role}") for role in ROLES}
-
-
-def _mounted_file(service: dict[str, Any], path: str) -> tuple[str, bool]:
-    """(volume, read-only) of the mount that holds the file `path`."""
-    return mounts(service)[str(Path(path).parent)]
-
-
-def _after(service: dict[str, Any], target: str, condition: str) -> bool:
-    return bool(service.get("depends_on", {}).get(target, {}).get("condition") == condition)
-
-
-def test_nats_runs_with_the_config_secrets_init_writes(model: dict[str, Any]) -> None:
-    services = model["services"]
-    nats = services["nats"]
-    command = nats["command"]
-    config = command[command.index("-c") + 1]
-    assert Path(config).name == INIT.NATS_CONFIG_FILE
-    volume = _init_volume(model, _init_args(model)["--nats-config-dir"])
-    assert _mounted_file(nats, config) == (volume, True)
-    assert _after(nats, "secrets-init", "service_completed_successfully")
-    # The config holds every role's password: the NATS server alone mounts it.
-    holders = [name for name, s in services.items() if volume in {v for v, _ in mounts(s).values()}]
-    assert sorted(holders) == ["nats", "secrets-init"]
-    # secrets-init renders the permissions for the services' own prefix.
-    prefix = environment(services["secrets-init"])["RADIXSERVE_SUBJECT_PREFIX"]
-    assert prefix == environment(services["gateway"])["RADIXSERVE_SUBJECT_PREFIX"]
-
-
-def test_redis_runs_with_the_acl_secrets_init_writes(model: dict[str, Any]) -> None:
-    services = model["services"]
-    redis = services["redis"]
-    command = redis["command"]
-    acl = command[command.index("--aclfile") + 1]
-    assert Path(acl).name == INIT.REDIS_ACL_FILE
-    volume = _init_volume(model, _init_args(model)["--redis-dir"])
-    assert _mounted_file(redis, acl) == (volume, True)
-    assert _after(redis, "secrets-init", "service_completed_successfully")
-    # Its files are secrets-init's, 0600: Redis runs as their owner.
-    assert redis["user"] == services["secrets-init"]["user"]
-    # The health check authenticates as the ACL's user, with the mounted password
-    # (test_secrets_init runs it against a real redis-server).
-    test = redis["healthcheck"]["test"]
-    assert test[0] == "CMD-SHELL" and f"--user {DEFAULT_USER} " in test[1]
-    assert f"{Path(acl).parent}/{INIT.PASSWORD_FILE}" in test[1]
-
-
-def test_each_service_is_its_own_nats_user_and_sees_no_other_password(
-    model: dict[str, Any],
-) -> None:
-    services = model["services"]
-    roles = _role_volumes(model)
-    nats_config = _init_volume(model, _init_args(model)["--nats-config-dir"])
-    redis_volume = _init_volume(model, _init_args(model)["--redis-dir"])
-    for name, role in NATS_ROLE.items():
-        service = services[name]
-        env = environment(service)
-        assert env["RADIXSERVE_NATS_USER"] == role, name
-        password = env["RADIXSERVE_NATS_PASSWORD_FILE"]
-        assert Path(password).name == INIT.PASSWORD_FILE
-        assert _mounted_file(service, password) == (roles[role], True), name
-        assert _after(service, "secrets-init", "service_completed_successfully"), name
-        seen = {volume for volume, _ in mounts(service).values()}
-        assert seen & (set(roles.values()) | {nats_config}) == {roles[role]}, name
-        if name in REDIS_CLIENTS:
-            assert env["RADIXSERVE_REDIS_USER"] == DEFAULT_USER
-            password = env["RADIXSERVE_REDIS_PASSWORD_FILE"]
-            assert _mounted_file(service, password) == (redis_volume, True), name
-        else:  # no service gets a secret it does not use
-            assert redis_volume not in seen, name
-            assert not {k for k in env if k.startswith("RADIXSERVE_REDIS_")} - {
-                "RADIXSERVE_REDIS_URL"
-            }, name
-    # admin's password is the operator's: in secrets-init only.
-    holders = [n for n, s in services.items() if roles[ADMIN] in {v for v, _ in mounts(s).values()}]
-    assert holders == ["secrets-init"]
-
-
-# Names of variables that would hold a secret in clear (their _FILE forms are fine).
-_SECRET_NAME = re.compile(r"PASSWORD|PASSWD|SECRET|CREDENTIAL|TOKEN$|API_KEY$|_AUTH$|PASS$")
-
-
-def clear_secrets(env: dict[str, str]) -> list[str]:
-    return [k for k in env if _SECRET_NAME.search(k) and not k.endswith("_FILE")]
-
-
-def test_no_password_in_clear_in_any_environment(model: dict[str, Any]) -> None:
-    for name, service in model["services"].items():
-        assert clear_secrets(environment(service)) == [], name
-    assert clear_secrets({"RADIXSERVE_NATS_PASSWORD": "x", "REDISCLI_AUTH": "y"}) == [
-        "RADIXSERVE_NATS_PASSWORD",
-        "REDISCLI_AUTH",
-    ]
-    assert "--requirepass" not in TEXT
-
-
-def test_the_operator_reads_the_nats_admin_password_and_runs_health(
-    model: dict[str, Any],
-) -> None:
-    """`radixserve health` as admin, from the secrets-init container (on the compose
-    network, with admin's password file): the commands the file documents work there."""
-    services = model["services"]
-    init = services["secrets-init"]
-    env = environment(init)
-    admin_file = f"{_init_args(model)['--nats-users-dir']}/{ADMIN}/{INIT.PASSWORD_FILE}"
-    assert env["RADIXSERVE_NATS_USER"] == ADMIN
-    assert env["RADIXSERVE_NATS_PASSWORD_FILE"] == admin_file
-    assert env["RADIXSERVE_NATS_URL"] == environment(services["gateway"])["RADIXSERVE_NATS_URL"]
-    assert f"docker compose run --rm --entrypoint cat secrets-init {admin_file}" in TEXT
-    assert "docker compose run --rm --entrypoint radixserve secrets-init health" in TEXT
-    assert "depends_on" not in init  # `run` starts nothing else

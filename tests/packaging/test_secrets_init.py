@@ -19,14 +19,19 @@ from typing import Any
 
 import pytest
 
-from radixserve.bus import Bus, BusAuthError, BusSettings, NatsAuth
+from radixserve.bus import NatsAuth
 from radixserve.infra.nats_auth import ROLES, NatsUsers, render_authorization
 from radixserve.infra.redis_acl import DEFAULT_USER, RedisAcl
 from radixserve.infra.servers import free_port
 from radixserve.protocol.subjects import Subjects
-from radixserve.store import RedisAuth, Store, StoreAuthError, StoreSettings
 from tests.packaging.compose_checks import COMPOSE_FILE, INIT_SECRETS, load_compose, mounts
-from tests.packaging.real_servers import nats_server, redis_cli, redis_server
+from tests.packaging.real_servers import (
+    check_nats_wants,
+    check_redis_wants,
+    nats_server,
+    redis_cli,
+    redis_server,
+)
 
 SCRIPT = INIT_SECRETS
 PREFIX = "compose-test"
@@ -165,17 +170,8 @@ async def test_the_nats_config_lets_each_role_in_and_nobody_else(
         probe = health._replace(netloc=f"127.0.0.1:{monitor}").geturl()
         with urllib.request.urlopen(probe, timeout=5) as answer:
             assert answer.status == 200
-        gateway = NatsAuth(user="gateway", password=passwords["gateway"])
-        bus = await Bus.connect(BusSettings(url=url, name="test-gateway", auth=gateway))
-        try:
-            assert (await bus.health()).ok
-        finally:
-            await bus.close()
-        with pytest.raises(BusAuthError):
-            await Bus.connect(BusSettings(url=url, connect_attempts=3))
         wrong = NatsAuth(user="gateway", password=passwords["worker"])
-        with pytest.raises(BusAuthError):
-            await Bus.connect(BusSettings(url=url, auth=wrong, connect_attempts=3))
+        await check_nats_wants(url, {"gateway": passwords["gateway"]}, wrong)
 
 
 def _redis_healthcheck(port: int, password_file: Path) -> int:
@@ -198,13 +194,7 @@ async def test_the_redis_acl_file_turns_default_off_and_the_healthcheck_authenti
     with redis_server(
         ["--aclfile", str(acl), "--save", "", "--appendonly", "no"], tmp_path
     ) as port:
-        url = f"redis://127.0.0.1:{port}/0"
-        with pytest.raises(StoreAuthError):
-            await Store.connect(StoreSettings(url=url, connect_attempts=2))
-        right = RedisAuth(user=DEFAULT_USER, password=password)
-        async with await Store.connect(StoreSettings(url=url, auth=right)) as store:
-            await store.put_request("r1", {"status": "queued"}, ttl_s=60)
-            assert await store.get_request("r1") == {"status": "queued"}
+        await check_redis_wants(f"redis://127.0.0.1:{port}/0", DEFAULT_USER, password)
         assert _redis_healthcheck(port, made["--redis-dir"] / "password") == 0
         wrong = tmp_path / "wrong-password"
         wrong.write_text("not-" + password)

@@ -1,8 +1,10 @@
 """Resuming a request from the tokens another worker generated (issue 56): a run cut at
 output position k and resumed on a new engine with its first k tokens gives exactly the
 uninterrupted run's tokens, finish reason and token counts, for greedy and seeded
-sampling, penalties, min_new_tokens, grammars and logprobs; the worker's conversion
-(a `RoutedRequest` with `output_prefix`) feeds the engine the same way.
+sampling, penalties, min_new_tokens, grammars and logprobs; a request of n choices
+resumes each unfinished choice after its own tokens and runs no finished one; the
+worker's conversion (a `RoutedRequest` with `output_prefix`, or `choice_prefixes` for
+n > 1) feeds the engine the same way.
 
 References: the uninterrupted run on its own engine; `jsonschema` for validity.
 """
@@ -16,11 +18,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 from opentelemetry import trace
 
 from radixserve import Engine, protocol
-from radixserve.engine.request import Req
+from radixserve.engine.request import FinishReason, Req
 from radixserve.engine.sampling.params import SamplingParams
 from radixserve.protocol import decode, encode, pack_tokens
 from radixserve.telemetry.common import ServiceMetrics
@@ -353,9 +356,14 @@ def test_tensor_parallel_ranks_resume_alike(first: Engine, tiny_llama_dir: Path)
 
 
 def routed(
-    rid: str, prompt: list[int], sampling: protocol.SamplingParams, prefix: list[int] | None
+    rid: str,
+    prompt: list[int],
+    sampling: protocol.SamplingParams,
+    prefix: list[int] | None,
+    choices: list[list[int] | None] | None = None,
 ) -> protocol.RoutedRequest:
-    """A re-routed request as the worker decodes it off the wire."""
+    """A re-routed request as the worker decodes it off the wire (`choices`: each
+    choice's tokens, None for a finished one, for n > 1)."""
     request = protocol.TokenizedRequest(
         rid=rid, gateway_id="gw-1", input_ids=pack_tokens(prompt), sampling=sampling
     )
@@ -364,36 +372,41 @@ def routed(
         worker_id="w-1",
         attempt=1,
         output_prefix=None if prefix is None else pack_tokens(prefix),
+        choice_prefixes=(
+            None if choices is None else [None if c is None else pack_tokens(c) for c in choices]
+        ),
     )
     return decode(encode(message), protocol.RoutedRequest)
 
 
 class Published:
-    """What the driver publishes and rejects, with a wait for a rid's last output."""
+    """What the driver publishes and rejects, with a wait for a rid's last outputs."""
 
     def __init__(self) -> None:
         self.outputs: list[protocol.StepOutput] = []
         self.rejected: list[protocol.RequestError] = []
-        self._done: dict[str, threading.Event] = {}
-        self._lock = threading.Lock()
-
-    def event(self, rid: str) -> threading.Event:
-        with self._lock:
-            return self._done.setdefault(rid, threading.Event())
+        self._changed = threading.Condition()
 
     def on_step(self, step: int, outputs: list[protocol.StepOutput]) -> None:
-        self.outputs.extend(outputs)
-        for out in outputs:
-            if out.finish_reason is not None:
-                self.event(out.rid).set()
+        with self._changed:
+            self.outputs.extend(outputs)
+            self._changed.notify_all()
 
     def on_reject(self, error: protocol.RequestError, gateway_id: str) -> None:
-        self.rejected.append(error)
-        self.event(error.rid).set()
+        with self._changed:
+            self.rejected.append(error)
+            self._changed.notify_all()
 
-    def of(self, rid: str) -> list[protocol.StepOutput]:
-        assert self.event(rid).wait(timeout=60), f"{rid} never finished"
-        return [o for o in self.outputs if o.rid == rid]
+    def of(self, rid: str, choices: int = 1) -> list[protocol.StepOutput]:
+        """`rid`'s outputs once `choices` of its choices have finished (or it was refused)."""
+
+        def over() -> bool:
+            ends = sum(1 for o in self.outputs if o.rid == rid and o.finish_reason is not None)
+            return ends >= choices or any(e.rid == rid for e in self.rejected)
+
+        with self._changed:
+            assert self._changed.wait_for(over, timeout=60), f"{rid} never finished"
+            return [o for o in self.outputs if o.rid == rid]
 
 
 def test_the_worker_resumes_a_routed_request_with_its_output_prefix(
@@ -446,3 +459,146 @@ def test_the_worker_resumes_a_routed_request_with_its_output_prefix(
         "radixserve:worker_resumed_requests_total", {"worker": "w-1"}
     )
     assert sample == 1  # the refused one is not counted
+
+
+# -- n > 1: each unfinished choice resumed after its own tokens --------------------------------
+
+
+def run_choices(
+    engine: Engine,
+    prompt: list[int],
+    params: dict[str, Any],
+    resume: dict[int, list[int]] | None = None,
+    rid: str = "r",
+) -> dict[int, Run]:
+    """`run` for a request of n choices: each choice's outputs by index (only the ones
+    `resume` names, when given), each checked to continue its own count."""
+    running = sorted(resume) if resume is not None else list(range(params["n"]))
+    builder = OutputBuilder()
+    builder.track(rid, "gw", len(running))
+    engine.submit(prompt, params, rid=rid, resume_choices=resume)
+    runs = {index: Run() for index in running}
+    received = {index: len((resume or {}).get(index, ())) for index in running}
+    for _ in range(4 * MAX_NEW + 64):  # a bound, not a wait: each step does work
+        for choice in engine.step():
+            out = builder.build(choice)
+            assert out is not None and out.index in runs, "a choice it was not to run"
+            new = len(out.new_token_ids_list)
+            assert out.completion_tokens - new == received[out.index]
+            received[out.index] += new
+            runs[out.index].req = choice.req
+            runs[out.index].outputs.append(out)
+        if all(r.outputs and r.last.finish_reason is not None for r in runs.values()):
+            assert engine.num_tracked() == 0 and len(builder) == 0
+            return runs
+    raise AssertionError("the request did not finish")
+
+
+N_CHOICES = 3
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        pytest.param({"temperature": 0.0}, id="greedy"),
+        pytest.param({"temperature": 1.0, "top_p": 0.9, "seed": 4321}, id="seeded"),
+    ],
+)
+@pytest.mark.parametrize(
+    "cuts",
+    [
+        pytest.param({1: 4, 2: 13}, id="two-cut"),
+        pytest.param({0: 0, 2: MAX_NEW}, id="one-fresh-one-at-its-limit"),
+    ],
+)
+def test_n_choices_resume_each_after_its_own_tokens(
+    first: Engine, second: Engine, params: dict[str, Any], cuts: dict[int, int]
+) -> None:
+    """Choice i samples with seed + i: resumed after its own first k_i tokens (each a
+    different k), it continues as uninterrupted; a choice not named (finished on the
+    first worker) is neither run nor reported again."""
+    (prompt,) = make_prompts(first.runner.vocab_size, [9], seed=111)
+    full = {"max_new_tokens": MAX_NEW, "ignore_eos": True, "n": N_CHOICES, **params}
+    whole = run_choices(first, prompt, full, rid="whole")
+    if "seed" in params:  # each choice its own draws
+        assert len({tuple(r.tokens) for r in whole.values()}) == N_CHOICES
+    assert second.flush_cache()
+    resume = {index: whole[index].tokens[:k] for index, k in cuts.items()}
+    resumed = run_choices(second, prompt, full, resume=resume, rid="resumed")
+    assert sorted(resumed) == sorted(cuts)
+    for index, k in cuts.items():
+        ours, reference = resumed[index], whole[index]
+        assert reference.tokens[:k] + ours.tokens == reference.tokens
+        assert len(ours.tokens) == MAX_NEW - k
+        assert ours.last.finish_reason == reference.last.finish_reason
+        assert ours.last.completion_tokens == reference.last.completion_tokens == MAX_NEW
+        assert ours.last.prompt_tokens == len(prompt)
+
+
+def test_bad_resume_choices_are_a_clear_error(second: Engine) -> None:
+    vocab = second.runner.vocab_size
+    (prompt,) = make_prompts(vocab, [5], seed=72)
+    params = {"max_new_tokens": 4, "n": 2}
+    cases: list[tuple[Any, str]] = [
+        ({}, "resume_choices names no choice to run"),
+        ({2: [5]}, r"resume_choices has choice 2; the request's choices are 0\.\.1 \(n = 2\)"),
+        ({-1: [5]}, "resume_choices has choice -1"),
+        ({True: [5]}, "resume_choices has choice True"),
+        ([[5], [6]], "resume_choices must map choice indices to output token ids"),
+        ({1: [5, vocab]}, r"resume_choices\[1\] are not output token ids"),
+        ({0: [], 1: [5] * 5}, r"resume_choices\[1\]: resume_ids has 5 tokens; max_new_tokens"),
+    ]
+    for resume, message in cases:
+        with pytest.raises(ValueError, match=message):
+            second.submit(prompt, params, rid="bad", resume_choices=resume)
+    with pytest.raises(ValueError, match="resume_ids or resume_choices, not both"):
+        second.submit(prompt, params, rid="bad", resume_ids=[5], resume_choices={0: [5]})
+    assert second.num_tracked() == 0 and not second.has_work()
+
+
+def test_an_abort_ends_the_resumed_choices_under_their_indices(second: Engine) -> None:
+    (prompt,) = make_prompts(second.runner.vocab_size, [6], seed=73)
+    params = {"max_new_tokens": 8, "n": 3, "ignore_eos": True}
+    second.submit(prompt, params, rid="cut", resume_choices={1: [5, 6], 2: []})
+    assert second.abort("cut")
+    ends = [(out.index, out.req.finish_reason) for out in second.step()]
+    abort = FinishReason("abort", message="aborted")
+    assert sorted(ends) == [(1, abort), (2, abort)]  # waiting on the shared prefill still
+    assert second.num_tracked() == 0 and not second.has_work()
+
+
+def test_the_worker_resumes_only_the_unfinished_choices(first: Engine, second: Engine) -> None:
+    """A `RoutedRequest` with `choice_prefixes` (choice 0 finished, 1 and 2 cut): the
+    driver publishes choices 1 and 2 only, each from its own count, and ends the request
+    after them; an abort before the engine had it answers for those two, with their
+    counts."""
+    (prompt,) = make_prompts(first.runner.vocab_size, [9], seed=92)
+    sampling = protocol.SamplingParams(
+        max_new_tokens=MAX_NEW, temperature=1.0, top_p=0.9, seed=8, ignore_eos=True, n=3
+    )
+    whole = run_choices(first, prompt, msgspec.structs.asdict(sampling), rid="whole")
+    cut = {1: 5, 2: 9}
+    choices: list[list[int] | None] = [None, *(whole[i].tokens[:k] for i, k in cut.items())]
+    published = Published()
+    assert second.flush_cache()
+    driver = EngineDriver(second, on_step=published.on_step, on_reject=published.on_reject)
+    driver.start()
+    try:
+        driver.submit(routed("moved", prompt, sampling, None, choices))
+        outputs = published.of("moved", choices=2)
+        gone = routed("gone", prompt, sampling, None, choices)
+        driver.abort_unsubmitted(gone)
+        aborted = published.of("gone", choices=2)
+    finally:
+        driver.stop()
+    assert driver.error is None and published.rejected == [] and driver.num_tracked == 0
+    assert {out.index for out in outputs} == {1, 2}
+    for index, k in cut.items():
+        mine = [out for out in outputs if out.index == index]
+        assert whole[index].tokens[:k] + [t for o in mine for t in o.new_token_ids_list] == (
+            whole[index].tokens
+        )
+        assert mine[0].completion_tokens - len(mine[0].new_token_ids_list) == k
+        assert mine[-1].finish_reason == whole[index].last.finish_reason
+    assert [(out.index, out.completion_tokens) for out in aborted] == [(1, 5), (2, 9)]
+    assert all(out.finish_reason is not None for out in aborted)

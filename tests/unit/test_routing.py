@@ -3,6 +3,7 @@ accounting of finished requests, driven through the `Dispatcher` the scheduler u
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from radixserve.protocol import (
@@ -11,6 +12,7 @@ from radixserve.protocol import (
     Heartbeat,
     HeldRequest,
     RequestError,
+    RoutedRequest,
     SamplingParams,
     StepOutput,
     StepOutputBatch,
@@ -18,6 +20,7 @@ from radixserve.protocol import (
     WorkerCapacity,
     WorkerStats,
     WorkerStatus,
+    decode,
     encode,
     pack_tokens,
 )
@@ -358,8 +361,10 @@ def test_the_inflight_table_remembers_when_its_last_requests_ended() -> None:
 # -- a dead worker's requests go on elsewhere -------------------------------------------
 
 
-def _progress(rid: str, ids: list[int], total: int, finish: str | None = None) -> ChoiceProgress:
-    return ChoiceProgress(rid, 0, pack_tokens(ids), total, finish)  # type: ignore[arg-type]
+def _progress(
+    rid: str, ids: list[int], total: int, finish: str | None = None, index: int = 0
+) -> ChoiceProgress:
+    return ChoiceProgress(rid, index, pack_tokens(ids), total, finish)  # type: ignore[arg-type]
 
 
 def test_a_lost_workers_request_is_rerouted_with_what_it_generated() -> None:
@@ -394,20 +399,91 @@ def test_a_restarted_workers_requests_go_to_another_worker() -> None:
 def test_what_cannot_be_rerouted_gets_worker_lost() -> None:
     d = _dispatcher(100, "w0", "w1")
     d.on_stats(_stats("w1", running=50), 0.0)
-    for rid, n in (("many", 2), ("hole", 1), ("ok", 1)):
+    for rid, n in (("holes", 2), ("hole", 1), ("ok", 1)):
         assert _routed_to(d.admit(_request(rid, n=n), 0.0, 0.0)) == "w0"
     d.on_progress(_progress("hole", [7], 1))
     d.on_progress(_progress("hole", [9], 3))  # token 2 never seen: cannot resume exactly
+    d.on_progress(_progress("holes", [7], 1))
+    d.on_progress(_progress("holes", [5], 2, index=1))  # choice 1's first token never seen
+    d.on_progress(_progress("holes", [8], 2))  # choice 0 whole: the request still cannot go
     d.on_heartbeat(_beat("w1"), now=TIMEOUT_S)
     decisions = {
         (m.routed.rid if isinstance(m, Routed) else m.error.rid): m
         for m in d.expire(TIMEOUT_S + 0.1)
     }
     assert isinstance(decisions["ok"], Routed)
-    for rid in ("many", "hole"):
+    for rid in ("holes", "hole"):
         lost = decisions[rid]
         assert isinstance(lost, Rejected) and lost.error.code == WORKER_LOST
         assert rid not in d.inflight
+
+
+def test_an_n_choice_request_goes_on_with_each_choices_tokens() -> None:
+    # Three choices on w0: 0 finishes there, 1 and 2 are cut at different counts. Each
+    # re-route carries every unfinished choice's own tokens, and None for finished ones.
+    d = _dispatcher(100, "w0", "w1", "w2")
+    d.on_stats(_stats("w1", running=5), 0.0)
+    d.on_stats(_stats("w2", running=9), 0.0)
+    assert _routed_to(d.admit(_request("r", n=3), 0.0, 0.0)) == "w0"
+    d.on_progress(_progress("r", [1, 2], 2, index=0))
+    d.on_progress(_progress("r", [4], 1, index=1))
+    assert not d.on_progress(_progress("r", [3], 3, "stop", index=0))
+    d.on_progress(_progress("r", [5, 6], 3, index=1))
+    d.on_progress(_progress("r", [7], 1, index=2))
+    entry = d.inflight.get("r")
+    assert entry is not None
+    assert entry.prefixes() == [None, pack_tokens([4, 5, 6]), pack_tokens([7])]
+    for worker in ("w1", "w2"):
+        d.on_heartbeat(_beat(worker), now=TIMEOUT_S)
+    (moved,) = d.expire(TIMEOUT_S + 0.1)
+    assert isinstance(moved, Routed) and moved.migrated == "worker_lost"
+    routed = decode(encode(moved.routed), RoutedRequest)  # as the worker reads it
+    assert (routed.worker_id, routed.attempt, routed.output_prefix) == ("w1", 1, None)
+    assert routed.choice_prefixes == [None, pack_tokens([4, 5, 6]), pack_tokens([7])]
+    # w1 continues each choice's own count; choice 1 finishes, then w1 is lost too.
+    d.on_progress(_progress("r", [8], 4, "length", index=1))
+    d.on_progress(_progress("r", [9, 10], 3, index=2))
+    (again,) = d.on_heartbeat(_beat("w1", epoch=2), now=TIMEOUT_S + 1)
+    assert isinstance(again, Routed) and again.routed.worker_id == "w2"
+    assert again.routed.attempt == 2
+    assert again.routed.choice_prefixes == [None, None, pack_tokens([7, 9, 10])]
+    assert d.on_progress(_progress("r", [11], 4, "length", index=2))  # the last choice
+    assert "r" not in d.inflight
+
+
+def test_a_request_whose_choices_all_finished_is_not_rerouted() -> None:
+    d = _dispatcher(100, "w0", "w1")
+    d.on_stats(_stats("w1", running=5), 0.0)
+    assert _routed_to(d.admit(_request("done", n=2), 0.0, 0.0)) == "w0"
+    assert _routed_to(d.admit(_request("half", n=2), 0.0, 0.0)) == "w0"
+    assert not d.on_progress(_progress("done", [1], 1, "stop", index=1))
+    assert d.on_progress(_progress("done", [2, 3], 2, "length", index=0))
+    assert not d.on_progress(_progress("half", [4], 1, "stop", index=0))
+    d.on_heartbeat(_beat("w1"), now=TIMEOUT_S)
+    (moved,) = d.expire(TIMEOUT_S + 0.1)  # "done" left the table at its last finish
+    assert isinstance(moved, Routed) and moved.routed.rid == "half"
+    assert moved.routed.choice_prefixes == [None, b""]  # choice 1 had no token yet
+    assert "done" not in d.inflight and d.inflight.ended_ago("done") is not None
+
+
+def test_a_routed_request_says_its_choices_prefixes_consistently() -> None:
+    request = _request("r", n=2)
+    ok = RoutedRequest(request=request, worker_id="w", choice_prefixes=[None, pack_tokens([1])])
+    assert decode(encode(ok), RoutedRequest) == ok
+    # A first route (or a scheduler of before n > 1 migrations) sends no such field.
+    first = encode(RoutedRequest(request=request, worker_id="w"))
+    assert "choice_prefixes" not in msgspec.msgpack.decode(first)
+    assert decode(first, RoutedRequest).choice_prefixes is None
+    for prefixes, prefix, why in (
+        ([None], None, "for n = 2 choices, got 1"),
+        ([None, None], None, "no choice to run"),
+        ([b"", b"\x01"], None, "packed"),
+        ([b"", None], pack_tokens([1]), "not both"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            RoutedRequest(
+                request=request, worker_id="w", choice_prefixes=prefixes, output_prefix=prefix
+            )
 
 
 def test_reroutes_are_bounded_and_need_another_worker() -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -137,6 +137,7 @@ class Engine:
         grammar: xgr.CompiledGrammar | None = None,
         priority: int = 0,
         resume_ids: Sequence[int] | np.ndarray | None = None,
+        resume_choices: Mapping[int, Sequence[int] | np.ndarray] | None = None,
     ) -> str:
         """Queue one prompt (token ids); returns its rid. Raises ValueError for bad input.
 
@@ -144,12 +145,16 @@ class Engine:
         service's); without it a regex/json_schema/ebnf/structural_tag in the parameters
         is compiled here, blocking the caller. `priority`: a higher one is admitted
         first (sched/policy.py; a running request is never preempted). `resume_ids`:
-        the output tokens another worker generated (n == 1 only): the request continues
+        the output tokens another worker generated (n == 1): the request continues
         after them as if it had generated them (`Req.resume`); at its length limit it
-        finishes at once, with no new tokens."""
+        finishes at once, with no new tokens. `resume_choices` (any n, at most one of
+        the two): the choices still to run, index -> the output tokens it generated on
+        another worker (maybe none), each resumed so, with its own seed (seed + index)
+        and its index in its outputs; the choices not named finished there and are
+        neither run nor reported."""
         (params,) = self._normalize_params(sampling_params, 1)
         ids = checked_token_ids(input_ids, self.runner.vocab_size)
-        resume = self._checked_resume_ids(resume_ids, params)
+        resume = self._checked_resume(resume_ids, resume_choices, params)
         return self._submit(ids, params, rid, grammar, priority, resume).rid
 
     def step(self) -> list[ChoiceOutput]:
@@ -205,7 +210,7 @@ class Engine:
                 self._owner.pop(group.prefill.rid, None)
                 self.scheduler.abort(group.prefill.rid)
                 group.prefill = None
-            for index, choice in enumerate(group.choices):
+            for index, choice in group.indexed():
                 if choice.finished:
                     continue
                 if not self.scheduler.abort(choice.rid):
@@ -456,18 +461,45 @@ class Engine:
             out.append(params)
         return out
 
-    def _checked_resume_ids(
-        self, resume_ids: Sequence[int] | np.ndarray | None, params: SamplingParams
-    ) -> list[int]:
-        """The resumed output tokens as a list (empty: a plain request)."""
-        if resume_ids is None or len(resume_ids) == 0:
-            return []
-        if params.n != 1:
-            raise ValueError(f"resume_ids is for n == 1 requests only, got n = {params.n}")
+    def _checked_resume(
+        self,
+        resume_ids: Sequence[int] | np.ndarray | None,
+        resume_choices: Mapping[int, Sequence[int] | np.ndarray] | None,
+        params: SamplingParams,
+    ) -> dict[int, list[int]] | None:
+        """Each choice to run -> the output tokens it resumes after, by index (None: a
+        plain request, every choice run from the start)."""
+        if resume_choices is None:
+            if resume_ids is None or len(resume_ids) == 0:
+                return None
+            if params.n != 1:
+                raise ValueError(
+                    f"resume_ids is for n == 1 requests only (resume_choices for more), "
+                    f"got n = {params.n}"
+                )
+            return {0: self._checked_output_ids(resume_ids, "resume_ids")}
+        if resume_ids is not None:
+            raise ValueError("give resume_ids or resume_choices, not both")
+        if not isinstance(resume_choices, Mapping):
+            raise ValueError("resume_choices must map choice indices to output token ids")
+        if not resume_choices:
+            raise ValueError("resume_choices names no choice to run")
+        resume = {}
+        for index, ids in sorted(resume_choices.items()):
+            if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < params.n:
+                raise ValueError(
+                    f"resume_choices has choice {index!r}; the request's choices are "
+                    f"0..{params.n - 1} (n = {params.n})"
+                )
+            what = f"resume_choices[{index}]"
+            resume[index] = self._checked_output_ids(ids, what) if len(ids) else []
+        return resume
+
+    def _checked_output_ids(self, ids: Sequence[int] | np.ndarray, what: str) -> list[int]:
         try:
-            return checked_token_ids(resume_ids, self.runner.vocab_size)
+            return checked_token_ids(ids, self.runner.vocab_size)
         except ValueError as exc:  # its wording names the prompt's parameter
-            raise ValueError(f"resume_ids are not output token ids: {exc}") from None
+            raise ValueError(f"{what} are not output token ids: {exc}") from None
 
     def _make_req(
         self,
@@ -517,10 +549,11 @@ class Engine:
         rid: str | None = None,
         grammar: xgr.CompiledGrammar | None = None,
         priority: int = 0,
-        resume: list[int] | None = None,
+        resume: dict[int, list[int]] | None = None,
     ) -> RequestGroup:
         """Queue one prompt; n > 1 runs the prompt's prefill once, then n samples share it.
-        `resume` (n == 1): the output tokens it continues after."""
+        `resume` (checked by `_checked_resume`): the choices to run, each -> the output
+        tokens it continues after; None: all n, from the start."""
         self._check_priority(priority)
         if grammar is None:
             grammar = self.grammars.compile_request(params)  # outside the lock: steps go on
@@ -531,17 +564,19 @@ class Engine:
                 raise ValueError(f"request id {rid!r} is already in use")
             seed = resolve_seed(params)
             if params.n == 1:
+                first = None if resume is None else resume[0]
                 group = RequestGroup(
-                    rid, [self._make_req(rid, ids, params, seed, priority, grammar, resume)]
+                    rid, [self._make_req(rid, ids, params, seed, priority, grammar, first)]
                 )
             else:
                 # Every choice is built (and so validated) before anything is queued.
+                indices = list(range(params.n)) if resume is None else sorted(resume)
                 choices = [
-                    self._make_req(f"{rid}-{i}", ids, params, seed + i, priority, grammar)
-                    for i in range(params.n)
+                    self._make_choice(rid, i, ids, params, seed, priority, grammar, resume)
+                    for i in indices
                 ]
-                group = RequestGroup(rid, choices)
-                if self.scheduler.kv.cache.reuses_prefixes:
+                group = RequestGroup(rid, choices, indices=indices)
+                if len(choices) > 1 and self.scheduler.kv.cache.reuses_prefixes:
                     prefill_params = SamplingParams.from_dict({"max_new_tokens": 0})
                     group.prefill = self._make_req(
                         f"{rid}-prefill", ids, prefill_params, seed, priority
@@ -550,7 +585,7 @@ class Engine:
             if group.prefill is not None:
                 self._owner[group.prefill.rid] = (group, -1)
                 self.scheduler.add_request(group.prefill)
-            for index, choice in enumerate(group.choices):
+            for index, choice in group.indexed():
                 self._owner[choice.rid] = (group, index)
                 reason = limit_reached(choice, self.context_len) if choice.resumed else None
                 if reason is not None:  # resumed at its limit: nothing is left to generate
@@ -560,6 +595,29 @@ class Engine:
                     self.scheduler.add_request(choice)
             return group
 
+    def _make_choice(
+        self,
+        rid: str,
+        index: int,
+        ids: list[int],
+        params: SamplingParams,
+        seed: int,
+        priority: int,
+        grammar: xgr.CompiledGrammar | None,
+        resume: dict[int, list[int]] | None,
+    ) -> Req:
+        """Choice `index` of an n > 1 request: its own rid and seed (seed + index), so a
+        resumed choice continues exactly as it would have."""
+        own = None if resume is None else resume[index]
+        try:
+            return self._make_req(
+                f"{rid}-{index}", ids, params, seed + index, priority, grammar, own
+            )
+        except ValueError as exc:
+            if resume is None:
+                raise
+            raise ValueError(f"resume_choices[{index}]: {exc}") from None  # which choice
+
     def _shared_prefill_done(self, group: RequestGroup, prefill: Req) -> list[ChoiceOutput]:
         """The hidden prefill of n > 1 ended: schedule the choices, or fail them with it."""
         self._owner.pop(prefill.rid, None)
@@ -567,7 +625,7 @@ class Engine:
         reason = prefill.finish_reason
         if reason is not None and reason.kind == "abort":
             outputs = []
-            for index, choice in enumerate(group.choices):
+            for index, choice in group.indexed():
                 if not choice.finished:
                     self._finish_unscheduled(choice, reason)
                     outputs.append(ChoiceOutput(group.rid, index, choice))

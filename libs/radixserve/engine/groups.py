@@ -1,9 +1,10 @@
 """What the engine tracks per caller request: its `n` choices and the shared prefill.
 
 A caller's request (one `rid`) is a `RequestGroup` of `n` choices, each a `Req` the
-scheduler runs. With n > 1 and a prefix cache, a hidden prefill-only `Req` runs the
-prompt once first; the choices are scheduled when it finishes and find the prompt in
-the cache. `ChoiceOutput` is what one `Engine.step()` reports for one choice.
+scheduler runs (a resumed request: only its unfinished choices, each keeping its index).
+With n > 1 and a prefix cache, a hidden prefill-only `Req` runs the prompt once first;
+the choices are scheduled when it finishes and find the prompt in the cache.
+`ChoiceOutput` is what one `Engine.step()` reports for one choice.
 """
 
 from __future__ import annotations
@@ -17,9 +18,19 @@ from radixserve.engine.request import FinishReason, Req, TokenLogprob
 @dataclass(eq=False)
 class RequestGroup:
     rid: str
-    choices: list[Req]  # index i is choice i
+    choices: list[Req]  # the choices it runs, choices[i] being choice indices[i]
     prefill: Req | None = None  # the hidden shared-prefix prefill while it runs
     started: float = field(default_factory=time.perf_counter)
+    # 0..n-1, unless a resumed request runs only the choices that had not finished.
+    indices: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.indices:
+            self.indices = list(range(len(self.choices)))
+
+    def indexed(self) -> list[tuple[int, Req]]:
+        """(choice index, its `Req`) of each choice it runs."""
+        return list(zip(self.indices, self.choices, strict=True))
 
     @property
     def finished(self) -> bool:

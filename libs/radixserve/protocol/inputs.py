@@ -157,8 +157,11 @@ class RoutedRequest(Message, frozen=True):
     worker's radix tree matched; the worker reports the real `cached_tokens` in
     its outputs, so the two can be compared (a mirror that drifts shows up there).
     `attempt` counts re-routes after a worker died (0 on the first route).
-    `output_prefix`: on a re-route, the tokens the request had generated (packed int32):
-    the new worker continues after them, so its outputs count them too.
+    `output_prefix`: on a re-route of a request of one choice, the tokens it had
+    generated (packed int32): the new worker continues after them, so its outputs count
+    them too. `choice_prefixes`: the same for a request of n > 1 choices, entry i for
+    choice i: the tokens it had generated (maybe none), or None for a choice that has
+    finished (not run again). Neither is set on a first route.
     """
 
     request: TokenizedRequest
@@ -167,10 +170,24 @@ class RoutedRequest(Message, frozen=True):
     routed_at: float = 0.0
     attempt: int = 0
     output_prefix: bytes | None = None
+    choice_prefixes: list[bytes | None] | None = None
 
     def __post_init__(self) -> None:
         if self.output_prefix is not None:
             num_tokens(self.output_prefix)  # checks the packed length
+        prefixes = self.choice_prefixes
+        if prefixes is None:
+            return
+        if self.output_prefix is not None:
+            raise ValueError("a routed request has output_prefix or choice_prefixes, not both")
+        n = self.request.sampling.n
+        if len(prefixes) != n:
+            raise ValueError(f"choice_prefixes is for n = {n} choices, got {len(prefixes)}")
+        if all(prefix is None for prefix in prefixes):
+            raise ValueError("choice_prefixes leaves no choice to run")
+        for prefix in prefixes:
+            if prefix is not None:
+                num_tokens(prefix)
 
     @property
     def rid(self) -> str:

@@ -13,12 +13,13 @@ the service only decodes, calls and publishes, and the tests drive it directly.
     moved = dispatcher.expire(now)               # dead workers: their requests re-routed
                                                  # (Routed) or failed 503 worker_lost
 
-A request of one choice whose worker dies (its heartbeats stop, it restarts, it does
-not take the request) is re-routed to another ready worker with the tokens it had
+A request whose worker dies (its heartbeats stop, it restarts, it does not take the
+request) is re-routed to another ready worker with the tokens each of its choices had
 generated (`on_progress` keeps them from the workers' step outputs): the new worker
-prefills prompt + those tokens and goes on, and its outputs continue the count, so the
-client's stream goes on. At most `max_migrations` times; then, or with no other worker
-ready, or for n > 1, 503 `worker_lost` as before.
+prefills prompt + those tokens for each choice not finished yet and goes on, and its
+outputs continue each choice's count, so the client's stream goes on. At most
+`max_migrations` times; then, with no other worker ready, or with a hole in what was
+seen of a choice, 503 `worker_lost` as before.
 """
 
 from __future__ import annotations
@@ -175,8 +176,8 @@ class Dispatcher:
         """One choice's step output: its tokens kept (for a re-route), and True when it
         finished the whole request."""
         entry = self.inflight.get(progress.rid)
-        if entry is not None and progress.index == 0:
-            entry.on_progress(progress.new_token_ids, progress.completion_tokens)
+        if entry is not None:
+            entry.on_progress(progress.index, progress.new_token_ids, progress.completion_tokens)
         if progress.finish is None:
             return False
         return self.on_finished(progress.rid, progress.index, progress.finish)
@@ -242,7 +243,7 @@ class Dispatcher:
                 gateway_id=request.gateway_id,
                 choices=max(request.sampling.n, 1),
                 routed_at=wall_time,
-                request=request if request.sampling.n <= 1 else None,
+                request=request,
             )
         )
         routed = RoutedRequest(
@@ -352,19 +353,23 @@ class Dispatcher:
             for state in self.workers.ready()
             if state.worker_id != entry.worker_id
         ]
-        generated = bytes(entry.generated)
-        # Routed by prompt + generated tokens: what the new worker's cache may hold.
-        whole = pack_tokens([*unpack_tokens(request.input_ids), *unpack_tokens(generated)])
+        prefixes = entry.prefixes()
+        running = [prefix for prefix in prefixes if prefix is not None]
+        # Routed by prompt + the longest choice's tokens: what the new worker's cache may
+        # hold most of.
+        longest = max(running, key=len)
+        whole = pack_tokens([*unpack_tokens(request.input_ids), *unpack_tokens(longest)])
         route = self.router.pick(msgspec.structs.replace(request, input_ids=whole), ready)
         if route is None:
             return None
         log.warning(
-            "re-routing from %s to %s after %d tokens (%s, attempt %d)",
+            "re-routing from %s to %s after %d tokens (%s, attempt %d, %d choices to go)",
             entry.worker_id,
             route.worker_id,
-            len(generated) // 4,
+            sum(len(prefix) for prefix in running) // 4,
             reason,
             entry.attempt + 1,
+            len(running),
             extra={"rid": entry.rid},
         )
         self.inflight.move(entry.rid, route.worker_id)
@@ -376,7 +381,9 @@ class Dispatcher:
             expected_cached_tokens=route.expected_cached_tokens,
             routed_at=time.time(),
             attempt=entry.attempt,
-            output_prefix=generated or None,
+            # One choice: its tokens as before; n > 1: each choice's, None once finished.
+            output_prefix=(prefixes[0] or None) if entry.choices == 1 else None,
+            choice_prefixes=prefixes if entry.choices > 1 else None,
         )
         return Routed(routed, migrated=reason)
 

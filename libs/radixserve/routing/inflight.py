@@ -27,25 +27,34 @@ class InflightEntry:
     choices: int  # sampling.n
     routed_at: float  # wall clock
     finished_choices: set[int] = field(default_factory=set)
-    # To re-route it if its worker dies: the request as tokenized, the ids its one choice
-    # generated so far (packed int32, as the worker sent them), and re-routes so far.
-    # `request` None (n > 1, or a hole in what was seen): it cannot be re-routed.
+    # To re-route it if its worker dies: the request as tokenized, the ids each unfinished
+    # choice generated so far (by index; packed int32, as the worker sent them), and
+    # re-routes so far. `request` None (adopted, or a hole in what was seen of one of its
+    # choices): it cannot be re-routed.
     request: TokenizedRequest | None = None
-    generated: bytearray = field(default_factory=bytearray)
+    generated: dict[int, bytearray] = field(default_factory=dict)
     attempt: int = 0
     # Since when its worker's heartbeats no longer list it (its end lost on the way).
     unlisted_since: float | None = None
 
-    def on_progress(self, new_token_ids: bytes, completion_tokens: int) -> None:
-        """Keep choice 0's new ids; a step that does not continue what was kept (one
+    def on_progress(self, index: int, new_token_ids: bytes, completion_tokens: int) -> None:
+        """Keep choice `index`'s new ids; a step that does not continue what was kept (one
         missed) makes the request one that cannot be re-routed."""
         if self.request is None:
             return
-        if completion_tokens - len(new_token_ids) // 4 != len(self.generated) // 4:
+        kept = self.generated.setdefault(index, bytearray())
+        if completion_tokens - len(new_token_ids) // 4 != len(kept) // 4:
             self.request = None
-            self.generated = bytearray()
+            self.generated = {}
             return
-        self.generated += new_token_ids
+        kept += new_token_ids
+
+    def prefixes(self) -> list[bytes | None]:
+        """Per choice index, what it generated so far (packed), or None once finished."""
+        return [
+            None if index in self.finished_choices else bytes(self.generated.get(index, b""))
+            for index in range(self.choices)
+        ]
 
 
 class InflightTable:
@@ -71,6 +80,7 @@ class InflightTable:
         if entry is None:
             return None
         entry.finished_choices.add(index)
+        entry.generated.pop(index, None)  # not run again
         if whole or len(entry.finished_choices) >= entry.choices:
             return self.remove(rid)
         return None

@@ -30,15 +30,23 @@ def submit_request(
     request: protocol.TokenizedRequest,
     grammar: Any = None,
     output_prefix: bytes | None = None,
-) -> SamplingParams:
+    choice_prefixes: list[bytes | None] | None = None,
+) -> None:
     """Queue a routed request on the engine: its prompt, parameters and priority (and
-    its compiled grammar, if constrained). `output_prefix` (a re-routed request's
-    `RoutedRequest.output_prefix`, packed): the tokens it already generated, which it
-    continues after. Returns the engine's form of the parameters; raises ValueError for
-    bad input."""
+    its compiled grammar, if constrained). `output_prefix` / `choice_prefixes` (a
+    re-routed request's, as in `RoutedRequest`, packed): the tokens it (n == 1) or each
+    unfinished choice (n > 1) already generated, which it continues after; a finished
+    choice is not run. Raises ValueError for bad input."""
     params = engine_params(request.sampling)
     ids = protocol.unpack_tokens_array(request.input_ids)  # checked by the engine
     resume = None if output_prefix is None else protocol.unpack_tokens_array(output_prefix)
+    choices = None
+    if choice_prefixes is not None:
+        choices = {
+            index: protocol.unpack_tokens_array(prefix)
+            for index, prefix in enumerate(choice_prefixes)
+            if prefix is not None
+        }
     engine.submit(
         ids,
         params,
@@ -46,8 +54,8 @@ def submit_request(
         grammar=grammar,
         priority=request.priority,
         resume_ids=resume,
+        resume_choices=choices,
     )
-    return params
 
 
 RECENT_S = 30.0  # how long a finished choice's history is kept for a detokenizer resync
@@ -77,6 +85,8 @@ class OutputBuilder:
     clock: Callable[[], float] = time.monotonic
 
     def track(self, rid: str, gateway_id: str, n: int, *, resumable: bool = False) -> None:
+        """Publish `rid`'s outputs until `n` choices finish: the ones the engine runs (a
+        resumed request's unfinished ones)."""
         self.gateways[rid] = gateway_id
         self.unfinished[rid] = n
         if resumable:

@@ -243,7 +243,9 @@ class EngineDriver:
     def _submit(self, routed: protocol.RoutedRequest, grammar: Any = None) -> None:
         request = routed.request
         try:
-            params = submit_request(self.engine, request, grammar, routed.output_prefix)
+            submit_request(
+                self.engine, request, grammar, routed.output_prefix, routed.choice_prefixes
+            )
         except ValueError as exc:
             match = _PARAM_RE.search(str(exc))
             error = protocol.RequestError(
@@ -258,8 +260,11 @@ class EngineDriver:
                 self.telemetry.rejected(request.rid, error.code, error.message)
             self.on_reject(error, request.gateway_id)
             return
-        self.builder.track(request.rid, request.gateway_id, params.n, resumable=request.resumable)
-        resumed = resumed_tokens(routed)
+        running = resumed_choices(routed)
+        self.builder.track(
+            request.rid, request.gateway_id, len(running), resumable=request.resumable
+        )
+        resumed = sum(running.values())
         if resumed:
             log.info(
                 "resumed after %d generated tokens (attempt %d)",
@@ -318,11 +323,11 @@ class EngineDriver:
                 index=index,
                 finish_reason=protocol.FinishReason(kind="abort", message="aborted"),
                 prompt_tokens=request.prompt_tokens,
-                # A resumed request's stream goes on from the tokens it had (n == 1).
-                completion_tokens=resumed_tokens(routed),
+                # A resumed choice's stream goes on from the tokens it had.
+                completion_tokens=resumed,
                 detok=detok,
             )
-            for index in range(request.sampling.n)
+            for index, resumed in resumed_choices(routed).items()
         ]
 
 
@@ -343,7 +348,15 @@ def history_batches(
     return batches
 
 
-def resumed_tokens(routed: protocol.RoutedRequest) -> int:
-    """How many output tokens a re-routed request already has (0 for a new one)."""
+def resumed_choices(routed: protocol.RoutedRequest) -> dict[int, int]:
+    """Each choice index this worker runs -> how many output tokens it already has (0 for
+    a new request); a re-routed request's finished choices are not run here."""
+    if routed.choice_prefixes is not None:
+        return {
+            index: protocol.num_tokens(prefix)
+            for index, prefix in enumerate(routed.choice_prefixes)
+            if prefix is not None
+        }
     prefix = routed.output_prefix
-    return 0 if prefix is None else protocol.num_tokens(prefix)
+    resumed = 0 if prefix is None else protocol.num_tokens(prefix)
+    return {index: resumed if index == 0 else 0 for index in range(routed.request.sampling.n)}
