@@ -7,7 +7,9 @@
   output channel (or per tensor) by `calculate_qparams`, as llm-compressor's min-max
   observer does, then ModelCompressor's float-quantized compression and config.
 - `write_fp8_method`: the `"quant_method": "fp8"` layout by hand (vLLM / ModelOpt style:
-  float8_e4m3fn weights, a `weight_scale` or `weight_scale_inv` per tensor or per channel).
+  float8_e4m3fn weights, a `weight_scale` or `weight_scale_inv` per tensor or per channel);
+  an MoE model's experts too (`experts.{e}.gate_proj/up_proj/down_proj`, Mixtral's
+  `experts.{e}.w1/w3/w2`), each apart, as FP8 Mixtral / Qwen-MoE checkpoints store them.
 - `write_dequantized`: a float32 checkpoint of weights * scales, for transformers.
 """
 
@@ -25,8 +27,20 @@ from radixserve.engine.kernels.fp8_format import FP8_DTYPE, FP8_MAX
 
 # The files that come with a checkpoint besides its weights and config.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-# The checkpoint projections an FP8 recipe quantizes (Linear layers, less lm_head).
-_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The checkpoint projections an FP8 recipe quantizes (Linear layers, less lm_head and
+# the routers): Mixtral's experts are w1 / w3 / w2, Qwen's gate_proj / up_proj / down_proj.
+_PROJECTIONS = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "w1",
+    "w2",
+    "w3",
+)
 
 
 def write_compressed_tensors(

@@ -8,6 +8,10 @@ the torch reference, Hugging Face's loop over the experts hit, op for op.
 Expert weights are stacked: `w13` [experts, 2 * n, hidden] (each expert's gate rows,
 then its up rows) and `w2` [experts, hidden, n]; under tensor parallelism n is this
 rank's share of the intermediate rows and the result is this rank's partial sum.
+Either may be FP8 (model/quantization.py): a stacked `Fp8Weight`, data [experts, rows,
+k] float8_e4m3fn and scale [experts, rows] float32, row r of expert e being data[e, r]
+* scale[e, r]. The Triton kernels multiply its codes by the tokens' (quantized per row)
+on the FP8 tensor cores; the reference dequantizes each expert hit for the call.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch.nn.functional as F
 
 from radixserve.engine.kernels import dispatch
 from radixserve.engine.kernels.activation import silu_and_mul_torch
+from radixserve.engine.kernels.fp8 import Fp8Weight, dequantize
 
 # The dtypes the Triton experts take (float32 too, at full precision: a float32 engine
 # on CUDA stays on the capturable kernels).
@@ -38,13 +43,14 @@ def select_experts(
 
 def fused_moe(
     x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13: torch.Tensor | Fp8Weight,
+    w2: torch.Tensor | Fp8Weight,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
 ) -> torch.Tensor:
     """sum_k topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t]) for x [tokens, hidden],
-    each expert down(silu(gate(x)) * up(x)); -> [tokens, hidden] in x's dtype."""
+    each expert down(silu(gate(x)) * up(x)); -> [tokens, hidden] in x's dtype. w13 / w2
+    16-bit (x's dtype) or FP8."""
     _check_shapes(x, w13, w2, topk_weights, topk_ids)
     if dispatch.use_triton(x) and x.dtype in TRITON_DTYPES:
         from radixserve.engine.kernels.triton_ops.fused_moe import fused_moe_triton
@@ -55,8 +61,8 @@ def fused_moe(
 
 def fused_moe_torch(
     x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13: torch.Tensor | Fp8Weight,
+    w2: torch.Tensor | Fp8Weight,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
 ) -> torch.Tensor:
@@ -66,23 +72,36 @@ def fused_moe_torch(
     out = torch.zeros_like(x)
     for expert in topk_ids.unique().tolist():
         token, slot = torch.where(topk_ids == expert)
-        act = silu_and_mul_torch(F.linear(x[token], w13[expert]))
-        down = F.linear(act, w2[expert]) * topk_weights[token, slot, None]
+        act = silu_and_mul_torch(F.linear(x[token], _expert(w13, expert, x.dtype)))
+        down = F.linear(act, _expert(w2, expert, x.dtype)) * topk_weights[token, slot, None]
         out.index_add_(0, token, down.to(x.dtype))
     return out
 
 
+def _expert(stacked: torch.Tensor | Fp8Weight, expert: int, dtype: torch.dtype) -> torch.Tensor:
+    """One expert's weight in `dtype`: an FP8 one dequantized (correctness only)."""
+    if isinstance(stacked, Fp8Weight):
+        return dequantize(Fp8Weight(stacked.data[expert], stacked.scale[expert]), dtype)
+    return stacked[expert]
+
+
 def _check_shapes(
     x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13: torch.Tensor | Fp8Weight,
+    w2: torch.Tensor | Fp8Weight,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
 ) -> None:
     tokens, hidden = x.shape
     experts, width, k = w13.shape
+    scales_fit = all(
+        tuple(w.scale.shape) == tuple(w.shape[:2]) and w.scale.dtype == torch.float32
+        for w in (w13, w2)
+        if isinstance(w, Fp8Weight)
+    )
     if (
-        width % 2
+        not scales_fit
+        or width % 2
         or k != hidden
         or tuple(w2.shape) != (experts, hidden, width // 2)
         or topk_ids.dim() != 2
@@ -92,5 +111,6 @@ def _check_shapes(
         raise ValueError(
             f"fused_moe: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}, "
             f"topk_ids {tuple(topk_ids.shape)}, topk_weights {tuple(topk_weights.shape)} "
-            "do not fit [T, H], [E, 2N, H], [E, H, N], [T, K], [T, K]"
+            "do not fit [T, H], [E, 2N, H], [E, H, N], [T, K], [T, K] (FP8 weights with "
+            "float32 scales [E, rows])"
         )

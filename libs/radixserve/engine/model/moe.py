@@ -24,7 +24,7 @@ from radixserve.engine.kernels.activation import silu_and_mul
 from radixserve.engine.kernels.linear import linear
 from radixserve.engine.kernels.moe import fused_moe, select_experts
 from radixserve.engine.model.llama import LlamaMLP
-from radixserve.engine.model.quantization import weight_of
+from radixserve.engine.model.quantization import EXPERT_SCALE, expert_weight, weight_of
 from radixserve.model_files.config import ModelConfig
 
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
@@ -104,8 +104,13 @@ def _int(raw: dict[str, Any], key: str) -> int:
 class SparseMoEBlock(nn.Module):
     """Router `gate` [experts, hidden]; experts' `w13` [experts, 2 * n, hidden] (gate rows
     then up rows) and `w2` [experts, hidden, n], n this rank's share of each expert's
-    intermediate rows; with a shared expert, `shared_expert` (a dense MLP's parameters)
-    and its gate `shared_expert_gate` [1, hidden]."""
+    intermediate rows; with FP8 experts (model/quantization.py) w13 / w2 hold e4m3 codes
+    and `w13_scale` [experts, 2 * n] / `w2_scale` [experts, hidden] their float32 row
+    scales (None while 16-bit). With a shared expert, `shared_expert` (a dense MLP's
+    parameters) and its gate `shared_expert_gate` [1, hidden]."""
+
+    w13_scale: nn.Parameter | None
+    w2_scale: nn.Parameter | None
 
     def __init__(self, config: ModelConfig, moe: MoEConfig, tp: TPGroup = SINGLE) -> None:
         super().__init__()
@@ -116,6 +121,8 @@ class SparseMoEBlock(nn.Module):
         self.gate = nn.Linear(hidden, moe.num_experts, bias=False)
         self.w13 = nn.Parameter(torch.empty(moe.num_experts, 2 * self.intermediate_size, hidden))
         self.w2 = nn.Parameter(torch.empty(moe.num_experts, hidden, self.intermediate_size))
+        self.register_parameter("w13" + EXPERT_SCALE, None)
+        self.register_parameter("w2" + EXPERT_SCALE, None)
         self.shared_expert: LlamaMLP | None = None
         self.shared_expert_gate: nn.Linear | None = None
         if moe.shared_expert_intermediate_size:
@@ -132,7 +139,8 @@ class SparseMoEBlock(nn.Module):
         weights, ids = select_experts(
             logits, self.routing.top_k, self.routing.renormalize, weight_dtype
         )
-        out = fused_moe(x, self.w13, self.w2, weights, ids)
+        w13, w2 = expert_weight(self, "w13"), expert_weight(self, "w2")
+        out = fused_moe(x, w13, w2, weights, ids)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             mlp = self.shared_expert
             act = silu_and_mul(linear(x, weight_of(mlp.gate_up_proj), None))

@@ -6,7 +6,9 @@ expert, which layers are sparse) and their checkpoint names, so one class serves
 Checkpoints store each expert apart (`experts.{e}.w1/w3/w2`, Mixtral; `gate_proj/
 up_proj/down_proj`, Qwen) under `block_sparse_moe` (Mixtral) or `mlp`; loading stacks
 them into the block's w13 / w2 and, under tensor parallelism, reads this rank's rows
-of w1/w3 and columns of w2 alone, as the dense MLP's.
+of w1/w3 and columns of w2 alone, as the dense MLP's. FP8 experts' `weight_scale`s (per
+channel or per tensor, broadcast to rows) go to w13_scale / w2_scale the same way: a
+rank's rows of w1/w3's, w2's whole.
 """
 
 from __future__ import annotations
@@ -26,15 +28,25 @@ from radixserve.engine.model.llama import (
     RMSNorm,
 )
 from radixserve.engine.model.moe import MoEConfig, SparseMoEBlock
+from radixserve.engine.model.quantization import EXPERT_SCALE, copy_weight_scale
 from radixserve.engine.model.weights import StoredTensor
 from radixserve.model_files.config import ModelConfig
 
 # A checkpoint expert's projection: (prefix, expert, projection).
-_EXPERT = re.compile(r"(.*)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.weight")
+_EXPERT = re.compile(
+    r"(.*)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)\.(weight|weight_scale)"
+)
 # The block's other parts, under either checkpoint name -> ours (`moe`).
 _BLOCK = re.compile(r"\.(?:mlp|block_sparse_moe)\.(gate|shared_expert|shared_expert_gate)\.")
 # w13's halves: the gate rows (0), then the up rows (1).
 _W13_HALF = {"w1": 0, "gate_proj": 0, "w3": 1, "up_proj": 1}
+# Our stacked parameters per expert shard: w13 (and its scale) two, w2 one.
+_STACKED = {
+    ".moe.w13": 2,
+    ".moe.w2": 1,
+    f".moe.w13{EXPERT_SCALE}": 2,
+    f".moe.w2{EXPERT_SCALE}": 1,
+}
 
 
 class MoEDecoderLayer(LlamaDecoderLayer):
@@ -78,31 +90,43 @@ class MoEForCausalLM(LlamaForCausalLM):
 
     @staticmethod
     def _target_of(name: str) -> tuple[str, int]:
-        """As Llama's, and an expert's projection -> (w13, 2 * expert + half) or (w2, expert)."""
+        """As Llama's, and an expert's projection -> (w13, 2 * expert + half) or (w2,
+        expert); its FP8 scale the same shard of w13_scale / w2_scale."""
         expert = _EXPERT.fullmatch(name)
         if expert is None:
             return LlamaForCausalLM._target_of(_BLOCK.sub(r".moe.\1.", name))
-        prefix, index, proj = expert.groups()
+        prefix, index, proj, kind = expert.groups()
         block = prefix.rsplit(".", 1)[0] + ".moe"
+        suffix = EXPERT_SCALE if kind == "weight_scale" else ""
         if proj in _W13_HALF:
-            return f"{block}.w13", 2 * int(index) + _W13_HALF[proj]
-        return f"{block}.w2", int(index)
+            return f"{block}.w13{suffix}", 2 * int(index) + _W13_HALF[proj]
+        return f"{block}.w2{suffix}", int(index)
 
     def _copy_shard(
         self, param: torch.Tensor, target: str, shard: int, stored: StoredTensor
     ) -> None:
-        if not target.endswith((".moe.w13", ".moe.w2")):
+        if not target.endswith(tuple(_STACKED)):
             super()._copy_shard(param, target, shard, stored)
             return
         leaf = target.rsplit(".", 1)[-1]
-        rows = param.shape[1] // 2 if leaf == "w13" else param.shape[2]
-        expert = shard // 2 if leaf == "w13" else shard
+        gate_up = leaf.startswith("w13")
+        expert = shard // 2 if gate_up else shard
         if expert >= param.shape[0]:
             raise ValueError(
                 f"weight {stored.name!r} names expert {expert}; the config has {param.shape[0]}"
             )
+        if leaf.endswith(EXPERT_SCALE):
+            # One scale per output row: a rank's rows of w1/w3's, w2's (hidden rows) whole.
+            if gate_up:
+                half = param.shape[1] // 2
+                dest = param[expert].narrow(0, (shard % 2) * half, half)
+                copy_weight_scale(dest, stored, self.tp.rank, self.tp.size)
+            else:
+                copy_weight_scale(param[expert], stored, 0, 1)
+            return
+        rows = param.shape[1] // 2 if gate_up else param.shape[2]
         # w1/w3 are [n, hidden]: this rank's rows; w2 is [hidden, n]: its columns.
-        dim = 0 if leaf == "w13" else 1
+        dim = 0 if gate_up else 1
         full = rows * self.tp.size
         if stored.shape[dim] != full:
             raise ValueError(
@@ -110,7 +134,7 @@ class MoEForCausalLM(LlamaForCausalLM):
             )
         tensor = stored.read_range(dim, self.tp.rank * rows, rows)
         dest = param[expert]
-        if leaf == "w13":
+        if gate_up:
             dest = dest.narrow(0, (shard % 2) * rows, rows)
         if dest.shape != tensor.shape:
             raise ValueError(
@@ -120,11 +144,11 @@ class MoEForCausalLM(LlamaForCausalLM):
         dest.copy_(tensor)
 
     def _expected_shards(self) -> set[tuple[str, int]]:
-        """Llama's, with each expert's w1, w3 and w2 apart."""
+        """Llama's, with each expert's w1, w3 and w2 (and their FP8 scales) apart."""
         expected = super()._expected_shards()
         for name, param in self.named_parameters():
-            if name.endswith((".moe.w13", ".moe.w2")):
-                expected.discard((name, -1))
-                per_expert = 2 if name.endswith("w13") else 1
-                expected |= {(name, s) for s in range(param.shape[0] * per_expert)}
+            for suffix, per_expert in _STACKED.items():
+                if name.endswith(suffix):
+                    expected.discard((name, -1))
+                    expected |= {(name, s) for s in range(param.shape[0] * per_expert)}
         return expected

@@ -3,9 +3,11 @@
 A projection is an `nn.Linear` (16-bit weight) or an `Fp8Linear` (float8_e4m3fn weight
 and a float32 scale per output row); the decoder passes `weight_of(layer)` to the
 kernels (kernels/linear.py), which choose theirs from it (kernels/fp8.py). Only the
-decoder's projections (PROJECTIONS: qkv, o, gate_up, down; a shared expert's too) may
-be FP8: embeddings, the head, norms and router gates stay in the model's dtype, as
-llm-compressor leaves them by default.
+decoder's projections (PROJECTIONS: qkv, o, gate_up, down; a shared expert's too) and a
+sparse MoE block's stacked experts (EXPERT_WEIGHTS: w13, w2, codes [experts, rows, k]
+with a float32 `<name>_scale` [experts, rows] beside them; `expert_weight` gives
+kernels/moe.py a stacked Fp8Weight) may be FP8: embeddings, the head, norms and router
+gates stay in the model's dtype, as llm-compressor leaves them by default.
 
 FP8 projections come from
 - an FP8 checkpoint, in either format people ship: llm-compressor's compressed-tensors
@@ -17,7 +19,7 @@ FP8 projections come from
   input scales are not read: activations are quantized per token as they come, which
   is at least as fine as a per-tensor scale;
 - `--quantization fp8` on a 16-bit checkpoint (or random weights, load_format dummy):
-  every projection quantized per output row after loading.
+  every projection, and every expert, quantized per output row after loading.
 
 A GGUF converted with its blocks kept (model_files/gguf_quantized.py: quantization_config
 `{"quant_method": "gguf"}`) gives BlockQuantLinear projections instead: 4- or 8-bit codes
@@ -40,7 +42,7 @@ from safetensors import safe_open
 from torch import nn
 
 from radixserve.engine.kernels.block_quant import BlockQuantWeight
-from radixserve.engine.kernels.fp8 import Fp8Weight, quantize_weight
+from radixserve.engine.kernels.fp8 import Fp8Weight, quantize_rows, quantize_weight
 from radixserve.engine.kernels.fp8_format import FP8_DTYPE
 from radixserve.engine.model.weights import StoredTensor, safetensors_files
 from radixserve.model_files.config import ModelConfig
@@ -51,12 +53,16 @@ log = logging.getLogger(__name__)
 QUANTIZATIONS = ("fp8",)  # --quantization's values (unset: as the checkpoint is)
 # The decoder's projections that may hold FP8 weights (leaf module names).
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+# A sparse MoE block's stacked expert weights (model/moe.py); FP8, each has its row
+# scales in the parameter named with EXPERT_SCALE appended (None while 16-bit).
+EXPERT_WEIGHTS = ("w13", "w2")
+EXPERT_SCALE = "_scale"
 WEIGHT_SCALE = "weight_scale"
 SUPPORTED = (
     "supported: FP8 checkpoints from compressed-tensors (format 'float-quantized': 8-bit "
     "float weights with per-channel or per-tensor scales) or with quant_method 'fp8' "
-    "(per-tensor or per-channel weight_scale / weight_scale_inv), and --quantization fp8 "
-    "on a 16-bit checkpoint"
+    "(per-tensor or per-channel weight_scale / weight_scale_inv), for dense and MoE "
+    "models (experts included), and --quantization fp8 on a 16-bit checkpoint"
 )
 # Checkpoint tensors the weights' loader does not read: static activation scales, and
 # FP8 KV cache scales (model/kv_scales.py reads those, for --kv-cache-dtype fp8_e4m3).
@@ -242,6 +248,29 @@ class BlockQuantLinear(nn.Module):
         )
 
 
+def expert_weight(block: nn.Module, leaf: str) -> torch.Tensor | Fp8Weight:
+    """What kernels/moe.fused_moe takes for a block's stacked expert weight `leaf` (one
+    of EXPERT_WEIGHTS): the 16-bit tensor, or its codes with their row scales."""
+    weight = getattr(block, leaf)
+    scale = getattr(block, leaf + EXPERT_SCALE)
+    return weight if scale is None else Fp8Weight(weight, scale)
+
+
+def expert_weight_names(model: nn.Module) -> list[str]:
+    """The model's 16-bit stacked expert weights (`<block>.w13`, `<block>.w2`)."""
+    return [
+        f"{name}.{leaf}"
+        for name, module in model.named_modules()
+        for leaf in EXPERT_WEIGHTS
+        if hasattr(module, leaf + EXPERT_SCALE) and getattr(module, leaf + EXPERT_SCALE) is None
+    ]
+
+
+def _set_expert_weight(block: nn.Module, leaf: str, weight: Fp8Weight) -> None:
+    setattr(block, leaf, nn.Parameter(weight.data, requires_grad=False))
+    setattr(block, leaf + EXPERT_SCALE, nn.Parameter(weight.scale, requires_grad=False))
+
+
 def weight_of(
     layer: nn.Linear | Fp8Linear | BlockQuantLinear,
 ) -> torch.Tensor | Fp8Weight | BlockQuantWeight:
@@ -322,9 +351,16 @@ def projection_names(model: nn.Module) -> list[str]:
 
 def use_fp8_layers(model: nn.Module, names: list[str] | set[str]) -> None:
     """Swap each named nn.Linear (on the meta device, before loading) for an Fp8Linear of
-    its shape; biases stay in their dtype."""
+    its shape, biases kept in their dtype; each named stacked expert weight for codes
+    and row scales of its shape."""
     for name in sorted(names):
         parent, leaf = _parent_of(model, name)
+        if leaf in EXPERT_WEIGHTS:
+            shape = getattr(parent, leaf).shape
+            codes = torch.empty(shape, dtype=FP8_DTYPE, device="meta")
+            scale = torch.empty(shape[:2], dtype=torch.float32, device="meta")
+            _set_expert_weight(parent, leaf, Fp8Weight(codes, scale))
+            continue
         linear = getattr(parent, leaf)
         bias = None if linear.bias is None else torch.empty_like(linear.bias, device="meta")
         fp8 = Fp8Linear(linear.in_features, linear.out_features, bias, device="meta")
@@ -333,12 +369,22 @@ def use_fp8_layers(model: nn.Module, names: list[str] | set[str]) -> None:
 
 @torch.no_grad()
 def quantize_projections(model: nn.Module) -> int:
-    """Quantize every 16-bit projection per output row (after loading); the count done."""
+    """Quantize every 16-bit projection and stacked expert weight per output row (after
+    loading); the count done."""
     names = projection_names(model)
     for name in names:
         parent, leaf = _parent_of(model, name)
         setattr(parent, leaf, Fp8Linear.quantized(getattr(parent, leaf)))
-    return len(names)
+    experts = expert_weight_names(model)
+    for name in experts:
+        parent, leaf = _parent_of(model, name)
+        stacked = getattr(parent, leaf).detach()
+        codes = torch.empty(stacked.shape, dtype=FP8_DTYPE, device=stacked.device)
+        scale = torch.empty(stacked.shape[:2], dtype=torch.float32, device=stacked.device)
+        for e in range(stacked.shape[0]):  # one expert at a time: a float32 copy of one
+            codes[e], scale[e] = quantize_rows(stacked[e])
+        _set_expert_weight(parent, leaf, Fp8Weight(codes, scale))
+    return len(names) + len(experts)
 
 
 def _parent_of(model: nn.Module, name: str) -> tuple[nn.Module, str]:
@@ -352,8 +398,9 @@ def checkpoint_fp8_layers(
     """The model's projections that the checkpoint stores in FP8, from the safetensors
     headers (nothing read); `target_of` maps a checkpoint name to the model's parameter
     (the model's `_target_of`). Raises where FP8 tensors cannot be served as stored: an
-    FP8 tensor outside the projections, or one part of a fused projection (q/k/v,
-    gate/up) in FP8 and another not (an ignore list naming one of them)."""
+    FP8 tensor outside the projections and experts, or one part of a fused projection
+    (q/k/v, gate/up, a block's stacked experts) in FP8 and another not (an ignore list
+    naming one of them)."""
     parts: dict[str, dict[str, bool]] = defaultdict(dict)
     for path in safetensors_files(folder):
         with safe_open(str(path), framework="pt", device="cpu") as shard:
@@ -369,12 +416,12 @@ def checkpoint_fp8_layers(
     for module, stored in parts.items():
         if not any(stored.values()):
             continue
-        if module.rsplit(".", 1)[-1] not in PROJECTIONS:
+        if module.rsplit(".", 1)[-1] not in PROJECTIONS + EXPERT_WEIGHTS:
             fp8_names = ", ".join(sorted(n for n, fp8 in stored.items() if fp8)[:4])
             raise ValueError(
                 f"{fp8_names} is stored in FP8: radixserve serves FP8 in the decoder's q/k/v, o, "
-                "gate/up and down projections only (embeddings, lm_head, norms, router "
-                f"gates and experts stay 16-bit); {SUPPORTED}"
+                "gate/up and down projections and MoE experts only (embeddings, lm_head, "
+                f"norms and router gates stay 16-bit); {SUPPORTED}"
             )
         if not all(stored.values()):
             fp8, wide = (

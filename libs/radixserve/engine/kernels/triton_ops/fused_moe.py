@@ -8,6 +8,14 @@ the sum over top-k is torch's. Rounding follows the reference: the gate and up
 projections to the input dtype, then silu_mul as kernels/activation.py rounds; the
 down projection to the dtype, then its product with the weight.
 
+FP8 experts (kernels/fp8.py's per-row form, stacked: codes [experts, rows, k] and a
+float32 scale per row): W8A8 under an FP8 constexpr (16-bit experts compile as
+before). Each launch's input rows are quantized per row first (kernels/fp8.
+quantize_tokens: x for gate_up, the activations for down), the codes multiplied on the
+FP8 tensor cores (Hopper has no direct e4m3 -> bf16 conversion to widen them cheaply),
+and both scales applied to the float32 sums before the rounding above, as
+triton_ops/gemv.py's `gemv_rows_fp8_triton` does for dense layers.
+
 CUDA graphs: every buffer is sized by the token count and the largest padding
 (max_padded_rows), the grid covers all its blocks and blocks past the rows in use
 (read from the device) return at once; no host sync, nothing data-sized.
@@ -22,6 +30,7 @@ import triton
 import triton.language as tl
 
 from radixserve.engine.attention.triton_ops.common import INTERPRETED, dot_precision
+from radixserve.engine.kernels.fp8 import Fp8Weight, quantize_tokens
 from radixserve.engine.kernels.moe_align import AlignedRoutes, moe_align_block_size
 from radixserve.engine.kernels.triton_ops.activation import silu_mul
 
@@ -47,8 +56,9 @@ def tile_config(tokens: int, num_experts: int) -> TileConfig:
 
 @triton.jit
 def _dot(a, b, acc, DOT_PRECISION: tl.constexpr, INTERPRETED_DOT: tl.constexpr):
-    """acc + a @ b. The interpreter's dot reads 16-bit floats as raw integers: float32
-    operands give the same exact products the tensor cores form (as triton_ops/gemv.py)."""
+    """acc + a @ b. The interpreter's dot reads 16-bit (and 8-bit) floats as raw
+    integers: float32 operands give the same exact products the tensor cores form (as
+    triton_ops/gemv.py)."""
     if INTERPRETED_DOT:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
@@ -59,6 +69,8 @@ def _grouped_gemm_kernel(
     A,
     B,
     C,
+    AScale,  # with FP8: float32 per row of A
+    BScale,  # with FP8: float32 per row of each expert's B, [experts, rows]
     Weights,
     SortedIds,
     BlockExperts,
@@ -71,9 +83,11 @@ def _grouped_gemm_kernel(
     stride_be,
     stride_bn,
     stride_bk,
+    stride_bse,
     stride_cm,
     TOP_K: tl.constexpr,
     GATED: tl.constexpr,
+    FP8: tl.constexpr,  # A and B e4m3 codes, their scales applied to the float32 sums
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -118,6 +132,12 @@ def _grouped_gemm_kernel(
             acc_up = _dot(a, up, acc_up, DOT_PRECISION, INTERPRETED_DOT)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K * stride_bk
+    if FP8:
+        a_scale = tl.load(AScale + pair // TOP_K, mask=valid, other=0.0)[:, None]
+        b_scales = BScale + expert * stride_bse + offs_n
+        acc = acc * a_scale * tl.load(b_scales, mask=n_mask, other=0.0)[None, :]
+        if GATED:
+            acc_up = acc_up * a_scale * tl.load(b_scales + N, mask=n_mask, other=0.0)[None, :]
     dtype = C.dtype.element_ty
     if GATED:
         out = silu_mul(
@@ -132,7 +152,7 @@ def _grouped_gemm_kernel(
 
 def _grouped_gemm(
     a: torch.Tensor,
-    b: torch.Tensor,
+    b: torch.Tensor | Fp8Weight,
     c: torch.Tensor,
     routes: AlignedRoutes,
     config: TileConfig,
@@ -140,29 +160,37 @@ def _grouped_gemm(
     weights: torch.Tensor | None,
 ) -> None:
     """One launch over `routes`: gate_up with SiLU x mul without `weights`, else down
-    scaled by them."""
+    scaled by them. An FP8 `b` takes `a` quantized per row (W8A8)."""
+    data, b_scale = (b.data, b.scale) if isinstance(b, Fp8Weight) else (b, None)
+    a_scale: torch.Tensor | None = None
+    if b_scale is not None:
+        a, a_scale = quantize_tokens(a)
     n = c.shape[1]
     rows = routes.sorted_ids.numel()
     grid = (triton.cdiv(rows, config.block_m) * triton.cdiv(n, config.block_n),)
     _grouped_gemm_kernel[grid](
         a,
-        b,
+        data,
         c,
+        c if a_scale is None else a_scale,  # the scales are read with FP8 only
+        c if b_scale is None else b_scale,
         c if weights is None else weights,  # not read when GATED
         routes.sorted_ids,
         routes.block_experts,
         routes.num_padded,
         n,
-        b.shape[2],
+        data.shape[2],
         rows,
         c.shape[0],
         a.stride(0),
-        b.stride(0),
-        b.stride(1),
-        b.stride(2),
+        data.stride(0),
+        data.stride(1),
+        data.stride(2),
+        0 if b_scale is None else b_scale.stride(0),
         c.stride(0),
         TOP_K=top_k,
         GATED=weights is None,
+        FP8=b_scale is not None,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
@@ -177,12 +205,13 @@ def _grouped_gemm(
 
 def fused_moe_triton(
     x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
+    w13: torch.Tensor | Fp8Weight,
+    w2: torch.Tensor | Fp8Weight,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
 ) -> torch.Tensor:
-    """kernels/moe.fused_moe on the Triton kernels (shapes checked there)."""
+    """kernels/moe.fused_moe on the Triton kernels (shapes checked there); FP8 weights
+    contiguous (as loaded)."""
     tokens, hidden = x.shape
     experts, width, _ = w13.shape
     top_k = topk_ids.shape[1]
