@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 
 from radixserve import protocol
 from radixserve.bus import BusNoResponders, BusTimeout
+from radixserve.engine.kvcache.hiradix_cache import HostCacheStats
 from radixserve.services.runtime import (
     ServiceSettings,
     add_common_arguments,
@@ -239,7 +240,12 @@ def test_worker_counters_are_the_sums_of_its_step_outputs() -> None:
     kv = SimpleNamespace(used_tokens=25, pool_size=100)
     passes = {"decode_graph": 7, "prefill_pieces": 2, "eager": 1}
     load = SimpleNamespace(
-        num_running_reqs=2, num_queue_reqs=1, kv=kv, forward_passes=passes, device_wait_seconds=1.5
+        num_running_reqs=2,
+        num_queue_reqs=1,
+        kv=kv,
+        forward_passes=passes,
+        device_wait_seconds=1.5,
+        host_cache=None,
     )
     assert telemetry.observe_load(load) == pytest.approx(24 / 40)  # type: ignore[arg-type]
     assert sample(r, "radixserve:token_usage", **w) == 0.25
@@ -254,6 +260,29 @@ def test_worker_counters_are_the_sums_of_its_step_outputs() -> None:
     assert sample(r, "radixserve:step_device_wait_seconds_total", **w) == 2.25
     assert sample(r, "radixserve:num_queue_reqs", **w) == 1
     assert sample(r, "radixserve:cache_hit_rate", **w) == pytest.approx(0.6)
+    assert sample(r, "radixserve:cache_tier_usage", tier="host", **w) is None
+    # HiCache's host tier: totals from the engine, counters that follow them.
+    for loaded in (100, 160):
+        load.host_cache = HostCacheStats(
+            host_size_tokens=1000,
+            host_used_tokens=250,
+            bytes_per_token=64,
+            loaded_tokens=loaded,
+            written_tokens=300,
+            dropped_tokens=20,
+            load_seconds=loaded / 1000,
+            write_seconds=0.5,
+        )
+        telemetry.observe_load(load)  # type: ignore[arg-type]
+    host = {"tier": "host", **w}
+    assert sample(r, "radixserve:cache_tier_tokens_total", direction="load", **host) == 160
+    assert sample(r, "radixserve:cache_tier_tokens_total", direction="write", **host) == 300
+    assert sample(r, "radixserve:cache_tier_tokens_total", direction="drop", **host) == 20
+    assert sample(r, "radixserve:cache_tier_bytes_total", direction="load", **host) == 160 * 64
+    assert sample(r, "radixserve:cache_tier_seconds_total", direction="load", **host) == (
+        pytest.approx(0.16)
+    )
+    assert sample(r, "radixserve:cache_tier_usage", **host) == 0.25
     telemetry.metrics.set_cache_config(page_size=16, num_pages=512)
     assert sample(r, "radixserve:cache_config_info", page_size="16", num_pages="512", **w) == 1
 

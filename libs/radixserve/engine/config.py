@@ -11,6 +11,7 @@ SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight")
 ATTENTION_BACKENDS = ("torch", "triton", "flashinfer", "auto")
 # The model's dtype, or e4m3 codes (kvcache/fp8.py).
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
+HICACHE_WRITE_POLICIES = ("write_back", "write_through")
 
 
 @dataclass
@@ -82,6 +83,12 @@ class EngineConfig:
     max_prefill_tokens: int = 16384
     enable_mixed_chunk: bool = True  # decode requests ride along with prefill batches
     disable_radix_cache: bool = False
+    # HiCache: a host-memory KV pool of this many GiB under the radix tree (pinned on
+    # CUDA); prefixes evicted from the device stay there and are loaded back on a match
+    # (kvcache/hiradix_cache.py). 0: off. write_back copies a prefix to the host when the
+    # device evicts it, write_through when it is cached.
+    hicache_size_gb: float = 0.0
+    hicache_write_policy: str = "write_back"
     init_new_token_ratio: float = 0.7
     min_new_token_ratio: float = 0.1
     new_token_ratio_decay: float = 0.001
@@ -155,6 +162,17 @@ class EngineConfig:
             raise ValueError(f"dist_timeout_s must be > 0, got {self.dist_timeout_s}")
         if self.piecewise_cuda_graph_max_tokens < 0:
             raise ValueError("piecewise_cuda_graph_max_tokens must be >= 0 (0: off)")
+        if not self.hicache_size_gb >= 0:
+            raise ValueError(f"hicache_size_gb must be >= 0 (0: off), got {self.hicache_size_gb}")
+        if self.hicache_write_policy not in HICACHE_WRITE_POLICIES:
+            raise ValueError(
+                f"hicache_write_policy must be one of {HICACHE_WRITE_POLICIES}, "
+                f"got {self.hicache_write_policy!r}"
+            )
+        if self.hicache_size_gb and self.disable_radix_cache:
+            raise ValueError("hicache_size_gb needs the radix cache (drop disable_radix_cache)")
+        if self.hicache_size_gb and self.tp_size > 1:
+            raise ValueError("hicache_size_gb does not work with tp_size > 1 yet")
         if self.max_total_tokens is not None and self.max_total_tokens < 2:
             raise ValueError("max_total_tokens must be >= 2")
 

@@ -37,6 +37,7 @@ from radixserve.engine.distributed import (
 from radixserve.engine.groups import ChoiceOutput, RequestGroup
 from radixserve.engine.heap import settle_started_heap, thaw
 from radixserve.engine.kvcache.block_events import BlockEventLog, event_block_size
+from radixserve.engine.kvcache.hiradix_cache import HiRadixCache, HostCacheStats
 from radixserve.engine.kvcache.radix_cache import RadixCache
 from radixserve.engine.outputs import Tracked, final_output, stream_delta
 from radixserve.engine.request import FinishReason, Req, ReqStatus
@@ -70,6 +71,8 @@ class EngineLoad:
     # Seconds the steps so far spent blocked on the device (a total): the rest of their
     # time was the host's own work.
     device_wait_seconds: float = 0.0
+    # HiCache's host tier (totals), None when it is off.
+    host_cache: HostCacheStats | None = None
 
 
 class Engine:
@@ -243,7 +246,12 @@ class Engine:
                 kv=self.scheduler.usage(),
                 forward_passes=dict(self.runner.forward_passes),
                 device_wait_seconds=self.scheduler.total_device_wait_s,
+                host_cache=self.host_cache_stats(),
             )
+
+    def host_cache_stats(self) -> HostCacheStats | None:
+        cache = self.scheduler.kv.cache
+        return cache.host_stats() if isinstance(cache, HiRadixCache) else None
 
     # -- the convenience API ------------------------------------------------------
     def generate(

@@ -39,6 +39,8 @@ from radixserve.engine.distributed import (
 )
 from radixserve.engine.heap import settle_started_heap
 from radixserve.engine.kvcache.base import PrefixCache
+from radixserve.engine.kvcache.hiradix_cache import HiRadixCache
+from radixserve.engine.kvcache.host_pool import host_pool_for
 from radixserve.engine.kvcache.naive_cache import NaiveCache
 from radixserve.engine.kvcache.pool import KVPool, ReqToTokenPool
 from radixserve.engine.kvcache.radix_cache import RadixCache
@@ -252,9 +254,14 @@ def build_scheduler(
     **extra: Any,
 ) -> Scheduler:
     """The scheduler over `runner`'s pools, with the prefix cache the config asks for."""
-    cache: PrefixCache = (
-        NaiveCache(runner.kv_pool) if config.disable_radix_cache else RadixCache(runner.kv_pool)
-    )
+    cache: PrefixCache
+    if config.disable_radix_cache:
+        cache = NaiveCache(runner.kv_pool)
+    elif config.hicache_size_gb:
+        host_pool = host_pool_for(runner.kv_pool, config.hicache_size_gb)
+        cache = HiRadixCache(runner.kv_pool, host_pool, config.hicache_write_policy)
+    else:
+        cache = RadixCache(runner.kv_pool)
     pools: tuple[Runner, KVPool, ReqToTokenPool] = (runner, runner.kv_pool, runner.req_pool)
     return scheduler_class(
         config, *pools, cache, runner.context_len, detokenize=detokenize, **extra

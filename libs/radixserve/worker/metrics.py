@@ -44,6 +44,7 @@ from radixserve.telemetry.tracing import encode_batch_contexts
 
 if TYPE_CHECKING:
     from radixserve.engine.engine import EngineLoad
+    from radixserve.engine.kvcache.hiradix_cache import HostCacheStats
 
 
 class WorkerMetrics:
@@ -77,6 +78,26 @@ class WorkerMetrics:
         )
         self.cache_hit_tokens = _counter(
             r, "cache_hit_tokens", "Prompt tokens the radix cache served (per choice)", w
+        )
+        tier = ["worker", "tier", "direction"]
+        self.cache_tier_tokens = _counter(
+            r,
+            "cache_tier_tokens",
+            "Tokens of KV moved between the device and a lower cache tier (HiCache): "
+            "direction load (a hit there, brought back for a request), write or drop",
+            tier,
+        )
+        self.cache_tier_bytes = _counter(
+            r, "cache_tier_bytes", "Bytes of KV moved to (write) or from (load) a cache tier", tier
+        )
+        self.cache_tier_seconds = _counter(
+            r,
+            "cache_tier_seconds",
+            "Host seconds spent moving KV to (write) or from (load) a cache tier",
+            tier,
+        )
+        self.cache_tier_usage = _gauge(
+            r, "cache_tier_usage", "In-use share of a lower cache tier (0..1)", ["worker", "tier"]
         )
         self.finished_requests = _counter(
             r,
@@ -192,6 +213,7 @@ class WorkerTelemetry:
         self._query_total = 0
         self._passes_seen: dict[str, int] = {}  # the engine's forward-pass totals, last tick
         self._device_wait_seen = 0.0  # the engine's device-wait total, last tick
+        self._tier_seen: dict[str, float] = {}  # the host tier's totals, last tick
         # Engine-thread side (and `received`): spans and timing, under the lock.
         self._tracks: OrderedDict[str, _Track] = OrderedDict()
         self._lock = threading.Lock()
@@ -286,7 +308,30 @@ class WorkerTelemetry:
         waited = load.device_wait_seconds - self._device_wait_seen
         self.metrics.step_device_wait.labels(**w).inc(max(waited, 0.0))
         self._device_wait_seen = load.device_wait_seconds
+        if load.host_cache is not None:
+            self._observe_host_tier(load.host_cache)
         return rate
+
+    def _observe_host_tier(self, host: HostCacheStats) -> None:
+        m, w = self.metrics, self.metrics.label()
+        totals = {
+            "load": (host.loaded_tokens, host.load_seconds),
+            "write": (host.written_tokens, host.write_seconds),
+            "drop": (host.dropped_tokens, None),
+        }
+        for direction, (tokens, seconds) in totals.items():
+            labels = {"tier": "host", "direction": direction, **w}
+            new = tokens - self._tier_seen.get(direction, 0)
+            self._tier_seen[direction] = tokens
+            m.cache_tier_tokens.labels(**labels).inc(max(new, 0))
+            if seconds is None:
+                continue
+            m.cache_tier_bytes.labels(**labels).inc(max(new, 0) * host.bytes_per_token)
+            spent = seconds - self._tier_seen.get(direction + "_s", 0.0)
+            self._tier_seen[direction + "_s"] = seconds
+            m.cache_tier_seconds.labels(**labels).inc(max(spent, 0.0))
+        usage = host.host_used_tokens / host.host_size_tokens if host.host_size_tokens else 0.0
+        m.cache_tier_usage.labels(tier="host", **w).set(usage)
 
     # -- the engine thread ----------------------------------------------------------------
     def rejected(self, rid: str, code: str, message: str) -> None:

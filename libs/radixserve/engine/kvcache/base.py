@@ -19,6 +19,9 @@ class MatchResult:
 
     indices: torch.Tensor  # int64 KV slots of the matched prefix, in token order
     node: Any  # opaque handle for inc_lock_ref / dec_lock_ref
+    # Tokens after `indices` whose KV a lower tier holds (a HiRadixCache's host memory):
+    # match again with load=True to have them on the device.
+    host_length: int = 0
 
     @property
     def length(self) -> int:
@@ -37,8 +40,10 @@ class PrefixCache(ABC):
     reuses_prefixes: bool = True
 
     @abstractmethod
-    def match_prefix(self, key: list[int]) -> MatchResult:
-        """Longest cached prefix of `key`. Touches the matched nodes for LRU."""
+    def match_prefix(self, key: list[int], load: bool = False) -> MatchResult:
+        """Longest cached prefix of `key` on the device. Touches the matched nodes for LRU.
+        `load`: first bring what a lower tier holds of it back to the device, as far as
+        device memory allows (for a request about to be admitted)."""
 
     @abstractmethod
     def insert(self, key: list[int], indices: torch.Tensor) -> int:

@@ -32,7 +32,7 @@ class NaiveCache(PrefixCache):
         self._root = _EmptyMatch()
         self._locks = 0  # counted only to catch unbalanced inc/dec in the scheduler
 
-    def match_prefix(self, key: Sequence[int]) -> MatchResult:
+    def match_prefix(self, key: Sequence[int], load: bool = False) -> MatchResult:
         empty = torch.empty(0, dtype=torch.int64, device=self.kv_pool.device)
         return MatchResult(indices=empty, node=self._root)
 

@@ -42,6 +42,7 @@ class KVPool:
         device: torch.device | str,
         page_size: int = 1,
         debug: bool = False,
+        pin_memory: bool = False,
     ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -63,12 +64,15 @@ class KVPool:
         self.device = torch.empty(0, device=device).device
         # One extra page in front holds the reserved padding slot 0.
         shape = (num_slots + page_size, num_kv_heads, head_dim)
-        self.k_buffers = [
-            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
-        ]
-        self.v_buffers = [
-            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)
-        ]
+        # pin_memory: a host pool under a GPU's (HiCache), so copies to and from it
+        # need not wait for the device.
+        self.k_buffers, self.v_buffers = (
+            [
+                torch.zeros(shape, dtype=dtype, device=self.device, pin_memory=pin_memory)
+                for _ in range(num_layers)
+            ]
+            for _ in "kv"
+        )
         self._page_offsets = torch.arange(page_size, dtype=torch.int64, device=self.device)
         self.clear()
 

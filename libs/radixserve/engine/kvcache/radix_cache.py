@@ -42,6 +42,7 @@ class TreeNode:
         "blocks",
         "children",
         "depth",
+        "host_value",
         "key",
         "last_access_time",
         "lock_ref",
@@ -51,11 +52,14 @@ class TreeNode:
     )
 
     def __init__(
-        self, node_id: int, key: list[int], value: torch.Tensor, parent: TreeNode | None
+        self, node_id: int, key: list[int], value: torch.Tensor | None, parent: TreeNode | None
     ) -> None:
         self.node_id = node_id  # tie-break for the eviction heap; stable across splits
         self.key = key
-        self.value = value  # int64 KV slots, one per token of `key`
+        # int64 KV slots, one per token of `key`; None only in a HiRadixCache, for a node
+        # whose KV lives in host memory alone (`host_value`: its slots in the host pool).
+        self.value = value
+        self.host_value: torch.Tensor | None = None
         self.parent = parent  # None for the root and for evicted (detached) nodes
         self.depth: int = (parent.depth if parent is not None else 0) + len(key)  # root..end
         self.children: dict[ChildKey, TreeNode] = {}
@@ -179,11 +183,15 @@ class RadixCache(PrefixCache):
         return events
 
     # -- lookup and insertion ----------------------------------------------------
-    def match_prefix(self, key: Sequence[int]) -> MatchResult:
+    def match_prefix(self, key: Sequence[int], load: bool = False) -> MatchResult:
         key = key[: len(key) // self.page_size * self.page_size]
         node, _, path = self._walk(key)
-        indices = torch.cat([n.value for n in path]) if path else self._empty()
-        return MatchResult(indices=indices, node=node)
+        return MatchResult(indices=self._slots_of(path), node=node)
+
+    def _slots_of(self, path: list[TreeNode]) -> torch.Tensor:
+        """The device slots of `path`'s nodes, in token order (all of them on the device)."""
+        values = [n.value for n in path if n.value is not None]
+        return torch.cat(values) if values else self._empty()
 
     def _walk(self, key: Sequence[int]) -> tuple[TreeNode, int, list[TreeNode]]:
         """Follow `key` down the tree, splitting the last node where the match ends inside
@@ -224,16 +232,23 @@ class RadixCache(PrefixCache):
         self._check_insert_args(key, indices)
         node, pos, _ = self._walk(key)
         if pos < len(key):
-            # clone: a view would keep the caller's whole index tensor alive
-            leaf = TreeNode(next(self._node_ids), list(key[pos:]), indices[pos:].clone(), node)
-            leaf.last_access_time = node.last_access_time  # this walk's clock tick
-            node.children[self._child_key(leaf.key, 0)] = leaf
-            self._num_nodes += 1
-            self._offer(leaf)
-            self._evictable_tokens += len(leaf.key)
-            if self.events is not None:
-                self._record_stored(leaf, key)
+            self._add_leaf(node, key, pos, indices)
         return pos
+
+    def _add_leaf(
+        self, node: TreeNode, key: Sequence[int], pos: int, indices: torch.Tensor
+    ) -> TreeNode:
+        """A new leaf under `node` (which matched key[:pos]) for key[pos:] and its slots."""
+        # clone: a view would keep the caller's whole index tensor alive
+        leaf = TreeNode(next(self._node_ids), list(key[pos:]), indices[pos:].clone(), node)
+        leaf.last_access_time = node.last_access_time  # this walk's clock tick
+        node.children[self._child_key(leaf.key, 0)] = leaf
+        self._num_nodes += 1
+        self._offer(leaf)
+        self._evictable_tokens += len(leaf.key)
+        if self.events is not None:
+            self._record_stored(leaf, key)
+        return leaf
 
     def _check_insert_args(self, key: Sequence[int], indices: torch.Tensor) -> None:
         if indices.dim() != 1 or indices.dtype != torch.int64:
@@ -263,7 +278,12 @@ class RadixCache(PrefixCache):
         lower part, so handles to it (held by running requests) stay valid."""
         parent = child.parent
         assert parent is not None and 0 < n < len(child.key)
-        upper = TreeNode(next(self._node_ids), child.key[:n], child.value[:n], parent)
+        value = child.value
+        upper = TreeNode(
+            next(self._node_ids), child.key[:n], None if value is None else value[:n], parent
+        )
+        if child.host_value is not None:
+            upper.host_value, child.host_value = child.host_value[:n], child.host_value[n:]
         upper.lock_ref = child.lock_ref  # same locks cover both parts: counters are unchanged
         upper.last_access_time = child.last_access_time
         if child.blocks:  # the blocks ending in the upper part move with it
@@ -273,7 +293,7 @@ class RadixCache(PrefixCache):
         parent.children[self._child_key(upper.key, 0)] = upper
         self._num_nodes += 1
         child.key = child.key[n:]
-        child.value = child.value[n:]
+        child.value = None if value is None else value[n:]
         child.parent = upper
         upper.children[self._child_key(child.key, 0)] = child
         return upper
@@ -332,7 +352,7 @@ class RadixCache(PrefixCache):
             if not self._holds(touched, leaf):
                 continue
             parent = leaf.parent
-            assert parent is not None
+            assert parent is not None and leaf.value is not None
             self.kv_pool.free(leaf.value)
             del parent.children[self._child_key(leaf.key, 0)]
             if self.events is not None:
@@ -377,8 +397,7 @@ class RadixCache(PrefixCache):
         return self._evictable_tokens + self._protected_tokens
 
     def cached_slots(self) -> torch.Tensor:
-        values = [node.value for node in self._nodes()]
-        return torch.cat(values) if values else self._empty()
+        return self._slots_of(list(self._nodes()))
 
     def _nodes(self) -> Iterator[TreeNode]:
         """Every node except the root, parents before children."""
@@ -390,8 +409,8 @@ class RadixCache(PrefixCache):
 
     def check_invariants(self) -> None:
         root = self._root
-        assert root.parent is None and not root.key and root.value.numel() == 0
-        assert root.lock_ref == 0 and self._root_locks >= 0
+        assert root.parent is None and not root.key and root.value is not None
+        assert root.value.numel() == 0 and root.lock_ref == 0 and self._root_locks >= 0
         evictable = protected = num_nodes = 0
         seen: set[int] = set()
         standing = {id(n) for t, _, n in self._candidates if self._holds(t, n)}
@@ -401,10 +420,8 @@ class RadixCache(PrefixCache):
                 assert id(node) in standing, f"unlocked leaf {node!r} is no eviction candidate"
             parent = node.parent
             assert parent is not None, f"{node!r} in the tree has no parent"
-            assert node.key and len(node.key) == node.value.numel(), f"bad key/value in {node!r}"
-            assert len(node.key) % self.page_size == 0, f"{node!r} is not whole pages"
+            assert node.key and len(node.key) % self.page_size == 0, f"{node!r} is not whole pages"
             assert parent.children.get(self._child_key(node.key, 0)) is node, f"{node!r} misfiled"
-            assert node.value.dtype == torch.int64 and node.value.device == self.kv_pool.device
             assert node.lock_ref >= 0, f"negative lock_ref in {node!r}"
             assert node.depth == parent.depth + len(node.key), f"{node!r} has a wrong depth"
             size = self.events.block_size if self.events is not None else 0
@@ -414,6 +431,13 @@ class RadixCache(PrefixCache):
             # Each lock on a descendant also counts on this node.
             assert node.lock_ref >= child_locks, f"{node!r} has fewer locks than its children"
             assert parent.last_access_time >= node.last_access_time, f"{node!r} newer than parent"
+            if node.value is None:  # host memory alone (HiRadixCache): the checks there
+                assert node.host_value is not None and node.lock_ref == 0, f"{node!r} holds no KV"
+                continue
+            # What is on the device is a subtree from the root: a match's slots are one run.
+            assert parent.value is not None, f"{node!r} is on the device, its parent is not"
+            assert len(node.key) == node.value.numel(), f"bad key/value in {node!r}"
+            assert node.value.dtype == torch.int64 and node.value.device == self.kv_pool.device
             if node.lock_ref:
                 protected += len(node.key)
             else:

@@ -102,14 +102,16 @@ class KVManager:
         return pages
 
     # -- admission --------------------------------------------------------------
-    def match(self, req: Req) -> int:
+    def match(self, req: Req, load: bool = False) -> int:
         """Look up the cached prefix of the request's tokens (not locked yet). Returns its length
-        (whole pages: the cache matches nothing shorter)."""
+        (whole pages: the cache matches nothing shorter). `load`: the request is about to
+        be admitted: bring what a lower tier (HiCache's host memory) holds of it back to
+        the device first."""
         # NOTE: at least one token is always computed, so the match stops before the last.
         ids = req.fill_ids[:-1]
         if req.input_logprob_next > 0:  # prompt logprobs due: their queries are computed
             ids = ids[: req.input_logprob_next - 1]
-        result = self.cache.match_prefix(ids)
+        result = self.cache.match_prefix(ids, load=load)
         req.prefix_indices = result.indices
         req.last_node = result.node
         return result.length

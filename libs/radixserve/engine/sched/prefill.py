@@ -97,7 +97,7 @@ class PrefillAdder:
             return AddResult.NO_TOKENS
         if not has_free_row(self.kv, self.num_running + len(self.admitted), self.max_running):
             return AddResult.NO_ROWS
-        prefix_len = self.kv.match(req)
+        prefix_len = self.kv.match(req, load=True)
         if self._shares_uncached_prefix(req, prefix_len):
             return AddResult.DEFERRED
         extend_len = req.seq_len - prefix_len
