@@ -58,10 +58,32 @@ def test_prefixes_come_back_from_host_with_the_same_tokens(
     hi.scheduler.check_invariants()
 
 
+def test_a_second_engine_answers_from_the_prefix_the_first_stored(
+    tiny_llama_dir: Path, tmp_path: Path
+) -> None:
+    """Two workers over one storage directory: the second has never seen the prefix."""
+    shared = {"hicache_size_gb": 0.01, "hicache_storage_dir": str(tmp_path)}
+    first = _engine(tiny_llama_dir, hicache_write_policy="write_through", **shared)
+    second = _engine(tiny_llama_dir, **shared)
+    plain = _engine(tiny_llama_dir)
+    prefix, tail_a, tail_b = make_prompts(plain.runner.vocab_size, [100, 10, 12], seed=5)
+    first.generate(input_ids=prefix + tail_a, sampling_params=greedy_params(NEW))
+    got = second.generate(input_ids=prefix + tail_b, sampling_params=greedy_params(NEW))
+    want = plain.generate(input_ids=prefix + tail_b, sampling_params=greedy_params(NEW))
+    assert isinstance(got, dict) and isinstance(want, dict)
+    assert got["output_ids"] == want["output_ids"]
+    assert got["meta_info"]["cached_tokens"] == 96  # the prefix's whole 16-token blocks
+    stats = second.host_cache_stats()
+    assert stats is not None and stats.store_loaded_tokens == 96 and stats.loaded_tokens == 0
+    second.scheduler.check_invariants()
+
+
 def test_hicache_config_errors(tiny_llama_dir: Path) -> None:
     with pytest.raises(ValueError, match="needs the radix cache"):
         _engine(tiny_llama_dir, hicache_size_gb=1.0, disable_radix_cache=True)
     with pytest.raises(ValueError, match="hicache_write_policy"):
         _engine(tiny_llama_dir, hicache_size_gb=1.0, hicache_write_policy="never")
+    with pytest.raises(ValueError, match="needs the host tier"):
+        _engine(tiny_llama_dir, hicache_storage_dir="/tmp/x")
     with pytest.raises(ValueError, match="hicache_size_gb must be"):
         _engine(tiny_llama_dir, hicache_size_gb=-1.0)

@@ -4,6 +4,7 @@ a match hands out is the KV of its tokens, whichever tier it came back from."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,8 +13,14 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from radixserve.engine.kvcache.block_events import BlockEventLog
+from radixserve.engine.kvcache.block_store import FileBlockStore
 from radixserve.engine.kvcache.hiradix_cache import HiRadixCache
-from radixserve.engine.kvcache.host_pool import copy_to_device, copy_to_host, host_pool_for
+from radixserve.engine.kvcache.host_pool import (
+    copy_to_device,
+    copy_to_host,
+    gather_rows,
+    host_pool_for,
+)
 from radixserve.engine.kvcache.pool import KVPool
 from radixserve.protocol.kv_events import RemovedBlocks
 
@@ -311,3 +318,59 @@ TestPagedWriteThroughMachine = PagedWriteThroughMachine.TestCase
 TestPagedWriteThroughMachine.settings = settings(
     max_examples=40, stateful_step_count=40, deadline=None
 )
+
+
+# -- the shared store (L3) ---------------------------------------------------------------
+def store_for(root: Path, pool: KVPool, namespace: str = "m") -> FileBlockStore:
+    shape = tuple(gather_rows(pool, torch.zeros(16, dtype=torch.int64)).shape)
+    return FileBlockStore(root, namespace, shape)
+
+
+def test_a_second_cache_loads_what_the_first_stored(tmp_path: Path) -> None:
+    first = HiRadixCache(make_pool(64), make_pool(64), "write_through", None)
+    first.store = store_for(tmp_path, first.kv_pool)
+    seq = list(range(40))  # two whole blocks of 16, and 8 tokens that are no block
+    first.insert(seq, fresh(seq, first.kv_pool))
+    assert first.host_stats().store_written_tokens == 32
+    second = HiRadixCache(make_pool(64), make_pool(64), "write_back", None)
+    second.store = store_for(tmp_path, second.kv_pool)
+    assert second.match_prefix(seq).length == 0  # without load: the tree alone
+    hit = second.match_prefix(seq, load=True)
+    assert hit.length == 32
+    assert_kv(second.kv_pool, seq, hit.indices)
+    assert second.host_stats().store_loaded_tokens == 32
+    second.check_invariants()
+    # Another namespace (another model) shares nothing.
+    third = HiRadixCache(make_pool(64), make_pool(64))
+    third.store = store_for(tmp_path, third.kv_pool, namespace="other")
+    assert third.match_prefix(seq, load=True).length == 0
+
+
+def test_the_store_continues_a_match_from_inside_a_block(tmp_path: Path) -> None:
+    first = HiRadixCache(make_pool(64), make_pool(64), "write_through")
+    first.store = store_for(tmp_path, first.kv_pool)
+    seq = list(range(48))
+    first.insert(seq, fresh(seq, first.kv_pool))
+    second = HiRadixCache(make_pool(64), make_pool(64))
+    second.store = store_for(tmp_path, second.kv_pool)
+    second.insert(seq[:20], fresh(seq[:20], second.kv_pool))  # its own 20: into block 2
+    hit = second.match_prefix(seq, load=True)
+    assert hit.length == 48
+    assert_kv(second.kv_pool, seq, hit.indices)
+    assert second.host_stats().store_loaded_tokens == 28
+    second.check_invariants()
+
+
+def test_a_damaged_or_unwritable_store_is_a_miss(tmp_path: Path) -> None:
+    pool = make_pool(64)
+    store = store_for(tmp_path, pool)
+    rows = gather_rows(pool, torch.arange(1, 17))
+    assert store.write(7, rows) and store.contains(7)
+    assert torch.equal(store.read(7), rows)  # type: ignore[arg-type]
+    store._path(7).write_bytes(b"short")
+    assert store.read(7) is None
+    assert store.read(8) is None
+    other = 0x2B << 56  # in another folder than block 7's
+    store._path(other).parent.write_bytes(b"")  # a file where its folder goes: writes fail
+    assert store.write(other, rows) is False
+    assert not store.contains(other)

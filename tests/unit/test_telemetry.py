@@ -272,6 +272,7 @@ def test_worker_counters_are_the_sums_of_its_step_outputs() -> None:
             dropped_tokens=20,
             load_seconds=loaded / 1000,
             write_seconds=0.5,
+            store_loaded_tokens=loaded // 2,
         )
         telemetry.observe_load(load)  # type: ignore[arg-type]
     host = {"tier": "host", **w}
@@ -283,6 +284,8 @@ def test_worker_counters_are_the_sums_of_its_step_outputs() -> None:
         pytest.approx(0.16)
     )
     assert sample(r, "radixserve:cache_tier_usage", **host) == 0.25
+    store = {"tier": "store", "direction": "load", **w}
+    assert sample(r, "radixserve:cache_tier_tokens_total", **store) == 80
     telemetry.metrics.set_cache_config(page_size=16, num_pages=512)
     assert sample(r, "radixserve:cache_config_info", page_size="16", num_pages="512", **w) == 1
 

@@ -89,6 +89,10 @@ class EngineConfig:
     # device evicts it, write_through when it is cached.
     hicache_size_gb: float = 0.0
     hicache_write_policy: str = "write_back"
+    # HiCache's shared tier: a directory (a volume several workers mount) of KV blocks
+    # keyed by the KV events' block hashes, so a worker loads prefixes another computed
+    # (kvcache/block_store.py). Written with the host tier's copies. None: off.
+    hicache_storage_dir: str | None = None
     init_new_token_ratio: float = 0.7
     min_new_token_ratio: float = 0.1
     new_token_ratio_decay: float = 0.001
@@ -169,6 +173,8 @@ class EngineConfig:
                 f"hicache_write_policy must be one of {HICACHE_WRITE_POLICIES}, "
                 f"got {self.hicache_write_policy!r}"
             )
+        if self.hicache_storage_dir and not self.hicache_size_gb:
+            raise ValueError("hicache_storage_dir needs the host tier: set hicache_size_gb too")
         if self.hicache_size_gb and self.disable_radix_cache:
             raise ValueError("hicache_size_gb needs the radix cache (drop disable_radix_cache)")
         if self.hicache_size_gb and self.tp_size > 1:

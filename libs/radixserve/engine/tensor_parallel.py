@@ -40,7 +40,7 @@ from radixserve.engine.distributed import (
 from radixserve.engine.heap import settle_started_heap
 from radixserve.engine.kvcache.base import PrefixCache
 from radixserve.engine.kvcache.hiradix_cache import HiRadixCache
-from radixserve.engine.kvcache.host_pool import host_pool_for
+from radixserve.engine.kvcache.host_pool import block_store_for, host_pool_for
 from radixserve.engine.kvcache.naive_cache import NaiveCache
 from radixserve.engine.kvcache.pool import KVPool, ReqToTokenPool
 from radixserve.engine.kvcache.radix_cache import RadixCache
@@ -259,7 +259,10 @@ def build_scheduler(
         cache = NaiveCache(runner.kv_pool)
     elif config.hicache_size_gb:
         host_pool = host_pool_for(runner.kv_pool, config.hicache_size_gb)
-        cache = HiRadixCache(runner.kv_pool, host_pool, config.hicache_write_policy)
+        store = None
+        if config.hicache_storage_dir:
+            store = block_store_for(config, runner.kv_pool)
+        cache = HiRadixCache(runner.kv_pool, host_pool, config.hicache_write_policy, store)
     else:
         cache = RadixCache(runner.kv_pool)
     pools: tuple[Runner, KVPool, ReqToTokenPool] = (runner, runner.kv_pool, runner.req_pool)

@@ -315,20 +315,23 @@ class WorkerTelemetry:
     def _observe_host_tier(self, host: HostCacheStats) -> None:
         m, w = self.metrics, self.metrics.label()
         totals = {
-            "load": (host.loaded_tokens, host.load_seconds),
-            "write": (host.written_tokens, host.write_seconds),
-            "drop": (host.dropped_tokens, None),
+            ("host", "load"): (host.loaded_tokens, host.load_seconds),
+            ("host", "write"): (host.written_tokens, host.write_seconds),
+            ("host", "drop"): (host.dropped_tokens, None),
+            ("store", "load"): (host.store_loaded_tokens, host.store_load_seconds),
+            ("store", "write"): (host.store_written_tokens, host.store_write_seconds),
         }
-        for direction, (tokens, seconds) in totals.items():
-            labels = {"tier": "host", "direction": direction, **w}
-            new = tokens - self._tier_seen.get(direction, 0)
-            self._tier_seen[direction] = tokens
+        for (tier, direction), (tokens, seconds) in totals.items():
+            labels = {"tier": tier, "direction": direction, **w}
+            seen = f"{tier}.{direction}"
+            new = tokens - self._tier_seen.get(seen, 0)
+            self._tier_seen[seen] = tokens
             m.cache_tier_tokens.labels(**labels).inc(max(new, 0))
             if seconds is None:
                 continue
             m.cache_tier_bytes.labels(**labels).inc(max(new, 0) * host.bytes_per_token)
-            spent = seconds - self._tier_seen.get(direction + "_s", 0.0)
-            self._tier_seen[direction + "_s"] = seconds
+            spent = seconds - self._tier_seen.get(seen + "_s", 0.0)
+            self._tier_seen[seen + "_s"] = seconds
             m.cache_tier_seconds.labels(**labels).inc(max(spent, 0.0))
         usage = host.host_used_tokens / host.host_size_tokens if host.host_size_tokens else 0.0
         m.cache_tier_usage.labels(tier="host", **w).set(usage)

@@ -32,9 +32,17 @@ import torch
 
 from radixserve.engine.config import HICACHE_WRITE_POLICIES as WRITE_POLICIES
 from radixserve.engine.kvcache.base import MatchResult
-from radixserve.engine.kvcache.host_pool import copy_to_device, copy_to_host
+from radixserve.engine.kvcache.block_events import event_block_size
+from radixserve.engine.kvcache.block_store import FileBlockStore
+from radixserve.engine.kvcache.host_pool import (
+    copy_to_device,
+    copy_to_host,
+    gather_rows,
+    scatter_rows,
+)
 from radixserve.engine.kvcache.pool import KVPool
 from radixserve.engine.kvcache.radix_cache import RadixCache, TreeNode
+from radixserve.protocol.kv_events import block_hashes
 
 
 @dataclass(frozen=True)
@@ -49,11 +57,20 @@ class HostCacheStats:
     dropped_tokens: int = 0  # tokens that left both tiers
     load_seconds: float = 0.0  # host time spent bringing KV back (queued copies on CUDA)
     write_seconds: float = 0.0
+    # The shared store (L3), when there is one.
+    store_loaded_tokens: int = 0  # store hits: tokens read back for a request
+    store_written_tokens: int = 0
+    store_load_seconds: float = 0.0
+    store_write_seconds: float = 0.0
 
 
 class HiRadixCache(RadixCache):
     def __init__(
-        self, kv_pool: KVPool, host_pool: KVPool, write_policy: str = "write_back"
+        self,
+        kv_pool: KVPool,
+        host_pool: KVPool,
+        write_policy: str = "write_back",
+        store: FileBlockStore | None = None,
     ) -> None:
         if write_policy not in WRITE_POLICIES:
             raise ValueError(f"write policy must be one of {WRITE_POLICIES}, got {write_policy!r}")
@@ -67,6 +84,10 @@ class HiRadixCache(RadixCache):
         )
         self._loaded = self._written = self._dropped = 0
         self._load_s = self._write_s = 0.0
+        self.store = store
+        self.store_block = event_block_size(kv_pool.page_size)
+        self._store_loaded = self._store_written = 0
+        self._store_load_s = self._store_write_s = 0.0
         super().__init__(kv_pool)
 
     def _init_tree(self) -> None:
@@ -89,6 +110,10 @@ class HiRadixCache(RadixCache):
         if load and on_device < len(path):
             self._load_back(path[on_device - 1] if on_device else self._root, path[on_device:])
             on_device = self._device_part(path)
+        if load and self.store is not None and on_device == len(path):
+            if self._load_from_store(key, path):
+                _, _, path = self._walk(key)
+                on_device = self._device_part(path)
         deepest = path[on_device - 1] if on_device else self._root
         self._offer(deepest)  # touched by the walk: a stale entry no longer holds
         host_length = sum(len(n.key) for n in path[on_device:])
@@ -130,6 +155,68 @@ class HiRadixCache(RadixCache):
             for node in host_nodes:
                 self._offer_host(node)
             self._load_s += time.perf_counter() - started
+
+    def _load_from_store(self, key: Sequence[int], path: list[TreeNode]) -> bool:
+        """Read the store's blocks that continue `path` (all on the device) along `key`
+        into fresh device slots and cache them; whether any were."""
+        assert self.store is not None
+        size = self.store_block
+        matched = sum(len(n.key) for n in path)
+        hashes = block_hashes(key[: len(key) // size * size], size)
+        first = matched // size
+        found = first
+        while found < len(hashes) and self.store.contains(hashes[found]):
+            found += 1
+        end = found * size
+        if end <= matched:
+            return False
+        started = time.perf_counter()
+        anchor = path[-1] if path else self._root
+        self.inc_lock_ref(anchor)
+        try:
+            short = end - matched - self.kv_pool.available()
+            if short > 0:
+                self.evict(short)
+            slots = self.kv_pool.alloc(end - matched)
+            if slots is None:
+                return False
+            blocks = [self.store.read(h) for h in hashes[first:found]]
+            if any(b is None for b in blocks):  # pruned meanwhile: a miss
+                self.kv_pool.free(slots)
+                return False
+            rows = torch.cat([b for b in blocks if b is not None], dim=1)
+            scatter_rows(self.kv_pool, slots, rows[:, matched - first * size :])
+            self.insert(key[:end], torch.cat([self._slots_of(path), slots]))
+        finally:
+            self.dec_lock_ref(anchor)
+        self._store_loaded += end - matched
+        self._store_load_s += time.perf_counter() - started
+        return True
+
+    def _write_to_store(self, node: TreeNode) -> None:
+        """Put the store's blocks that end inside `node` (on the device, as is its path)."""
+        assert self.store is not None and node.parent is not None
+        size = self.store_block
+        first, end = node.parent.depth // size, node.depth // size
+        if end <= first:
+            return
+        started = time.perf_counter()
+        path: list[TreeNode] = []
+        walk: TreeNode | None = node
+        while walk is not None and walk is not self._root:
+            path.append(walk)
+            walk = walk.parent
+        path.reverse()
+        assert all(n.value is not None for n in path), "a path to store is on the device"
+        tokens = [t for n in path for t in n.key]
+        slots = self._slots_of(path)
+        hashes = block_hashes(tokens[: end * size], size)
+        for b in range(first, end):
+            if not self.store.contains(hashes[b]):
+                rows = gather_rows(self.kv_pool, slots[b * size : (b + 1) * size]).cpu()
+                if self.store.write(hashes[b], rows):
+                    self._store_written += size
+        self._store_write_s += time.perf_counter() - started
 
     def insert(self, key: Sequence[int], indices: torch.Tensor) -> int:
         self._check_insert_args(key, indices)
@@ -202,6 +289,8 @@ class HiRadixCache(RadixCache):
         started = time.perf_counter()
         copy_to_host(self.kv_pool, node.value, self.host_pool, slots)
         self._write_s += time.perf_counter() - started
+        if self.store is not None:
+            self._write_to_store(node)
         self._written += need
         node.host_value = slots
         self._host_nodes += 1
@@ -281,6 +370,10 @@ class HiRadixCache(RadixCache):
             dropped_tokens=self._dropped,
             load_seconds=self._load_s,
             write_seconds=self._write_s,
+            store_loaded_tokens=self._store_loaded,
+            store_written_tokens=self._store_written,
+            store_load_seconds=self._store_load_s,
+            store_write_seconds=self._store_write_s,
         )
 
     def check_invariants(self) -> None:

@@ -17,6 +17,9 @@ import os
 
 import torch
 
+from radixserve.engine.config import EngineConfig
+from radixserve.engine.kvcache.block_events import event_block_size
+from radixserve.engine.kvcache.block_store import FileBlockStore
 from radixserve.engine.kvcache.pool import KVPool
 
 # A copy moves at most this many slots at a time, bounding its staging tensor (every
@@ -54,9 +57,43 @@ def host_pool_for(device_pool: KVPool, size_gb: float) -> KVPool:
     )
 
 
+def block_store_for(config: EngineConfig, device_pool: KVPool) -> FileBlockStore:
+    """The shared block store under `config.hicache_storage_dir`, in a namespace of the
+    model and the options that change its KV: workers serving the same model path with
+    the same options share blocks."""
+    assert config.hicache_storage_dir
+    model = os.path.realpath(config.model_path) if config.model_path else "embedded"
+    weights = config.random_seed if config.load_format == "dummy" else config.load_format
+    namespace = "|".join(
+        map(str, (model, weights, config.quantization, config.gguf_weights, device_pool.dtype))
+    )
+    block = event_block_size(device_pool.page_size)
+    shape = tuple(
+        gather_rows(
+            device_pool, torch.zeros(block, dtype=torch.int64, device=device_pool.device)
+        ).shape
+    )
+    return FileBlockStore(config.hicache_storage_dir, namespace, shape)
+
+
 def _buffers(pool: KVPool) -> list[torch.Tensor]:
     # Raw bytes: index_select and index_copy_ do not take every dtype (float8 on the CPU).
     return [b.view(torch.uint8) for b in (*pool.k_buffers, *pool.v_buffers)]
+
+
+def gather_rows(pool: KVPool, slots: torch.Tensor) -> torch.Tensor:
+    """The KV of `slots`, every layer's K then V, as bytes: [2 * layers, n, heads, row bytes]
+    on the pool's device."""
+    return torch.stack([b.index_select(0, slots) for b in _buffers(pool)])
+
+
+def scatter_rows(pool: KVPool, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """Write `rows` (as gather_rows gives them, on any device) into `slots` of `pool`."""
+    if rows.device != pool.device:
+        pinned = pool.device.type == "cuda"
+        rows = (rows.pin_memory() if pinned else rows).to(pool.device, non_blocking=pinned)
+    for buffer, layer_rows in zip(_buffers(pool), rows, strict=True):
+        buffer.index_copy_(0, slots, layer_rows)
 
 
 def copy_to_host(
@@ -64,13 +101,10 @@ def copy_to_host(
 ) -> None:
     """Write the KV of `device_slots` into `host_slots` (same length), every layer."""
     host_slots = host_slots.cpu()
-    sources, targets = _buffers(device), _buffers(host)
     for start in range(0, device_slots.numel(), COPY_CHUNK_SLOTS):
         src = device_slots[start : start + COPY_CHUNK_SLOTS]
         dst = host_slots[start : start + COPY_CHUNK_SLOTS]
-        staged = torch.stack([b.index_select(0, src) for b in sources]).cpu()
-        for buffer, rows in zip(targets, staged, strict=True):
-            buffer.index_copy_(0, dst, rows)
+        scatter_rows(host, dst, gather_rows(device, src).cpu())
 
 
 def copy_to_device(
@@ -78,14 +112,7 @@ def copy_to_device(
 ) -> None:
     """Write the KV of `host_slots` into `device_slots` (same length), every layer."""
     host_slots = host_slots.cpu()
-    sources, targets = _buffers(host), _buffers(device)
-    pinned = device.device.type == "cuda"
     for start in range(0, host_slots.numel(), COPY_CHUNK_SLOTS):
         src = host_slots[start : start + COPY_CHUNK_SLOTS]
         dst = device_slots[start : start + COPY_CHUNK_SLOTS]
-        staged = torch.stack([b.index_select(0, src) for b in sources])
-        if pinned:
-            staged = staged.pin_memory()
-        staged = staged.to(device.device, non_blocking=pinned)
-        for buffer, rows in zip(targets, staged, strict=True):
-            buffer.index_copy_(0, dst, rows)
+        scatter_rows(device, dst, gather_rows(host, src))
