@@ -1,9 +1,17 @@
-"""FP8 projections: float8_e4m3fn weights with one float32 scale per output row.
+"""FP8 projections: float8_e4m3fn weights with one float32 scale per output row, or
+one per block of the weight (block-wise FP8, DeepSeek-V3's layout).
 
 An `Fp8Weight` is what kernels/linear.py's `linear` and `add_norm_linear` take in place
 of a 16-bit weight; they hand it here, so a projection's kernel follows from what its
 layer holds (model/quantization.py builds those layers). Row i of the weight is
-data[i] * scale[i] (per-channel; a per-tensor checkpoint scale is broadcast on load).
+data[i] * scale[i] (per-channel; a per-tensor checkpoint scale is broadcast on load);
+with a `block` (bn, bk), element [i, j] is data[i, j] * scale[i // bn, j // bk].
+
+Block-wise weights take one path at every batch size: on CUDA the tokens quantized per
+token per group of bk along k (dynamic), then the block-scaled W8A8 GEMM
+(triton_ops/fp8_block.py, FP8 tensor cores, both scales on each k-block's float32 sums);
+elsewhere the weight dequantized for each call. The rest of this note is the per-row
+form's.
 
 On CUDA, by the tokens of the pass:
 - one token over a weight of fewer than GEMV_WIDE_RATIO x k rows (qkv, o, down): the
@@ -43,10 +51,12 @@ FP8_GEMV_MAX_ROWS = 64
 
 
 class Fp8Weight(NamedTuple):
-    """A projection's FP8 weight: row i is data[i] * scale[i]."""
+    """A projection's FP8 weight: row i is data[i] * scale[i]; with a block (bn, bk),
+    element [i, j] is data[i, j] * scale[i // bn, j // bk]."""
 
     data: torch.Tensor  # [n, k] float8_e4m3fn, contiguous
-    scale: torch.Tensor  # [n] float32
+    scale: torch.Tensor  # [n] float32; blocks: [ceil(n / bn), ceil(k / bk)], unit k stride
+    block: tuple[int, int] | None = None
 
     @property
     def shape(self) -> torch.Size:
@@ -72,7 +82,11 @@ def quantize_weight(weight: torch.Tensor) -> Fp8Weight:
 def dequantize(weight: Fp8Weight, dtype: torch.dtype) -> torch.Tensor:
     """The weight the FP8 one stands for, in `dtype` (the product is exact in float32:
     a code has 4 significant bits, a bfloat16 or float32 scale at most 24 - 4)."""
-    return (weight.data.float() * weight.scale[:, None]).to(dtype)
+    if weight.block is None:
+        return (weight.data.float() * weight.scale[:, None]).to(dtype)
+    (n, k), (bn, bk) = weight.shape, weight.block
+    scale = weight.scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return (weight.data.float() * scale).to(dtype)
 
 
 def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,6 +98,21 @@ def quantize_tokens(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return quantize_tokens_triton(x)
     codes, scale = quantize_rows(x)
     return codes, scale[:, None]
+
+
+def quantize_token_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes [m, k] float8_e4m3fn, scales [m, ceil(k / group)] float32): rows x [m, k]
+    quantized per token per group of `group` along k (the last group may be short), as
+    SGLang's and vLLM's per_token_group_quant_fp8: the Triton kernel on CUDA, else torch."""
+    if dispatch.use_triton(x):
+        from radixserve.engine.kernels.triton_ops.fp8_block import quantize_token_groups_triton
+
+        return quantize_token_groups_triton(x, group)
+    m, k = x.shape
+    groups = -(-k // group)
+    padded = F.pad(x.float(), (0, groups * group - k)).view(m, groups, group)
+    codes, scale = quantize_rows(padded.reshape(m * groups, group))
+    return codes.view(m, groups * group)[:, :k].contiguous(), scale.view(m, groups)
 
 
 def linear_fp8(
@@ -136,6 +165,8 @@ def add_norm_linear_fp8(
 
 
 def _project(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    if weight.block is not None:
+        return _project_blocks(x, weight, bias)
     if _one_token_gemv(x, weight):
         from radixserve.engine.kernels.triton_ops import gemv
 
@@ -158,9 +189,20 @@ def _project(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None) -> t
     return F.linear(x, dequantize(weight, x.dtype), bias)
 
 
+def _project_blocks(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    assert weight.block is not None
+    if dispatch.use_triton(x) and x.dim() == 2 and x.stride(-1) == 1:
+        from radixserve.engine.kernels.triton_ops.fp8_block import block_matmul_fp8_triton
+
+        codes, scale = quantize_token_groups(x, weight.block[1])
+        return block_matmul_fp8_triton(codes, scale, weight, bias, x.dtype)
+    return F.linear(x, dequantize(weight, x.dtype), bias)
+
+
 def _gemv_operands(x: torch.Tensor, weight: Fp8Weight) -> bool:
     return (
-        dispatch.use_triton(x)
+        weight.block is None
+        and dispatch.use_triton(x)
         and x.dim() == 2
         and x.stride(-1) == 1
         and weight.data.is_contiguous()

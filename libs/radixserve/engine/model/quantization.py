@@ -1,7 +1,7 @@
 """Which of a model's projections hold FP8 weights, and how they get there.
 
 A projection is an `nn.Linear` (16-bit weight) or an `Fp8Linear` (float8_e4m3fn weight
-and a float32 scale per output row); the decoder passes `weight_of(layer)` to the
+and a float32 scale per output row, or per block); the decoder passes `weight_of(layer)` to the
 kernels (kernels/linear.py), which choose theirs from it (kernels/fp8.py). Only the
 decoder's projections (PROJECTIONS: qkv, o, gate_up, down; a shared expert's too) and a
 sparse MoE block's stacked experts (EXPERT_WEIGHTS: w13, w2, codes [experts, rows, k]
@@ -18,6 +18,11 @@ FP8 projections come from
   ignore list is honoured as the checkpoint applied it; the rest stay 16-bit. Static
   input scales are not read: activations are quantized per token as they come, which
   is at least as fine as a per-tensor scale;
+- a block-wise FP8 checkpoint (DeepSeek-V3, Qwen3-*-FP8: `"weight_block_size": [bn, bk]`
+  with `weight_scale_inv` [ceil(n / bn), ceil(k / bk)]; compressed-tensors' "block"
+  strategy with `block_structure`, tokens per group of bk): the projections hold their
+  block scales (Fp8Weight with a block), activations quantized per token per group of
+  bk; dense projections only (block-wise experts are refused);
 - `--quantization fp8` on a 16-bit checkpoint (or random weights, load_format dummy):
   every projection, and every expert, quantized per output row after loading.
 
@@ -35,7 +40,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors import safe_open
@@ -62,8 +67,13 @@ SUPPORTED = (
     "supported: FP8 checkpoints from compressed-tensors (format 'float-quantized': 8-bit "
     "float weights with per-channel or per-tensor scales) or with quant_method 'fp8' "
     "(per-tensor or per-channel weight_scale / weight_scale_inv), for dense and MoE "
-    "models (experts included), and --quantization fp8 on a 16-bit checkpoint"
+    "models (experts included); block-wise FP8 (weight_block_size, or compressed-tensors "
+    "strategy 'block' with dynamic per-group activations) for dense models, blocks "
+    "[bn, bk] of powers of two from 16 to 256 that divide each fused part (q, k, v; gate, "
+    "up) into whole blocks; and --quantization fp8 on a 16-bit checkpoint"
 )
+# Block-wise FP8's block sides: powers of two (the GEMM's k tile is one block) in range.
+BLOCK_SIDES = (16, 256)
 # Checkpoint tensors the weights' loader does not read: static activation scales, and
 # FP8 KV cache scales (model/kv_scales.py reads those, for --kv-cache-dtype fp8_e4m3).
 _UNUSED_SUFFIXES = (".input_scale", ".k_scale", ".v_scale", ".kv_scale")
@@ -99,6 +109,9 @@ def plan_quantization(
             )
         return None if load_format == "dummy" else QuantizationPlan(False, False, True)
     check_checkpoint_scheme(stored)
+    block = weight_block(stored)
+    if block is not None and load_format != "dummy":
+        _check_block_fits(config, block)
     if requested is not None:
         log.info("the checkpoint is FP8 already: --quantization %s reads it as it is", requested)
     if load_format == "dummy":  # random weights of the checkpoint's shapes
@@ -107,23 +120,73 @@ def plan_quantization(
 
 
 def check_checkpoint_scheme(stored: dict[str, Any]) -> None:
-    """Refuse, naming what is supported, any scheme but FP8 weights with per-channel or
-    per-tensor scales."""
+    """Refuse, naming what is supported, any scheme but FP8 weights with per-channel,
+    per-tensor or block scales."""
     method = stored.get("quant_method")
     if method == "compressed-tensors":
         _check_compressed_tensors(stored)
     elif method == "fp8":
-        block = stored.get("weight_block_size")
-        if block:
-            raise ValueError(
-                f"block-wise FP8 checkpoints (weight_block_size {block}) are not supported "
-                f"yet; {SUPPORTED}"
-            )
+        fmt = stored.get("fmt", "e4m3")
+        if fmt != "e4m3":
+            raise ValueError(f"FP8 fmt {fmt!r} is not supported (e4m3 only); {SUPPORTED}")
         scheme = stored.get("activation_scheme", "dynamic")
-        if scheme not in ("dynamic", "static"):
+        allowed = ("dynamic",) if stored.get("weight_block_size") else ("dynamic", "static")
+        if scheme not in allowed:
             raise ValueError(f"FP8 activation_scheme {scheme!r} is not supported; {SUPPORTED}")
     else:
         raise ValueError(f"quantization method {method!r} is not supported; {SUPPORTED}")
+    weight_block(stored)  # its block shape checked
+
+
+def weight_block(stored: dict[str, Any]) -> tuple[int, int] | None:
+    """A block-wise FP8 checkpoint's block (rows, columns), from its quantization_config
+    ('fp8': weight_block_size; compressed-tensors: its groups' block_structure); None for
+    per-channel or per-tensor scales. Raises for a block shape the kernels do not take."""
+    if stored.get("quant_method") == "fp8":
+        found = [stored["weight_block_size"]] if stored.get("weight_block_size") else []
+    else:
+        groups = (stored.get("config_groups") or {}).values()
+        found = [
+            (g.get("weights") or {}).get("block_structure")
+            for g in groups
+            if (g.get("weights") or {}).get("strategy") == "block"
+        ]
+        if found and len(found) != len(groups):
+            raise ValueError(f"compressed-tensors groups mix block and other scales; {SUPPORTED}")
+    if not found:
+        return None
+    low, high = BLOCK_SIDES
+    for block in found:
+        ok = isinstance(block, list | tuple) and len(block) == 2
+        if not ok or not all(
+            isinstance(b, int) and low <= b <= high and not b & (b - 1) for b in block
+        ):
+            raise ValueError(f"block-wise FP8 with blocks {block!r} is not supported; {SUPPORTED}")
+    if any(list(b) != list(found[0]) for b in found):
+        raise ValueError(f"block-wise FP8 with blocks {found} (one per group): {SUPPORTED}")
+    return int(found[0][0]), int(found[0][1])
+
+
+def _config_block(config: ModelConfig) -> tuple[int, int] | None:
+    stored = config.raw.get("quantization_config") or config.raw.get("compression_config")
+    return None if stored is None else weight_block(stored)
+
+
+def _check_block_fits(config: ModelConfig, block: tuple[int, int]) -> None:
+    """Each part of a fused projection must be whole blocks of rows: the fused scale is
+    the parts' block rows stacked (an unfused projection's last block may be partial)."""
+    c = config
+    parts = {
+        "q_proj": c.num_attention_heads * c.head_dim,
+        "k_proj / v_proj": c.num_key_value_heads * c.head_dim,
+        "gate_proj / up_proj": c.intermediate_size,
+    }
+    for name, rows in parts.items():
+        if rows % block[0]:
+            raise ValueError(
+                f"block-wise FP8 with blocks {list(block)}: {name} has {rows} rows, not whole "
+                f"blocks of {block[0]}; {SUPPORTED}"
+            )
 
 
 def _check_compressed_tensors(stored: dict[str, Any]) -> None:
@@ -137,14 +200,22 @@ def _check_compressed_tensors(stored: dict[str, Any]) -> None:
         form = group.get("format") or stored.get("format")
         weights = group.get("weights") or {}
         acts = group.get("input_activations")
+        blocks = weights.get("strategy") == "block"
         fp8_weights = (
             weights.get("num_bits") == 8
             and weights.get("type") == "float"
-            and weights.get("strategy") in ("channel", "tensor")
+            and weights.get("strategy") in ("channel", "tensor", "block")
             and weights.get("symmetric", True)
             and not weights.get("dynamic", False)
         )
         fp8_acts = acts is None or (acts.get("num_bits") == 8 and acts.get("type") == "float")
+        if blocks and acts is not None:  # tokens per group of the block's columns, as they come
+            block_k = (weights.get("block_structure") or [None, None])[-1]
+            fp8_acts = fp8_acts and (
+                acts.get("dynamic") is True
+                and acts.get("strategy") == "group"
+                and acts.get("group_size") == block_k
+            )
         if form != "float-quantized" or not fp8_weights or not fp8_acts:
             raise ValueError(
                 f"compressed-tensors group {name!r} (format {form!r}, weights "
@@ -160,12 +231,22 @@ def _check_compressed_tensors(stored: dict[str, Any]) -> None:
 def _scheme_text(args: dict[str, Any] | None) -> str:
     if not args:
         return "none"
-    return f"{args.get('num_bits')}-bit {args.get('type')} per {args.get('strategy')}"
+    text = f"{args.get('num_bits')}-bit {args.get('type')} per {args.get('strategy')}"
+    if args.get("strategy") == "block":
+        return f"{text} {args.get('block_structure')}"
+    if args.get("strategy") == "group":
+        return f"{text} of {args.get('group_size')}"
+    return text
 
 
 class Fp8Linear(nn.Module):
     """A projection with an FP8 weight: `weight` [out, in] float8_e4m3fn, `weight_scale`
-    [out] float32 (row i is weight[i] * weight_scale[i]), `bias` in the model's dtype."""
+    [out] float32 (row i is weight[i] * weight_scale[i]), `bias` in the model's dtype.
+
+    Block-wise (`block` (bn, bk)): `weight_scale` is [out, ceil(in / bk)], each block's
+    scale on each of its bn rows, and `fp8_weight` hands the kernels every bn-th row: the
+    block scales. NOTE: rows, not blocks, because model/llama.py's loader places a fused
+    part's scale by its weight rows."""
 
     def __init__(
         self,
@@ -173,12 +254,17 @@ class Fp8Linear(nn.Module):
         out_features: int,
         bias: torch.Tensor | None = None,
         device: torch.device | str | None = None,
+        block: tuple[int, int] | None = None,
     ) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
+        self.block = block
         data = torch.empty(out_features, in_features, dtype=FP8_DTYPE, device=device)
-        scale = torch.empty(out_features, dtype=torch.float32, device=device)
+        scale_shape = (
+            (out_features,) if block is None else (out_features, -(-in_features // block[1]))
+        )
+        scale = torch.empty(scale_shape, dtype=torch.float32, device=device)
         self.weight = nn.Parameter(data, requires_grad=False)
         self.weight_scale = nn.Parameter(scale, requires_grad=False)
         self.bias = bias if bias is None else nn.Parameter(bias, requires_grad=False)
@@ -193,10 +279,13 @@ class Fp8Linear(nn.Module):
         return layer
 
     def fp8_weight(self) -> Fp8Weight:
-        return Fp8Weight(self.weight, self.weight_scale)
+        if self.block is None:
+            return Fp8Weight(self.weight, self.weight_scale)
+        return Fp8Weight(self.weight, self.weight_scale[:: self.block[0]], self.block)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, fp8"
+        blocks = "" if self.block is None else f" blocks of {list(self.block)}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8{blocks}"
 
 
 @dataclass(frozen=True)
@@ -351,8 +440,10 @@ def projection_names(model: nn.Module) -> list[str]:
 
 def use_fp8_layers(model: nn.Module, names: list[str] | set[str]) -> None:
     """Swap each named nn.Linear (on the meta device, before loading) for an Fp8Linear of
-    its shape, biases kept in their dtype; each named stacked expert weight for codes
-    and row scales of its shape."""
+    its shape, biases kept in their dtype, with the blocks the model's config names
+    (block-wise FP8); each named stacked expert weight for codes and row scales of its
+    shape."""
+    block = _config_block(cast(ModelConfig, model.config))
     for name in sorted(names):
         parent, leaf = _parent_of(model, name)
         if leaf in EXPERT_WEIGHTS:
@@ -363,7 +454,7 @@ def use_fp8_layers(model: nn.Module, names: list[str] | set[str]) -> None:
             continue
         linear = getattr(parent, leaf)
         bias = None if linear.bias is None else torch.empty_like(linear.bias, device="meta")
-        fp8 = Fp8Linear(linear.in_features, linear.out_features, bias, device="meta")
+        fp8 = Fp8Linear(linear.in_features, linear.out_features, bias, "meta", block)
         setattr(parent, leaf, fp8)
 
 
@@ -400,18 +491,28 @@ def checkpoint_fp8_layers(
     (the model's `_target_of`). Raises where FP8 tensors cannot be served as stored: an
     FP8 tensor outside the projections and experts, or one part of a fused projection
     (q/k/v, gate/up, a block's stacked experts) in FP8 and another not (an ignore list
-    naming one of them)."""
+    naming one of them); block-wise, an FP8 weight whose scale is not one per block of
+    the config's shape, or FP8 experts (not served block-wise yet)."""
+    block = _config_block(ModelConfig.from_pretrained(folder))
     parts: dict[str, dict[str, bool]] = defaultdict(dict)
+    shapes: dict[str, list[int]] = {}
     for path in safetensors_files(folder):
         with safe_open(str(path), framework="pt", device="cpu") as shard:
             for name in shard.keys():
+                if name.endswith((".weight_scale", ".weight_scale_inv")):
+                    shapes[name] = shard.get_slice(name).get_shape()
                 if not name.endswith(".weight"):
                     continue
-                dtype = shard.get_slice(name).get_dtype()
+                stored = shard.get_slice(name)
+                dtype = stored.get_dtype()
                 if dtype.startswith("F8_") and dtype != _SAFETENSORS_FP8:
                     raise ValueError(f"{name} is {dtype}; only float8_e4m3fn FP8 is {SUPPORTED}")
+                if dtype == _SAFETENSORS_FP8:
+                    shapes[name] = stored.get_shape()
                 target, _ = target_of(name)
                 parts[target.removesuffix(".weight")][name] = dtype == _SAFETENSORS_FP8
+    if block is not None:
+        _check_block_scales(shapes, block)
     layers: set[str] = set()
     for module, stored in parts.items():
         if not any(stored.values()):
@@ -432,8 +533,29 @@ def checkpoint_fp8_layers(
                 "bits: radixserve fuses them into one projection, so an ignore list must "
                 "name all of them or none"
             )
+        if block is not None and module.rsplit(".", 1)[-1] in EXPERT_WEIGHTS:
+            raise ValueError(
+                f"{module} (MoE experts) is stored block-wise: block-wise FP8 is served for "
+                f"dense projections only so far; {SUPPORTED}"
+            )
         layers.add(module)
     return layers
+
+
+def _check_block_scales(shapes: dict[str, list[int]], block: tuple[int, int]) -> None:
+    """Each FP8 weight [n, k] has a scale [ceil(n / bn), ceil(k / bk)] beside it."""
+    (bn, bk), scales = (
+        block,
+        {n.removesuffix("_inv"): s for n, s in shapes.items() if "_scale" in n},
+    )
+    for name, (n, k) in ((n, s) for n, s in shapes.items() if n.endswith(".weight")):
+        expected = [-(-n // bn), -(-k // bk)]
+        scale = scales.get(name.removesuffix("weight") + WEIGHT_SCALE)
+        if scale != expected:
+            raise ValueError(
+                f"{name} [{n}, {k}] has a weight scale of shape {scale}; block-wise FP8 with "
+                f"blocks {list(block)} takes {expected}"
+            )
 
 
 def checkpoint_name(name: str) -> str | None:
@@ -450,9 +572,13 @@ def checkpoint_name(name: str) -> str | None:
 def copy_weight_scale(dest: torch.Tensor, stored: StoredTensor, rank: int, ranks: int) -> None:
     """Copy an FP8 projection's checkpoint scale into `dest` (float32, one per output row):
     rows [rank * len(dest), (rank + 1) * len(dest)) of a per-channel scale of
-    ranks * len(dest) rows ([n] or [n, 1]); a per-tensor scale ([] or [1]) broadcast."""
+    ranks * len(dest) rows ([n] or [n, 1]); a per-tensor scale ([] or [1]) broadcast.
+    A block-wise layer's `dest` [rows, k blocks] (Fp8Linear) takes those rows' blocks."""
     rows = dest.shape[0]
     shape = stored.shape
+    if dest.dim() == 2:
+        _copy_block_scale(dest, stored, rank, ranks)
+        return
     if math.prod(shape) == 1:
         dest.fill_(stored.read().reshape(()).float())
         return
@@ -462,3 +588,27 @@ def copy_weight_scale(dest: torch.Tensor, stored: StoredTensor, rank: int, ranks
             f"({rows * ranks}) or one for the tensor (block-wise scales are not supported)"
         )
     dest.copy_(stored.read_range(0, rank * rows, rows).reshape(rows))
+
+
+def _copy_block_scale(dest: torch.Tensor, stored: StoredTensor, rank: int, ranks: int) -> None:
+    """Rows [rank * len(dest), (rank + 1) * len(dest)) of a block scale [ceil(n / bn),
+    k blocks], each block row repeated over its bn rows (bn from the shapes: the power of
+    two that makes ceil(n / bn) block rows; checkpoint_fp8_layers checked the config's)."""
+    (rows, k_blocks), shape = dest.shape, stored.shape
+    full = rows * ranks
+    sides = [1 << i for i in range(32) if len(shape) == 2 and -(-full // (1 << i)) == shape[0]]
+    if len(shape) != 2 or shape[1] != k_blocks or not sides:
+        raise ValueError(
+            f"weight scale {stored.name!r} has shape {shape}; expected block scales of "
+            f"{k_blocks} columns for {full} rows (a rank's columns of block scales, under "
+            "tensor parallelism, are not read yet)"
+        )
+    block_rows = sides[0]  # one block row (n <= bn): every side >= n reads the same
+    if ranks > 1 and rows % block_rows:
+        raise ValueError(
+            f"weight scale {stored.name!r}: a rank's {rows} rows are not whole blocks of "
+            f"{block_rows} (tensor parallelism splits each part into whole blocks)"
+        )
+    first, count = rank * rows // block_rows, -(-rows // block_rows)
+    blocks = stored.read_range(0, first, count).float()
+    dest.copy_(blocks.repeat_interleave(block_rows, 0)[:rows])
