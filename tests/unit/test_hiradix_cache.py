@@ -22,7 +22,12 @@ from radixserve.engine.kvcache.host_pool import (
     host_pool_for,
 )
 from radixserve.engine.kvcache.pool import KVPool
-from radixserve.protocol.kv_events import RemovedBlocks
+from radixserve.protocol.kv_events import (
+    OffloadedBlocks,
+    RemovedBlocks,
+    RestoredBlocks,
+    StoredBlocks,
+)
 
 LAYERS = 2
 
@@ -164,7 +169,8 @@ def test_a_full_host_pool_evicts_its_lru_leaf_and_events_report_it() -> None:
     cache.insert(b, fresh(b, pool))
     cache.evict(6)  # b needs the host room a holds: a leaves the tree
     events = log.drain()
-    assert [type(e) for e in events[1:]] == [RemovedBlocks]
+    # b stored, a removed from the host to make room, b offloaded there.
+    assert [type(e) for e in events] == [StoredBlocks, RemovedBlocks, OffloadedBlocks]
     assert cache.match_prefix(a).host_length == 0
     assert cache.match_prefix(b).host_length == 6
     assert cache.host_stats().dropped_tokens == 6
@@ -374,3 +380,20 @@ def test_a_damaged_or_unwritable_store_is_a_miss(tmp_path: Path) -> None:
     store._path(other).parent.write_bytes(b"")  # a file where its folder goes: writes fail
     assert store.write(other, rows) is False
     assert not store.contains(other)
+
+
+def test_kv_events_tell_the_tiers_apart() -> None:
+    cache = cache_of(32, 64)
+    log = BlockEventLog(4)
+    cache.enable_events(log)
+    seq = list(range(12))
+    cache.insert(seq, fresh(seq, cache.kv_pool))
+    (stored,) = log.drain()
+    assert isinstance(stored, StoredBlocks)
+    cache.evict(12)
+    assert log.drain() == [OffloadedBlocks(stored.block_hashes)]
+    snapshot = cache.snapshot_events()
+    assert snapshot[-1] == OffloadedBlocks(stored.block_hashes)
+    cache.match_prefix(seq, load=True)
+    assert log.drain() == [RestoredBlocks(stored.block_hashes)]
+    assert not any(isinstance(e, OffloadedBlocks) for e in cache.snapshot_events())

@@ -16,7 +16,9 @@ from radixserve.protocol import (
     Heartbeat,
     KvEvent,
     KvEventBatch,
+    OffloadedBlocks,
     RemovedBlocks,
+    RestoredBlocks,
     SamplingParams,
     StoredBlocks,
     TokenizedRequest,
@@ -586,3 +588,36 @@ def test_nothing_is_expected_of_a_stale_mirror() -> None:
     assert mirrors.matched_tokens("w0", PromptHashes(PROMPT)) == 0
     with pytest.raises(ValueError, match="expected_ttl_s"):
         KvMirrors(expected_ttl_s=-1)
+
+
+# -- HiCache's tiers: offloaded blocks ----------------------------------------------------
+
+
+def test_offloaded_blocks_still_match_and_count_apart_until_restored() -> None:
+    mirrors = _mirrors_holding(w0=PROMPT)
+    hashes = block_hashes(PROMPT, BS)
+    mirrors.on_events(_batch(1, OffloadedBlocks(hashes[2:]), OffloadedBlocks([12345])))
+    prompt = PromptHashes(PROMPT)
+    assert mirrors.matched_tokens("w0", prompt) == 16
+    assert mirrors.matched_device_tokens("w0", prompt) == 8
+    mirror = mirrors.get("w0")
+    assert mirror is not None and 12345 not in mirror.offloaded  # never stored: ignored
+    mirrors.on_events(_batch(2, RestoredBlocks(hashes[2:3])))
+    assert mirrors.matched_device_tokens("w0", prompt) == 12
+    mirrors.on_events(_batch(3, RemovedBlocks(hashes[3:])))
+    assert mirrors.matched_tokens("w0", prompt) == 12
+    assert mirror.offloaded == set()
+    mirrors.on_events(_batch(4, OffloadedBlocks(hashes), AllBlocksCleared()))
+    assert mirror.offloaded == set() and mirrors.matched_tokens("w0", prompt) == 0
+
+
+def test_a_prefix_on_the_device_beats_the_same_prefix_in_host_memory() -> None:
+    mirrors = _mirrors_holding(w0=PROMPT, w1=PROMPT[:12])
+    mirrors.on_events(_batch(1, OffloadedBlocks(block_hashes(PROMPT, BS)), worker_id="w0"))
+    router = CacheAwareRouter(mirrors)
+    loads = (WorkerLoad("w0", 0, 0), WorkerLoad("w1", 0, 0))
+    # w0: 16 tokens in host memory (worth 8), w1: 12 on the device.
+    assert _pick(router, PROMPT, *loads) == ("w1", 12)
+    mirrors.on_events(_batch(1, RemovedBlocks(block_hashes(PROMPT, BS)[1:]), worker_id="w1"))
+    # w1 now holds 4 on the device: w0's 16 in host memory are worth more.
+    assert _pick(router, PROMPT, *loads) == ("w0", 16)

@@ -59,11 +59,24 @@ class RemovedBlocks(Message, frozen=True, tag="removed"):
     block_hashes: list[int]
 
 
+class OffloadedBlocks(Message, frozen=True, tag="offloaded"):
+    """Cached blocks now in a lower tier alone (HiCache's host memory): still a hit, at
+    the cost of a copy back rather than a prefill. `RestoredBlocks` undoes it."""
+
+    block_hashes: list[int]
+
+
+class RestoredBlocks(Message, frozen=True, tag="restored"):
+    """Offloaded blocks back on the device."""
+
+    block_hashes: list[int]
+
+
 class AllBlocksCleared(Message, frozen=True, tag="cleared"):
     """The whole cache was emptied (flush, restart, or the start of a snapshot)."""
 
 
-KvEvent = StoredBlocks | RemovedBlocks | AllBlocksCleared
+KvEvent = StoredBlocks | RemovedBlocks | OffloadedBlocks | RestoredBlocks | AllBlocksCleared
 
 
 class KvEventBatch(Message, frozen=True):
@@ -121,7 +134,7 @@ _HASH_WIRE_BYTES = 9
 def _event_bytes(event: KvEvent) -> int:
     if isinstance(event, StoredBlocks):
         return len(event.token_ids) + _HASH_WIRE_BYTES * (len(event.block_hashes) + 1) + 64
-    if isinstance(event, RemovedBlocks):
+    if isinstance(event, RemovedBlocks | OffloadedBlocks | RestoredBlocks):
         return _HASH_WIRE_BYTES * len(event.block_hashes) + 32
     return 16
 
@@ -157,10 +170,14 @@ def split_events(
         pieces: Sequence[KvEvent]
         if isinstance(event, StoredBlocks):
             pieces = _split_stored(event, max_bytes)
-        elif isinstance(event, RemovedBlocks) and _event_bytes(event) > max_bytes:
+        elif (
+            isinstance(event, RemovedBlocks | OffloadedBlocks | RestoredBlocks)
+            and _event_bytes(event) > max_bytes
+        ):
             step = (max_bytes - 64) // _HASH_WIRE_BYTES
             hashes = event.block_hashes
-            pieces = [RemovedBlocks(hashes[i : i + step]) for i in range(0, len(hashes), step)]
+            kind = type(event)
+            pieces = [kind(hashes[i : i + step]) for i in range(0, len(hashes), step)]
         else:
             pieces = [event]
         for piece in pieces:

@@ -30,7 +30,9 @@ from radixserve.protocol import (
     AllBlocksCleared,
     Heartbeat,
     KvEventBatch,
+    OffloadedBlocks,
     RemovedBlocks,
+    RestoredBlocks,
     StoredBlocks,
     block_hashes,
 )
@@ -62,6 +64,18 @@ def _resyncs(batch: KvEventBatch) -> bool:
     return bool(batch.events) and isinstance(batch.events[0], AllBlocksCleared)
 
 
+def _leading(hashes: Sequence[int], held: Callable[[int], bool]) -> int:
+    """The largest i with held(hashes[i - 1]), for a prefix-closed `held`."""
+    low, high = 0, len(hashes)
+    while low < high:
+        mid = (low + high + 1) // 2
+        if held(hashes[mid - 1]):
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
 @dataclass
 class WorkerMirror:
     """One worker's cached blocks, as its event stream of `epoch` told them."""
@@ -70,6 +84,7 @@ class WorkerMirror:
     seq: int = -1  # the last batch applied in this epoch; -1: none
     block_size: int | None = None  # None until a heartbeat or a StoredBlocks says
     blocks: set[int] = field(default_factory=set)
+    offloaded: set[int] = field(default_factory=set)  # of `blocks`: in host memory alone
     stale: bool = False  # may have missed a batch: matches nothing until resynced
     snapshot_requested_at: float | None = None  # None: not asked since it went stale
     announced_seq: int = -1  # kv_event_seq of the last heartbeat of this epoch
@@ -89,10 +104,16 @@ class WorkerMirror:
                     self.expected.pop(block, None)
             elif isinstance(event, RemovedBlocks):
                 self.blocks.difference_update(event.block_hashes)
+                self.offloaded.difference_update(event.block_hashes)
                 for block in event.block_hashes:
                     self.expected.pop(block, None)
+            elif isinstance(event, OffloadedBlocks):
+                self.offloaded.update(b for b in event.block_hashes if b in self.blocks)
+            elif isinstance(event, RestoredBlocks):
+                self.offloaded.difference_update(event.block_hashes)
             else:
                 self.blocks.clear()
+                self.offloaded.clear()
                 self.expected.clear()
         self.seq = batch.seq
 
@@ -103,14 +124,14 @@ class WorkerMirror:
         """How many leading `hashes` are cached (or expected before `now` runs out): the
         largest i with hashes[i-1] held (binary search, valid because the set is
         prefix-closed)."""
-        low, high = 0, len(hashes)
-        while low < high:
-            mid = (low + high + 1) // 2
-            if self.holds(hashes[mid - 1], now):
-                low = mid
-            else:
-                high = mid - 1
-        return low
+        return _leading(hashes, lambda block: self.holds(block, now))
+
+    def device_blocks(self, hashes: Sequence[int], now: float = 0.0) -> int:
+        """How many leading `hashes` are cached on the device (what is there is a subtree
+        from the root: prefix-closed too)."""
+        return _leading(
+            hashes, lambda block: self.holds(block, now) and block not in self.offloaded
+        )
 
     def expect(self, hashes: Sequence[int], until: float) -> None:
         for block in hashes:
@@ -200,6 +221,14 @@ class KvMirrors:
             return 0
         hashes = prompt.hashes(mirror.block_size)
         return mirror.matched_blocks(hashes, self.clock()) * mirror.block_size
+
+    def matched_device_tokens(self, worker_id: str, prompt: PromptHashes) -> int:
+        """Of `matched_tokens`, the part on the device (the rest is in host memory)."""
+        mirror = self._mirrors.get(worker_id)
+        if mirror is None or mirror.stale or mirror.block_size is None or not mirror.offloaded:
+            return self.matched_tokens(worker_id, prompt)
+        hashes = prompt.hashes(mirror.block_size)
+        return mirror.device_blocks(hashes, self.clock()) * mirror.block_size
 
     def note_routed(self, worker_id: str, prompt: PromptHashes) -> None:
         """`prompt` went to `worker_id`: expect its whole blocks there until their events

@@ -15,6 +15,10 @@ from typing import Protocol
 from radixserve.protocol import TokenizedRequest, unpack_tokens_array
 from radixserve.routing.kv_mirror import KvMirrors, PromptHashes
 
+# A prefix in a worker's host memory against one on another's device: the copy back is
+# far cheaper than a prefill, yet not free.
+HOST_HIT_WEIGHT = 0.5
+
 
 @dataclass(frozen=True)
 class WorkerLoad:
@@ -94,11 +98,20 @@ class CacheAwareRouter:
         if self._imbalanced(workers):
             return Route(least.worker_id, self.mirrors.matched_tokens(least.worker_id, prompt))
         matched = {w.worker_id: self.mirrors.matched_tokens(w.worker_id, prompt) for w in workers}
-        best = min(workers, key=lambda w: (-matched[w.worker_id], w.load, w.inflight, w.worker_id))
+        score = {w: self._score(w, prompt, matched[w]) for w in matched}
+        best = min(workers, key=lambda w: (-score[w.worker_id], w.load, w.inflight, w.worker_id))
         hit = matched[best.worker_id]
         if hit > 0 and hit >= self.cache_threshold * prompt.num_tokens:
             return Route(best.worker_id, hit)
         return Route(least.worker_id, matched[least.worker_id])
+
+    def _score(self, worker_id: str, prompt: PromptHashes, matched: int) -> float:
+        """What a worker's match is worth: a token in its host memory (HiCache) costs a
+        copy back, so it counts HOST_HIT_WEIGHT of one on the device."""
+        if not matched:
+            return 0.0
+        device = self.mirrors.matched_device_tokens(worker_id, prompt)
+        return device + HOST_HIT_WEIGHT * (matched - device)
 
     def _imbalanced(self, workers: Sequence[WorkerLoad]) -> bool:
         loads = [w.load for w in workers]

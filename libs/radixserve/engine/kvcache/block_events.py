@@ -15,7 +15,9 @@ from collections.abc import Sequence
 from radixserve.protocol.kv_events import (
     AllBlocksCleared,
     KvEvent,
+    OffloadedBlocks,
     RemovedBlocks,
+    RestoredBlocks,
     StoredBlocks,
     block_hashes,
 )
@@ -60,6 +62,14 @@ class BlockEventLog:
     def removed(self, hashes: list[int]) -> None:
         if hashes:
             self._events.append(RemovedBlocks(block_hashes=list(hashes)))
+
+    def offloaded(self, hashes: list[int]) -> None:
+        if hashes:
+            self._events.append(OffloadedBlocks(block_hashes=list(hashes)))
+
+    def restored(self, hashes: list[int]) -> None:
+        if hashes:
+            self._events.append(RestoredBlocks(block_hashes=list(hashes)))
 
     def cleared(self) -> None:
         """The whole cache is gone: what came before it no longer matters."""

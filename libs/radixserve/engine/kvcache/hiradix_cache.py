@@ -42,7 +42,7 @@ from radixserve.engine.kvcache.host_pool import (
 )
 from radixserve.engine.kvcache.pool import KVPool
 from radixserve.engine.kvcache.radix_cache import RadixCache, TreeNode
-from radixserve.protocol.kv_events import block_hashes
+from radixserve.protocol.kv_events import KvEvent, OffloadedBlocks, block_hashes
 
 
 @dataclass(frozen=True)
@@ -102,6 +102,13 @@ class HiRadixCache(RadixCache):
         super().reset()
         self.host_pool.clear()
 
+    def snapshot_events(self) -> list[KvEvent]:
+        events = super().snapshot_events()
+        offloaded = [b for n in self._nodes() if n.value is None for b in n.blocks]
+        if offloaded:
+            events.append(OffloadedBlocks(block_hashes=offloaded))
+        return events
+
     # -- lookup and insertion ----------------------------------------------------
     def match_prefix(self, key: Sequence[int], load: bool = False) -> MatchResult:
         key = key[: len(key) // self.page_size * self.page_size]
@@ -144,6 +151,8 @@ class HiRadixCache(RadixCache):
                     break
                 copy_to_device(self.host_pool, node.host_value, self.kv_pool, slots)
                 node.value = slots
+                if self.events is not None:
+                    self.events.restored(node.blocks)
                 self._evictable_tokens += need
                 self._loaded += need
                 self.inc_lock_ref(node)
@@ -228,6 +237,8 @@ class HiRadixCache(RadixCache):
                 cached = min(cached, start)
                 n.value = indices[start : start + len(n.key)].clone()
                 self._evictable_tokens += len(n.key)
+                if self.events is not None:
+                    self.events.restored(n.blocks)
                 self._offer_host(n)  # on both tiers now: its copy may be dropped
             start += len(n.key)
         if path:
@@ -273,6 +284,8 @@ class HiRadixCache(RadixCache):
             freed += len(node.key)
             if node.host_value is None:  # no room on the host: it leaves the tree
                 self._remove_subtree(node)
+            elif self.events is not None:
+                self.events.offloaded(node.blocks)
             self._offer(parent)
         return freed
 
