@@ -229,7 +229,7 @@ def test_block_matmul_kernel(m: int, n: int, k: int, dtype: torch.dtype) -> None
     x = (torch.randn(m, k, generator=gen) * 3).to(dtype).to(device)
     bias = torch.randn(n, generator=gen).to(dtype).to(device) if m == 5 else None
     codes, scale = quantize_token_groups_triton(x, BLOCK[1])
-    out = block_matmul_fp8_triton(codes, scale, weight, bias, dtype)
+    out = block_matmul_fp8_triton(codes, scale, weight.data, weight.scale, BLOCK, bias, dtype)
     tokens = codes.double() * scale.double().repeat_interleave(BLOCK[1], 1)[:, :k]
     ref = tokens @ dequantize(weight, torch.float64).T
     if bias is not None:

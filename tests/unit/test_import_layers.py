@@ -15,6 +15,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("api", "prep", "grammar", "routing", "store", "bus", "infra", "benchmark"),
     ("telemetry", "auth"),
     ("engine",),
+    ("kv_transfer",),
     ("worker", "lang"),
     ("services",),
     ("stack", "chat_client"),

@@ -195,7 +195,9 @@ def _project_blocks(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | Non
         from radixserve.engine.kernels.triton_ops.fp8_block import block_matmul_fp8_triton
 
         codes, scale = quantize_token_groups(x, weight.block[1])
-        return block_matmul_fp8_triton(codes, scale, weight, bias, x.dtype)
+        return block_matmul_fp8_triton(
+            codes, scale, weight.data, weight.scale, weight.block, bias, x.dtype
+        )
     return F.linear(x, dequantize(weight, x.dtype), bias)
 
 

@@ -19,7 +19,6 @@ import triton
 import triton.language as tl
 
 from radixserve.engine.attention.triton_ops.common import INTERPRETED
-from radixserve.engine.kernels.fp8 import Fp8Weight
 from radixserve.engine.kernels.fp8_format import FP8_DTYPE, FP8_MAX, MIN_SCALE
 
 
@@ -131,16 +130,17 @@ def _block_m(m: int) -> int:
 def block_matmul_fp8_triton(
     codes: torch.Tensor,
     codes_scale: torch.Tensor,
-    weight: Fp8Weight,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    block: tuple[int, int],
     bias: torch.Tensor | None,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """(codes * codes_scale per group) @ dequantize(weight).T (+ bias) -> [m, n] in
-    `out_dtype`: codes [m, k] e4m3 with codes_scale [m, ceil(k / bk)] (quantize_token_groups
-    with the weight's bk), a block-wise weight (its scale of unit stride along k)."""
-    if weight.block is None:
-        raise ValueError("block_matmul_fp8 takes a block-wise FP8 weight")
-    (n, k), (bn, bk) = weight.shape, weight.block
+    """(codes * codes_scale per group) @ (weight * weight_scale per block).T (+ bias) ->
+    [m, n] in `out_dtype`: codes [m, k] e4m3 with codes_scale [m, ceil(k / bk)]
+    (quantize_token_groups with the weight's bk), a block-wise weight [n, k] e4m3 with
+    weight_scale [ceil(n / bn), ceil(k / bk)] of unit stride along k (an Fp8Weight's)."""
+    (n, k), (bn, bk) = weight.shape, block
     m = codes.shape[0]
     k_blocks = triton.cdiv(k, bk)
     if codes.shape != (m, k) or codes_scale.shape != (m, k_blocks):
@@ -148,9 +148,9 @@ def block_matmul_fp8_triton(
             f"tokens {tuple(codes.shape)} with scales {tuple(codes_scale.shape)} do not fit "
             f"a weight [{n}, {k}] of blocks ({bn}, {bk})"
         )
-    if weight.scale.shape != (triton.cdiv(n, bn), k_blocks) or weight.scale.stride(1) != 1:
+    if weight_scale.shape != (triton.cdiv(n, bn), k_blocks) or weight_scale.stride(1) != 1:
         raise ValueError(
-            f"weight scale {tuple(weight.scale.shape)} (strides {weight.scale.stride()}) is "
+            f"weight scale {tuple(weight_scale.shape)} (strides {weight_scale.stride()}) is "
             f"not one per ({bn}, {bk}) block of [{n}, {k}] with unit stride along k"
         )
     out = torch.empty((m, n), dtype=out_dtype, device=codes.device)
@@ -161,12 +161,12 @@ def block_matmul_fp8_triton(
     _block_matmul_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
         codes,
         codes_scale,
-        weight.data,
-        weight.scale,
+        weight,
+        weight_scale,
         bias if bias is not None else out,
         out,
         m,
-        weight.scale.stride(0),
+        weight_scale.stride(0),
         N=n,
         K=k,
         K_BLOCKS=k_blocks,
